@@ -1,0 +1,210 @@
+"""Engine wire types: what crosses the Redis engine link between `api` processes and engine replicas.
+
+Importable without Django and without torch. Every type is a plain dataclass that round-trips through
+msgpack (``to_wire`` / ``from_wire``); field names follow vLLM's v1 engine (``EngineCoreRequest``,
+``EngineCoreOutput``, ``SamplingParams``), see ``vllm/v1/engine/__init__.py``.
+
+Link layout (DESIGN.md §6), all keys prefixed by ``link_prefix`` (default ``llmp``):
+
+* ``{p}:engine:{model}:requests``  Redis Stream, consumer group ``engines``; one entry per
+  ``EngineCoreRequest`` (field ``r`` = msgpack bytes). Every replica of ``model`` is a consumer of the
+  group, so replicas share one queue.
+* ``{p}:engine:{model}:control``  Redis Stream read (without a group) by every replica of ``model``;
+  entries ``{"a": msgpack([request_id, ...])}`` abort those internal request ids wherever they run.
+* ``{p}:api:{client_id}:outputs``  Redis Stream, one per api process; one entry per engine step that
+  has outputs for that process (field ``o`` = msgpack of ``EngineCoreOutputs``).
+* ``{p}:engine:{model}:replica:{engine_id}``  string with a TTL of ``HEARTBEAT_TTL_S``, refreshed
+  every ``HEARTBEAT_INTERVAL_S`` by a live replica; value = msgpack of ``EngineStats``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+HEARTBEAT_INTERVAL_S = 0.5
+HEARTBEAT_TTL_S = 3.0
+ENGINE_GROUP = "engines"
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORT = "abort"
+FINISH_ERROR = "error"
+
+
+def requests_stream(prefix: str, model: str) -> str:
+    """Redis key of the request stream shared by every replica of ``model``."""
+    return f"{prefix}:engine:{model}:requests"
+
+
+def control_stream(prefix: str, model: str) -> str:
+    """Redis key of the abort/control stream every replica of ``model`` reads."""
+    return f"{prefix}:engine:{model}:control"
+
+
+def outputs_stream(prefix: str, client_id: str) -> str:
+    """Redis key of the output stream of one api process (``client_id``)."""
+    return f"{prefix}:api:{client_id}:outputs"
+
+
+def replica_key(prefix: str, model: str, engine_id: str) -> str:
+    """Redis key of one replica's heartbeat (string with TTL)."""
+    return f"{prefix}:engine:{model}:replica:{engine_id}"
+
+
+def replica_pattern(prefix: str, model: str) -> str:
+    """SCAN pattern matching every live replica heartbeat of ``model``."""
+    return f"{prefix}:engine:{model}:replica:*"
+
+
+@dataclass
+class SamplingParams:
+    """Fully resolved per-request sampling parameters, as the engine applies them.
+
+    Semantics follow vLLM's ``SamplingParams`` (``vllm/sampling_params.py``):
+
+    * ``temperature`` 0 means greedy; ``top_p`` in (0, 1]; ``top_k`` 0 or -1 disables;
+      ``min_p`` in [0, 1].
+    * ``seed``: per-request generator seed; ``None`` = nondeterministic.
+    * ``max_tokens`` ≥ 1: output tokens to generate at most (finish ``length``).
+    * ``min_tokens``: EOS and ``stop_token_ids`` are masked until this many tokens exist.
+    * ``stop_token_ids``: extra ids that end the sequence (finish ``stop``, ``stop_reason`` = id).
+    * ``eos_token_ids``: the model's EOS ids (from its generation config); ignored when
+      ``ignore_eos``.
+    * ``presence_penalty`` / ``frequency_penalty`` in [-2, 2] (OpenAI), ``repetition_penalty`` > 0
+      (HF/CTRL style, 1 = off), applied over the output tokens (presence/frequency) and prompt+output
+      (repetition) as vLLM does.
+    * ``logit_bias``: token id → bias added to the logits, values in [-100, 100].
+    * ``logprobs``: ``None`` = none; k ≥ 0 = the sampled token's logprob plus the top k.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
+
+
+@dataclass
+class EngineCoreRequest:
+    """One generation request as an engine replica receives it.
+
+    ``request_id`` is the internal, unique id (``external_req_id + "-" + 8 hex``); ``client_id`` names
+    the api process whose output stream receives the outputs; ``arrival_time`` is a Unix time in
+    seconds taken when the api process received the HTTP request.
+    """
+
+    request_id: str
+    external_req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    client_id: str
+    arrival_time: float
+    priority: int = 0
+
+    def to_wire(self) -> bytes:
+        """Serialise to msgpack bytes."""
+        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> "EngineCoreRequest":
+        """Inverse of ``to_wire``. Raises ``TypeError``/``ValueError`` on malformed data."""
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        sp = raw.pop("sampling_params")
+        sp["logit_bias"] = {int(k): float(v) for k, v in (sp.get("logit_bias") or {}).items()}
+        return cls(sampling_params=SamplingParams(**sp), **raw)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one engine step produced for one request.
+
+    * ``new_token_ids``: ids generated this step (usually one).
+    * ``new_logprobs``: when requested, one entry per new token:
+      ``[sampled_logprob, [[token_id, logprob], ...top-k by logprob, descending]]``.
+    * ``finish_reason``: ``None`` while running, else ``stop``/``length``/``abort``/``error``.
+    * ``stop_reason``: the stop token id that ended it (``None`` for EOS or other reasons).
+    * ``num_cached_tokens``: prompt tokens served from the prefix cache (first output only).
+    * ``error``: message when ``finish_reason == "error"``.
+    * timestamps (Unix seconds): ``queued_ts`` when the engine read it, ``scheduled_ts`` when it was
+      first scheduled, ``first_token_ts`` on the output that carries the first token.
+    * ``engine_id``: the replica that runs it (lets the api process detect a dead replica).
+    """
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[Any] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    queued_ts: float | None = None
+    scheduled_ts: float | None = None
+    first_token_ts: float | None = None
+    engine_id: str | None = None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """All outputs of one engine step for one api process (one Redis message)."""
+
+    engine_id: str
+    timestamp: float
+    outputs: list[EngineCoreOutput]
+
+    def to_wire(self) -> bytes:
+        """Serialise to msgpack bytes."""
+        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> "EngineCoreOutputs":
+        """Inverse of ``to_wire``."""
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        return cls(
+            engine_id=raw["engine_id"],
+            timestamp=raw["timestamp"],
+            outputs=[EngineCoreOutput(**o) for o in raw["outputs"]],
+        )
+
+
+@dataclass
+class EngineStats:
+    """A replica's heartbeat payload.
+
+    ``prefill_tokens_per_s``: exponentially averaged prompt tokens per second during prefill
+    (admission sizing, DESIGN.md §3); ``num_running`` / ``num_waiting``: sequences in the batch and
+    queued inside the engine; ``max_num_seqs``: batch capacity; ``device``: ``cpu`` or ``cuda``.
+    """
+
+    engine_id: str
+    model: str
+    pid: int
+    device: str
+    max_num_seqs: int
+    num_running: int = 0
+    num_waiting: int = 0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    started_at: float = 0.0
+
+    def to_wire(self) -> bytes:
+        """Serialise to msgpack bytes."""
+        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> "EngineStats":
+        """Inverse of ``to_wire``."""
+        return cls(**msgpack.unpackb(data, raw=False))
