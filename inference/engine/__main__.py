@@ -1,0 +1,63 @@
+"""CLI: ``python -m inference.engine --model NAME --model-dir DIR --redis-url URL [options]``.
+
+Options: ``--device cpu|cuda`` (default cpu), ``--dtype float32|bfloat16|float16`` (default float32 on
+CPU, bfloat16 on CUDA), ``--max-num-seqs 32``, ``--max-model-len N`` (default: the model's
+``max_position_embeddings``), ``--max-prefill-tokens 4096``, ``--link-prefix llmp``, ``--engine-id ID``
+(default random), ``--num-threads N`` (CPU intra-op threads; default all cores), ``--log-level``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the engine's command line."""
+    ap = argparse.ArgumentParser(prog="python -m inference.engine", description="LLM engine replica")
+    ap.add_argument("--model", required=True, help="served model name (engine link keys)")
+    ap.add_argument("--model-dir", required=True, help="Hugging Face-format model directory")
+    ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--max-prefill-tokens", type=int, default=4096)
+    ap.add_argument("--link-prefix", default="llmp")
+    ap.add_argument("--engine-id", default=None)
+    ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "INFO"))
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Load the model, then serve the engine link until SIGTERM/SIGINT. Returns the exit status."""
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s engine[%(process)d] %(message)s")
+    import torch
+
+    if args.device == "cpu":
+        torch.set_num_threads(args.num_threads or max(1, os.cpu_count() or 1))
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+
+    from .core import EngineCore, install_signal_handlers
+    from .runner import ModelRunner
+
+    runner = ModelRunner(args.model_dir, device=args.device, dtype=dtype, max_model_len=args.max_model_len)
+    core = EngineCore(args.model, runner, args.redis_url, link_prefix=args.link_prefix,
+                      engine_id=args.engine_id, max_num_seqs=args.max_num_seqs,
+                      max_prefill_tokens=args.max_prefill_tokens)
+    install_signal_handlers(core)
+    core.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

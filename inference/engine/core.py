@@ -1,0 +1,336 @@
+"""EngineCore: the engine replica's loop over the Redis engine link (DESIGN.md §5, §6).
+
+One iteration ("step"):
+
+1. read new ``EngineCoreRequest``s (consumer group ``ENGINE_GROUP`` on ``requests_stream``; XACK once
+   accepted; blocking read only when idle) and aborts (``control_stream``, plain XREAD);
+2. answer every newly accepted request at once with an empty output (``queued_ts``, ``engine_id``)
+   so the api process knows which replica owns it; invalid requests fail here with ``error``;
+3. prefill waiting requests that fit (``max_num_seqs``, prefill token budget) in one forward, and run
+   one decode step for the rest of the running batch;
+4. sample (batched), apply stop rules, publish one ``EngineCoreOutputs`` message per client_id.
+
+A heartbeat thread SETs ``replica_key`` (``EngineStats``) with a TTL so api processes notice a dead
+replica. SIGTERM/SIGINT stop the loop; held requests finish with ``abort`` and an error message, and
+the heartbeat key is deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from collections import deque
+
+import msgpack
+import redis
+
+from inference.protocol.engine import (
+    ENGINE_GROUP,
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    HEARTBEAT_INTERVAL_S,
+    HEARTBEAT_TTL_S,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStats,
+    control_stream,
+    outputs_stream,
+    replica_key,
+    requests_stream,
+)
+
+from .runner import ModelRunner, RequestError, Sequence, make_rng, now
+
+log = logging.getLogger("inference.engine")
+
+OUTPUT_MAXLEN = 10000
+EMA_ALPHA = 0.3
+
+
+class EngineCore:
+    """A replica of one served model: Redis link, scheduler and model runner.
+
+    Args:
+        model: served model name (link keys).
+        runner: a loaded ``ModelRunner``.
+        redis_url: Redis URL of the engine link.
+        link_prefix: key prefix (``llmp``).
+        engine_id: replica id; random when None.
+        max_num_seqs: batch capacity (running sequences).
+        max_prefill_tokens: prompt tokens prefilled in one step at most (a single longer prompt
+            still runs alone).
+    """
+
+    def __init__(self, model: str, runner: ModelRunner, redis_url: str, link_prefix: str = "llmp",
+                 engine_id: str | None = None, max_num_seqs: int = 32, max_prefill_tokens: int = 4096):
+        self.model = model
+        self.runner = runner
+        self.prefix = link_prefix
+        self.engine_id = engine_id or uuid.uuid4().hex[:12]
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.redis = redis.Redis.from_url(redis_url)
+        self.hb_redis = redis.Redis.from_url(redis_url)
+        self.req_key = requests_stream(link_prefix, model)
+        self.ctl_key = control_stream(link_prefix, model)
+        self.hb_key = replica_key(link_prefix, model, self.engine_id)
+        self.consumer = f"{self.engine_id}-{os.getpid()}"
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # same order as the runner's batch rows
+        self.stop_event = threading.Event()
+        self.stats = EngineStats(engine_id=self.engine_id, model=model, pid=os.getpid(),
+                                 device=runner.device.type, max_num_seqs=max_num_seqs,
+                                 started_at=time.time())
+        self._ctl_last = "$"
+        self._pending: dict[str, list[EngineCoreOutput]] = {}
+
+    # ------------------------------------------------------------------ link
+    def _setup_link(self) -> None:
+        try:
+            self.redis.xgroup_create(self.req_key, ENGINE_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        last = self.redis.xrevrange(self.ctl_key, count=1)
+        self._ctl_last = last[0][0] if last else "0-0"
+
+    def _heartbeat_loop(self) -> None:
+        while not self.stop_event.is_set():
+            try:
+                self.stats.num_running = len(self.running)
+                self.stats.num_waiting = len(self.waiting)
+                self.hb_redis.set(self.hb_key, self.stats.to_wire(), px=int(HEARTBEAT_TTL_S * 1000))
+            except redis.RedisError as exc:  # keep beating; Redis may come back
+                log.warning("heartbeat failed: %s", exc)
+            self.stop_event.wait(HEARTBEAT_INTERVAL_S)
+
+    def _emit(self, client_id: str, out: EngineCoreOutput) -> None:
+        self._pending.setdefault(client_id, []).append(out)
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        ts = time.time()
+        for client_id, outs in self._pending.items():
+            msg = EngineCoreOutputs(engine_id=self.engine_id, timestamp=ts, outputs=outs)
+            pipe.xadd(outputs_stream(self.prefix, client_id), {"o": msg.to_wire()},
+                      maxlen=OUTPUT_MAXLEN, approximate=True)
+        self._pending = {}
+        pipe.execute()
+
+    def _poll(self) -> None:
+        """Read new requests and aborts; block briefly only when there is nothing to run."""
+        idle = not self.running and not self.waiting
+        room = max(1, self.max_num_seqs * 2 - len(self.waiting) - len(self.running))
+        resp = self.redis.xreadgroup(ENGINE_GROUP, self.consumer, {self.req_key: ">"}, count=room,
+                                     block=100 if idle else None)
+        accepted_ids = []
+        for _stream, entries in resp or []:
+            for entry_id, fields in entries:
+                accepted_ids.append(entry_id)
+                self._accept(fields.get(b"r"))
+        if accepted_ids:
+            self.redis.xack(self.req_key, ENGINE_GROUP, *accepted_ids)
+        ctl = self.redis.xread({self.ctl_key: self._ctl_last}, count=1000)
+        for _stream, entries in ctl or []:
+            for entry_id, fields in entries:
+                self._ctl_last = entry_id
+                raw = fields.get(b"a")
+                if raw is None:
+                    continue
+                try:
+                    ids = msgpack.unpackb(raw, raw=False)
+                except (ValueError, msgpack.UnpackException):
+                    continue
+                self._abort(set(map(str, ids)))
+
+    def _accept(self, raw: bytes | None) -> None:
+        try:
+            req = EngineCoreRequest.from_wire(raw)
+        except Exception as exc:  # malformed: nobody to answer to
+            log.error("dropping malformed request: %s", exc)
+            return
+        seq = Sequence(request=req, queued_ts=now(), rng=make_rng(req.sampling_params.seed))
+        base = dict(request_id=req.request_id, queued_ts=seq.queued_ts, engine_id=self.engine_id)
+        try:
+            self.runner.prepare(seq)
+        except RequestError as exc:
+            self._emit(req.client_id, EngineCoreOutput(finish_reason=FINISH_ERROR, error=str(exc), **base))
+            return
+        except Exception as exc:  # noqa: BLE001 - never let one request kill the engine
+            log.exception("request %s rejected", req.request_id)
+            self._emit(req.client_id, EngineCoreOutput(finish_reason=FINISH_ERROR, error=f"bad request: {exc}",
+                                                       **base))
+            return
+        self.waiting.append(seq)
+        self._emit(req.client_id, EngineCoreOutput(**base))
+
+    def _abort(self, ids: set[str]) -> None:
+        for seq in [s for s in self.waiting if s.request_id in ids]:
+            self.waiting.remove(seq)
+            self._finish_out(seq, FINISH_ABORT)
+        keep = []
+        for i, seq in enumerate(self.running):
+            if seq.request_id in ids:
+                self._finish_out(seq, FINISH_ABORT)
+            else:
+                keep.append(i)
+        if len(keep) != len(self.running):
+            self.runner.remove_rows(keep)
+            self.running = [self.running[i] for i in keep]
+
+    def _finish_out(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        self._emit(seq.request.client_id, EngineCoreOutput(
+            request_id=seq.request_id, finish_reason=reason, error=error, engine_id=self.engine_id))
+
+    # ------------------------------------------------------------------ stepping
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        sp = seq.params
+        n = len(seq.output_token_ids)
+        if n >= sp.min_tokens:
+            if not sp.ignore_eos and token in sp.eos_token_ids:
+                seq.finish_reason = FINISH_STOP
+                return
+            if token in sp.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = FINISH_STOP, token
+                return
+        if n >= sp.max_tokens or len(seq.request.prompt_token_ids) + n >= self.runner.max_model_len:
+            seq.finish_reason = FINISH_LENGTH
+
+    def _apply(self, seqs: list[Sequence], logits) -> None:
+        tokens, lps = self.runner.sample(logits, seqs)
+        ts = now()
+        for i, (seq, tok) in enumerate(zip(seqs, tokens)):
+            seq.output_token_ids.append(tok)
+            first = seq.first_token_ts is None
+            if first:
+                seq.first_token_ts = ts
+            self._check_stop(seq, tok)
+            self._emit(seq.request.client_id, EngineCoreOutput(
+                request_id=seq.request_id, new_token_ids=[tok],
+                new_logprobs=[lps[i]] if lps is not None and lps[i] is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                scheduled_ts=seq.scheduled_ts if first else None,
+                first_token_ts=ts if first else None, engine_id=self.engine_id))
+
+    def _ema(self, old: float, new: float) -> float:
+        return new if old == 0 else (1 - EMA_ALPHA) * old + EMA_ALPHA * new
+
+    def step(self) -> None:
+        """One engine iteration: prefill what fits, decode the rest, publish outputs."""
+        decode_seqs = list(self.running)
+        # 1. decode the sequences already in the batch
+        if decode_seqs:
+            t0 = time.perf_counter()
+            try:
+                logits = self.runner.decode(
+                    [s.output_token_ids[-1] for s in decode_seqs],
+                    [s.num_computed for s in decode_seqs])
+                for s in decode_seqs:
+                    s.num_computed += 1
+                self._apply(decode_seqs, logits)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("decode step failed")
+                self._fail_all_running(f"engine step failed: {exc}")
+                decode_seqs = []
+            else:
+                dt = time.perf_counter() - t0
+                self.stats.decode_tokens_per_s = self._ema(self.stats.decode_tokens_per_s,
+                                                           len(decode_seqs) / max(dt, 1e-9))
+        # 2. prefill newcomers that fit
+        group: list[Sequence] = []
+        budget = self.max_prefill_tokens
+        while self.waiting and len(self.running) + len(group) < self.max_num_seqs:
+            n = len(self.waiting[0].request.prompt_token_ids)
+            if group and n > budget:
+                break
+            group.append(self.waiting.popleft())
+            budget -= n
+        if group:
+            t0 = time.perf_counter()
+            ts = now()
+            for s in group:
+                s.scheduled_ts = ts
+            try:
+                logits = self.runner.prefill(group)
+            except Exception as exc:  # noqa: BLE001 - fail this group only
+                log.exception("prefill failed")
+                # the runner merges only after a successful forward, so the batch is intact
+                for s in group:
+                    self._finish_out(s, FINISH_ERROR, f"prefill failed: {exc}")
+            else:
+                self.running.extend(group)
+                dt = time.perf_counter() - t0
+                ntok = sum(len(s.request.prompt_token_ids) for s in group)
+                self.stats.prefill_tokens_per_s = self._ema(self.stats.prefill_tokens_per_s,
+                                                            ntok / max(dt, 1e-9))
+                try:
+                    self._apply(group, logits)
+                except Exception as exc:  # noqa: BLE001
+                    log.exception("sampling failed")
+                    self._fail_all_running(f"sampling failed: {exc}")
+        # 3. drop finished rows
+        keep = [i for i, s in enumerate(self.running) if s.finish_reason is None]
+        if len(keep) != len(self.running):
+            self.runner.remove_rows(keep)
+            self.running = [self.running[i] for i in keep]
+
+    def _fail_all_running(self, message: str) -> None:
+        for s in self.running:
+            if s.finish_reason is None:
+                s.finish_reason = FINISH_ERROR
+                self._finish_out(s, FINISH_ERROR, message)
+        self.running = []
+        self.runner.remove_rows([])
+
+    # ------------------------------------------------------------------ lifecycle
+    def request_stop(self, *_args) -> None:
+        """Signal handler: ask the loop to stop after the current step."""
+        self.stop_event.set()
+
+    def run(self) -> None:
+        """Run until ``request_stop`` (SIGTERM/SIGINT); then fail held requests and clear the heartbeat."""
+        self._setup_link()
+        hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        hb.start()
+        log.info("engine %s serving %s on %s (max_num_seqs=%d, max_model_len=%d)", self.engine_id,
+                 self.model, self.runner.device, self.max_num_seqs, self.runner.max_model_len)
+        try:
+            while not self.stop_event.is_set():
+                try:
+                    self._poll()
+                    self._flush()  # acceptance outputs go out before the (maybe long) step
+                    if self.running or self.waiting:
+                        self.step()
+                    self._flush()
+                except redis.RedisError as exc:
+                    log.warning("redis error: %s; retrying", exc)
+                    self.stop_event.wait(0.5)
+        finally:
+            self.stop_event.set()
+            hb.join(timeout=2)
+            for s in list(self.waiting) + self.running:
+                if s.finish_reason is None:
+                    self._finish_out(s, FINISH_ABORT, "engine shut down")
+            self.waiting.clear()
+            self.running = []
+            try:
+                self._flush()
+                self.redis.delete(self.hb_key)
+            except redis.RedisError as exc:
+                log.warning("cleanup failed: %s", exc)
+            log.info("engine %s stopped", self.engine_id)
+
+
+def install_signal_handlers(core: EngineCore) -> None:
+    """Route SIGTERM and SIGINT to ``core.request_stop``."""
+    signal.signal(signal.SIGTERM, core.request_stop)
+    signal.signal(signal.SIGINT, core.request_stop)

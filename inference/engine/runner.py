@@ -1,0 +1,350 @@
+"""Model runner: the model, a bounded batch KV cache, batched forward passes and batched sampling.
+
+torch and transformers are imported here (and only under ``inference/engine/``).
+
+Batch KV layout ("right-aligned rows"): the running batch keeps one transformers ``DynamicCache``
+whose layers hold keys/values of shape ``[B, kv_heads, T, head_dim]`` plus a padding mask ``[B, T]``.
+Every row's newest token sits in the last column, so one decode step appends one column for the whole
+batch. A new group of requests is prefilled on its own (left-padded, one forward) and then merged
+into the batch by padding the shorter side on the left; finished rows are removed with
+``index_select`` and all-padding leading columns are trimmed. Hence ``T`` equals the longest live
+sequence and the cache is bounded by ``max_num_seqs × max_model_len`` positions; requests join and
+leave between any two steps.
+
+Sampling is batched over rows (greedy ``argmax`` for temperature 0; one inverse-CDF draw per row
+otherwise) with per-request randomness from a ``random.Random(seed)`` owned by the request, so a
+seeded request's tokens do not depend on its batch companions (up to float rounding of the logits).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from inference.protocol.engine import EngineCoreRequest, SamplingParams
+
+log = logging.getLogger("inference.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RequestError(ValueError):
+    """A request that cannot run (bad token id, too long, bad parameter); fails only that request."""
+
+
+@dataclass
+class Sequence:
+    """Engine-side state of one request.
+
+    ``output_token_ids`` grows by one per step; ``num_computed`` is how many tokens are in the KV
+    cache (prompt + outputs except the newest one, which is the next step's input).
+    """
+
+    request: EngineCoreRequest
+    queued_ts: float
+    rng: random.Random
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    scheduled_ts: float | None = None
+    first_token_ts: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | None = None
+    error: str | None = None
+    bias_ids: torch.Tensor | None = None
+    bias_vals: torch.Tensor | None = None
+    prompt_ids_t: torch.Tensor | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.sampling_params
+
+
+def _tokenizer_vocab_size(model_dir: Path) -> int | None:
+    """Ids the model directory's tokenizer can emit (max id + 1), or None without tokenizer.json."""
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        ids = list((data.get("model") or {}).get("vocab", {}).values())
+        ids += [t["id"] for t in data.get("added_tokens", [])]
+        return max(ids) + 1 if ids else None
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
+
+
+class ModelRunner:
+    """Loads an HF-format causal LM directory and runs prefill/decode steps on a batch of Sequences.
+
+    Args:
+        model_dir: Hugging Face-format directory (config.json + weights).
+        device: ``cpu`` or ``cuda`` (or ``cuda:N``).
+        dtype: ``float32``, ``bfloat16`` or ``float16``.
+        max_model_len: prompt + output positions per sequence; defaults to the config's
+            ``max_position_embeddings``.
+    Raises ``ValueError`` for an unknown dtype, and whatever transformers raises for a bad directory.
+    """
+
+    def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32",
+                 max_model_len: int | None = None):
+        from transformers import AutoModelForCausalLM, GenerationConfig
+
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}")
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        self.model_dir = Path(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
+        cfg = self.model.config
+        self.config = cfg
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        # Ids beyond the tokenizer's vocabulary (embedding padding) can never be detokenized: mask them.
+        tok_vocab = _tokenizer_vocab_size(self.model_dir)
+        self.sample_vocab = min(self.vocab_size, tok_vocab) if tok_vocab else self.vocab_size
+        limit = getattr(cfg, "max_position_embeddings", None) or 4096
+        self.max_model_len = min(max_model_len or limit, limit)
+        try:
+            gen = GenerationConfig.from_pretrained(model_dir)
+            eos = gen.eos_token_id
+        except OSError:
+            eos = getattr(cfg, "eos_token_id", None)
+        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        self.cache = None  # DynamicCache of the running batch
+        self.mask: torch.Tensor | None = None  # [B, T] long, 1 = real token
+
+    # ------------------------------------------------------------------ validation
+    def prepare(self, seq: Sequence) -> None:
+        """Validate a request and precompute its per-request tensors.
+
+        Raises ``RequestError`` with a client-facing message when the request cannot run.
+        """
+        req = seq.request
+        ids = req.prompt_token_ids
+        sp = req.sampling_params
+        if not ids:
+            raise RequestError("prompt_token_ids is empty")
+        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= self.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]!r} out of range [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} (prompt + output)")
+        if sp.max_tokens < 1:
+            raise RequestError("max_tokens must be >= 1")
+        if sp.temperature < 0 or not math.isfinite(sp.temperature):
+            raise RequestError("temperature must be >= 0")
+        if not 0 < sp.top_p <= 1:
+            raise RequestError("top_p must be in (0, 1]")
+        if not 0 <= sp.min_p <= 1:
+            raise RequestError("min_p must be in [0, 1]")
+        if sp.repetition_penalty <= 0:
+            raise RequestError("repetition_penalty must be > 0")
+        if sp.logprobs is not None and sp.logprobs < 0:
+            raise RequestError("logprobs must be >= 0")
+        if sp.logit_bias:
+            keys = list(sp.logit_bias)
+            if any(k < 0 or k >= self.vocab_size for k in keys):
+                raise RequestError("logit_bias token id out of range")
+            seq.bias_ids = torch.tensor(keys, dtype=torch.long, device=self.device)
+            seq.bias_vals = torch.tensor([float(sp.logit_bias[k]) for k in keys],
+                                         dtype=torch.float32, device=self.device)
+        if sp.repetition_penalty != 1.0:
+            seq.prompt_ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+
+    # ------------------------------------------------------------------ batch cache
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.mask is None else int(self.mask.shape[0])
+
+    def _layers(self):
+        return self.cache.layers
+
+    def remove_rows(self, keep: list[int]) -> None:
+        """Keep only batch rows ``keep`` (in that order) and trim all-padding leading columns."""
+        if self.mask is None:
+            return
+        if not keep:
+            self.cache = None
+            self.mask = None
+            return
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        mask = self.mask.index_select(0, idx)
+        start = int(mask.any(0).to(torch.int8).argmax().item())
+        self.mask = mask[:, start:]
+        for layer in self._layers():
+            layer.keys = layer.keys.index_select(0, idx)[:, :, start:]
+            layer.values = layer.values.index_select(0, idx)[:, :, start:]
+
+    def _merge(self, cache, mask: torch.Tensor) -> None:
+        """Append a prefilled group (its own cache and mask) below the running batch."""
+        if self.mask is None:
+            self.cache, self.mask = cache, mask
+            return
+        t_old, t_new = self.mask.shape[1], mask.shape[1]
+        width = max(t_old, t_new)
+
+        def lpad(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+            if n == 0:
+                return x
+            shape = list(x.shape)
+            shape[dim] = n
+            return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+        self.mask = torch.cat([lpad(self.mask, 1, width - t_old), lpad(mask, 1, width - t_new)], 0)
+        for old, new in zip(self._layers(), cache.layers):
+            old.keys = torch.cat([lpad(old.keys, 2, width - t_old), lpad(new.keys, 2, width - t_new)], 0)
+            old.values = torch.cat([lpad(old.values, 2, width - t_old), lpad(new.values, 2, width - t_new)], 0)
+
+    # ------------------------------------------------------------------ forward passes
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Run the prompts of ``seqs`` (one left-padded forward) and append them to the batch.
+
+        Returns the last-position logits, float32 ``[len(seqs), vocab]``. The new rows follow the
+        existing ones, in ``seqs`` order.
+        """
+        from transformers import DynamicCache
+
+        lens = [len(s.request.prompt_token_ids) for s in seqs]
+        width = max(lens)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - lens[i]:] = torch.tensor(s.request.prompt_token_ids, dtype=torch.long)
+            mask[i, width - lens[i]:] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache(config=self.config)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
+                         use_cache=True, logits_to_keep=1)
+        for s, n in zip(seqs, lens):
+            s.num_computed = n
+        self._merge(cache, mask)
+        return out.logits[:, -1, :].float()
+
+    @torch.inference_mode()
+    def decode(self, last_tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode step for every batch row: row i feeds ``last_tokens[i]`` at ``positions[i]``.
+
+        Returns float32 logits ``[B, vocab]``.
+        """
+        b = self.batch_size
+        ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device).view(b, 1)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device).view(b, 1)
+        self.mask = torch.cat([self.mask, self.mask.new_ones((b, 1))], 1)
+        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, cache=self.cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :].float()
+
+    # ------------------------------------------------------------------ sampling
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list | None]:
+        """Pick one token per row of ``logits`` ``[B, vocab]`` for ``seqs`` (same order).
+
+        Applies, as vLLM does: logit_bias, min_tokens (EOS/stop masked), repetition / presence /
+        frequency penalties, temperature (0 = greedy), top_k, top_p, min_p. Logprobs (when asked)
+        come from the raw model distribution (vLLM's default ``raw_logprobs``).
+        Returns (token ids, per-row logprob entries or None) where an entry is
+        ``[sampled_logprob, [[id, logprob], ...top-k]]`` or None for rows that did not ask.
+        """
+        b, v = logits.shape
+        if self.sample_vocab < v:
+            logits[:, self.sample_vocab:] = float("-inf")
+        want_lp = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        raw_lp = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
+
+        for i, s in enumerate(seqs):
+            sp = s.params
+            row = logits[i]
+            if s.bias_ids is not None:
+                row.index_add_(0, s.bias_ids, s.bias_vals)
+            if len(s.output_token_ids) < sp.min_tokens:
+                blocked = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(sp.eos_token_ids))
+                blocked = [t for t in blocked if 0 <= t < v]
+                if blocked:
+                    row[blocked] = float("-inf")
+            if sp.repetition_penalty != 1.0:
+                seen = s.prompt_ids_t
+                if s.output_token_ids:
+                    seen = torch.cat([seen, torch.tensor(s.output_token_ids, device=self.device)])
+                seen = torch.unique(seen)
+                vals = row[seen]
+                row[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+            if (sp.presence_penalty or sp.frequency_penalty) and s.output_token_ids:
+                out_ids = torch.tensor(s.output_token_ids, device=self.device)
+                uniq, counts = torch.unique(out_ids, return_counts=True)
+                row[uniq] -= sp.frequency_penalty * counts.to(row.dtype) + sp.presence_penalty
+
+        temps = [s.params.temperature for s in seqs]
+        chosen = torch.argmax(logits, dim=-1)
+        sampled_rows = [i for i, t in enumerate(temps) if t > 0]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=self.device)
+            x = logits[rows] / torch.tensor([temps[i] for i in sampled_rows], device=self.device).unsqueeze(1)
+            sub = [seqs[i].params for i in sampled_rows]
+            ks = [p.top_k if p.top_k and p.top_k > 0 else 0 for p in sub]
+            if any(ks):
+                kmax = min(max(ks), v)
+                top = torch.topk(x, kmax, dim=-1).values
+                kk = torch.tensor([min(k, v) if k else kmax for k in ks], device=self.device) - 1
+                kth = top.gather(1, kk.unsqueeze(1))
+                limited = torch.tensor([bool(k) for k in ks], device=self.device).unsqueeze(1)
+                x = torch.where(limited & (x < kth), torch.full_like(x, float("-inf")), x)
+            probs = torch.softmax(x, dim=-1)
+            ps = [p.top_p for p in sub]
+            if any(p < 1.0 for p in ps):
+                sp_, si = torch.sort(probs, dim=-1, descending=True)
+                csum = torch.cumsum(sp_, dim=-1)
+                top_p = torch.tensor(ps, device=self.device, dtype=probs.dtype).unsqueeze(1)
+                drop = (csum - sp_) >= top_p  # keep the smallest prefix whose mass reaches top_p
+                sp_ = sp_.masked_fill(drop, 0.0)
+                probs = torch.zeros_like(probs).scatter_(1, si, sp_)
+            mps = [p.min_p for p in sub]
+            if any(m > 0 for m in mps):
+                thr = probs.max(dim=-1, keepdim=True).values * torch.tensor(
+                    mps, device=self.device, dtype=probs.dtype).unsqueeze(1)
+                probs = probs.masked_fill(probs < thr, 0.0)
+            cdf = torch.cumsum(probs, dim=-1)
+            u = torch.tensor([seqs[i].rng.random() for i in sampled_rows], device=self.device,
+                             dtype=cdf.dtype).unsqueeze(1)
+            pick = torch.searchsorted(cdf, (u * cdf[:, -1:]).contiguous(), right=True).squeeze(1)
+            pick = pick.clamp(max=v - 1)
+            chosen[rows] = pick
+        tokens = chosen.tolist()
+
+        entries = None
+        if want_lp:
+            entries = [None] * b
+            kmax = max(seqs[i].params.logprobs for i in want_lp)
+            tok_t = torch.tensor([tokens[i] for i in want_lp], device=self.device)
+            sampled = raw_lp.gather(1, tok_t.unsqueeze(1)).squeeze(1).tolist()
+            if kmax > 0:
+                tv, ti = torch.topk(raw_lp, kmax, dim=-1)
+                tv, ti = tv.tolist(), ti.tolist()
+            for j, i in enumerate(want_lp):
+                k = seqs[i].params.logprobs
+                top = [[ti[j][n], tv[j][n]] for n in range(k)] if k else []
+                entries[i] = [sampled[j], top]
+        return tokens, entries
+
+
+def make_rng(seed: int | None) -> random.Random:
+    """Per-request random source: seeded when ``seed`` is given, else from the OS."""
+    return random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
+
+
+def now() -> float:
+    """Unix time in seconds (wire timestamps)."""
+    return time.time()
