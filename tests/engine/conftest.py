@@ -1,0 +1,171 @@
+"""Fixtures for the engine tests: the demo model, real Redis, real engine processes.
+
+Nothing is mocked: the engine runs as ``python -m inference.engine`` in a subprocess against the
+Redis at ``REDIS_URL`` (default ``redis://127.0.0.1:6379/3``) under a random link prefix that is
+deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import msgpack
+import pytest
+import redis
+
+from inference.protocol.engine import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStats,
+    SamplingParams,
+    control_stream,
+    outputs_stream,
+    replica_key,
+    requests_stream,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL_DIR = ROOT / ".cache" / "models" / "tiny-qwen3"
+TOKENIZER_DIR = ROOT / ".cache" / "tokenizers" / "qwen3"
+MODEL = "tiny-qwen3"
+EOS_IDS = [151645, 151643]
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The demo model directory, built with scripts/build_demo_model.py when missing."""
+    if not (MODEL_DIR / "config.json").is_file():
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "build_demo_model.py"),
+                        "--tokenizer-dir", str(TOKENIZER_DIR), "--out", str(MODEL_DIR)],
+                       check=True, cwd=ROOT, timeout=300)
+    return MODEL_DIR
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    return os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/3")
+
+
+@pytest.fixture(scope="session")
+def link_prefix(redis_url):
+    """A random link prefix; every key under it is deleted at the end of the session."""
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    yield prefix
+    r = redis.Redis.from_url(redis_url)
+    keys = list(r.scan_iter(f"{prefix}:*", count=1000))
+    if keys:
+        r.delete(*keys)
+
+
+class EngineProc:
+    """A running engine subprocess plus helpers to talk to it over the real Redis link."""
+
+    def __init__(self, redis_url: str, prefix: str, model_dir: Path, log_path: Path, *extra: str):
+        self.r = redis.Redis.from_url(redis_url)
+        self.prefix = prefix
+        self.engine_id = f"e{uuid.uuid4().hex[:6]}"
+        self.client_id = f"c{uuid.uuid4().hex[:6]}"
+        self.log_path = log_path
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "inference.engine", "--model", MODEL, "--model-dir", str(model_dir),
+             "--redis-url", redis_url, "--link-prefix", prefix, "--engine-id", self.engine_id, *extra],
+            cwd=ROOT, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+        self._last = "0-0"
+        self.wait_ready()
+
+    @property
+    def hb_key(self) -> str:
+        return replica_key(self.prefix, MODEL, self.engine_id)
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.r.exists(self.hb_key):
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"engine did not start:\n{self.log_path.read_text()[-3000:]}")
+
+    def stats(self) -> EngineStats | None:
+        raw = self.r.get(self.hb_key)
+        return EngineStats.from_wire(raw) if raw else None
+
+    def send(self, prompt: list[int], request_id: str | None = None, **sampling) -> str:
+        """XADD one EngineCoreRequest; returns its request id."""
+        rid = request_id or f"req-{uuid.uuid4().hex[:8]}"
+        sampling.setdefault("eos_token_ids", EOS_IDS)
+        req = EngineCoreRequest(request_id=rid, external_req_id=rid, prompt_token_ids=prompt,
+                                sampling_params=SamplingParams(**sampling), client_id=self.client_id,
+                                arrival_time=time.time())
+        self.r.xadd(requests_stream(self.prefix, MODEL), {"r": req.to_wire()})
+        return rid
+
+    def abort(self, *request_ids: str) -> None:
+        self.r.xadd(control_stream(self.prefix, MODEL), {"a": msgpack.packb(list(request_ids))})
+
+    def read(self, timeout_ms: int = 200) -> list[EngineCoreOutputs]:
+        """Read the next output messages of this client (may be empty)."""
+        resp = self.r.xread({outputs_stream(self.prefix, self.client_id): self._last}, block=timeout_ms)
+        msgs = []
+        for _stream, entries in resp or []:
+            for entry_id, fields in entries:
+                self._last = entry_id
+                msgs.append(EngineCoreOutputs.from_wire(fields[b"o"]))
+        return msgs
+
+    def collect(self, request_ids, timeout: float = 30, until_first_token: bool = False) -> dict:
+        """Outputs per request id until every one has finished (or produced a token when
+        ``until_first_token``). Raises ``TimeoutError`` when that takes longer than ``timeout``."""
+        want = set(request_ids)
+        got: dict[str, list] = {rid: [] for rid in want}
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            for msg in self.read():
+                for out in msg.outputs:
+                    if out.request_id in got:
+                        got[out.request_id].append(out)
+            done = {rid for rid, outs in got.items()
+                    if any(o.finish_reason for o in outs)
+                    or (until_first_token and any(o.new_token_ids for o in outs))}
+            if done >= want:
+                return got
+        raise TimeoutError(f"unfinished: {want - done}")
+
+    def stop(self, timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def engine(redis_url, link_prefix, model_dir, tmp_path_factory):
+    """One shared engine (max_num_seqs 8, max_model_len 512) for most tests."""
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    eng = EngineProc(redis_url, link_prefix, model_dir, log, "--max-num-seqs", "8", "--max-model-len", "512")
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture
+def fresh_engine(redis_url, link_prefix, model_dir, tmp_path):
+    """A private engine for tests that stop it; its own model name prefix keeps queues apart."""
+    eng = EngineProc(redis_url, link_prefix + "x", model_dir, tmp_path / "engine.log")
+    yield eng
+    eng.stop()
+    r = redis.Redis.from_url(redis_url)
+    keys = list(r.scan_iter(f"{link_prefix}x:*", count=1000))
+    if keys:
+        r.delete(*keys)

@@ -1,0 +1,162 @@
+"""End-to-end tests of the engine worker process over the real Redis engine link."""
+
+from __future__ import annotations
+
+import time
+
+from inference.protocol.engine import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
+
+EOS_IDS = [151645, 151643]
+
+
+def tokens(outs) -> list[int]:
+    """All new token ids of one request's outputs, in order."""
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def final(outs):
+    """The one output carrying the finish reason."""
+    fin = [o for o in outs if o.finish_reason]
+    assert len(fin) == 1, outs
+    return fin[0]
+
+PROMPT = [9707, 11, 1879, 0, 3555, 374, 279, 6722, 315, 9625, 30]
+OTHER_PROMPTS = [[100 + i, 200 + i, 300 + i, 400 + i] * (i + 1) for i in range(5)]
+
+
+def test_first_output_on_accept_then_tokens(engine):
+    rid = engine.send(PROMPT, temperature=0, max_tokens=5)
+    outs = engine.collect([rid])[rid]
+    first = outs[0]
+    assert first.new_token_ids == [] and first.finish_reason is None
+    assert first.queued_ts is not None and first.engine_id == engine.engine_id
+    with_tokens = [o for o in outs if o.new_token_ids]
+    assert with_tokens[0].first_token_ts is not None and with_tokens[0].scheduled_ts is not None
+    assert with_tokens[0].first_token_ts >= first.queued_ts
+    assert all(o.first_token_ts is None for o in with_tokens[1:])
+    assert final(outs).finish_reason == FINISH_LENGTH and len(tokens(outs)) == 5
+    assert final(outs).num_cached_tokens == 0
+
+
+def test_greedy_is_deterministic(engine):
+    a = engine.send(PROMPT, temperature=0, max_tokens=12)
+    ra = tokens(engine.collect([a])[a])
+    others = [engine.send(p, temperature=1.0, max_tokens=20) for p in OTHER_PROMPTS]
+    b = engine.send(PROMPT, temperature=0, max_tokens=12)
+    got = engine.collect([b, *others])
+    assert tokens(got[b]) == ra and len(ra) == 12
+
+
+def test_same_seed_same_output_across_batch_companions(engine):
+    alone = engine.send(PROMPT, temperature=1.0, seed=1234, max_tokens=16)
+    r_alone = tokens(engine.collect([alone])[alone])
+    companions = [engine.send(p, temperature=0.7, max_tokens=24) for p in OTHER_PROMPTS[:3]]
+    time.sleep(0.05)  # let the companions be running when ours joins
+    again = engine.send(PROMPT, temperature=1.0, seed=1234, max_tokens=16)
+    other_seed = engine.send(PROMPT, temperature=1.0, seed=99, max_tokens=16)
+    got = engine.collect([again, other_seed, *companions])
+    assert tokens(got[again]) == r_alone
+    assert tokens(got[other_seed]) != r_alone  # the seed matters: random weights give near-uniform draws
+
+
+def test_stop_token_ids_eos_and_min_tokens(engine):
+    ref = engine.send(OTHER_PROMPTS[1], temperature=1.0, seed=5, max_tokens=12)
+    ref_toks = tokens(engine.collect([ref])[ref])
+    stop_id = ref_toks[3]
+    k = ref_toks.index(stop_id)  # first occurrence
+    rid = engine.send(OTHER_PROMPTS[1], temperature=1.0, seed=5, max_tokens=12, stop_token_ids=[stop_id])
+    out = engine.collect([rid])[rid]
+    assert tokens(out) == ref_toks[: k + 1]
+    assert final(out).finish_reason == FINISH_STOP and final(out).stop_reason == stop_id
+    # the same id as EOS: finish "stop" without stop_reason; ignored with ignore_eos
+    eos = engine.send(OTHER_PROMPTS[1], temperature=1.0, seed=5, max_tokens=12, eos_token_ids=[stop_id])
+    ign = engine.send(OTHER_PROMPTS[1], temperature=1.0, seed=5, max_tokens=12, eos_token_ids=[stop_id],
+                      ignore_eos=True)
+    # min_tokens masks the stop id: generation must run past position k
+    mn = engine.send(OTHER_PROMPTS[1], temperature=0, max_tokens=6, min_tokens=6,
+                     stop_token_ids=[stop_id], eos_token_ids=EOS_IDS)
+    got = engine.collect([eos, ign, mn])
+    assert tokens(got[eos]) == ref_toks[: k + 1]
+    assert final(got[eos]).finish_reason == FINISH_STOP and final(got[eos]).stop_reason is None
+    assert tokens(got[ign]) == ref_toks and final(got[ign]).finish_reason == FINISH_LENGTH
+    assert stop_id not in tokens(got[mn]) and len(tokens(got[mn])) == 6
+
+
+def test_greedy_min_tokens_masks_repeated_stop(engine):
+    # greedy on random weights repeats one token; as a stop id it ends at once unless min_tokens masks it
+    g = engine.send(PROMPT, temperature=0, max_tokens=3)
+    tok = tokens(engine.collect([g])[g])[0]
+    s = engine.send(PROMPT, temperature=0, max_tokens=3, stop_token_ids=[tok])
+    m = engine.send(PROMPT, temperature=0, max_tokens=3, stop_token_ids=[tok], min_tokens=2)
+    got = engine.collect([s, m])
+    assert tokens(got[s]) == [tok] and final(got[s]).stop_reason == tok
+    assert tok not in tokens(got[m])[:2] and len(tokens(got[m])) == 3
+
+
+def test_max_model_len_and_too_long_prompt(engine):
+    long_prompt = [1000 + (i % 500) for i in range(500)]
+    rid = engine.send(long_prompt, temperature=0, max_tokens=100)
+    bad = engine.send([5] * 512, temperature=0, max_tokens=1)
+    got = engine.collect([rid, bad])
+    assert final(got[rid]).finish_reason == FINISH_LENGTH and len(tokens(got[rid])) == 12
+    assert final(got[bad]).finish_reason == FINISH_ERROR and "max_model_len" in final(got[bad]).error
+
+
+def test_bad_token_id_fails_only_that_request(engine):
+    good = engine.send(PROMPT, temperature=0, max_tokens=8)
+    bad = engine.send([1, 2, 10**7], temperature=0, max_tokens=8)
+    got = engine.collect([good, bad])
+    assert final(got[bad]).finish_reason == FINISH_ERROR and "out of range" in final(got[bad]).error
+    assert tokens(got[bad]) == []
+    assert final(got[good]).finish_reason == FINISH_LENGTH and len(tokens(got[good])) == 8
+    assert engine.proc.poll() is None
+
+
+def test_logprobs_top_k(engine):
+    rid = engine.send(PROMPT, temperature=1.0, seed=3, max_tokens=4, logprobs=3)
+    outs = [o for o in engine.collect([rid])[rid] if o.new_token_ids]
+    for o in outs:
+        (sampled, top), = o.new_logprobs
+        assert len(top) == 3 and sampled <= top[0][1] + 1e-6
+        assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+        if o.new_token_ids[0] == top[0][0]:
+            assert abs(sampled - top[0][1]) < 1e-5
+
+
+def test_abort_frees_the_slot(engine):
+    rid = engine.send(PROMPT, temperature=1.0, max_tokens=400, ignore_eos=True)
+    engine.collect([rid], until_first_token=True)
+    engine.abort(rid)
+    outs = engine.collect([rid], timeout=10)[rid]
+    assert final(outs).finish_reason == FINISH_ABORT
+    assert len(tokens(outs)) < 400
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        st = engine.stats()
+        if st and st.num_running == 0 and st.num_waiting == 0:
+            break
+        time.sleep(0.1)
+    assert st.num_running == 0 and st.num_waiting == 0
+
+
+def test_sixteen_concurrent_requests_finish(engine):
+    ids = [engine.send([50 + i] * (5 + i), temperature=0.8, seed=i, max_tokens=64, ignore_eos=True)
+           for i in range(16)]
+    got = engine.collect(ids, timeout=60)
+    for rid in ids:
+        assert final(got[rid]).finish_reason == FINISH_LENGTH and len(tokens(got[rid])) == 64
+    st = engine.stats()
+    assert st.prefill_tokens_per_s > 0 and st.decode_tokens_per_s > 0 and st.max_num_seqs == 8
+
+
+def test_heartbeat_and_sigterm(fresh_engine):
+    eng = fresh_engine
+    st = eng.stats()
+    assert st is not None and st.engine_id == eng.engine_id and st.device == "cpu"
+    assert 0 < eng.r.pttl(eng.hb_key) <= 3000
+    rid = eng.send(PROMPT, temperature=1.0, max_tokens=4000, ignore_eos=True)
+    eng.collect([rid], until_first_token=True)
+    assert eng.stop() == 0
+    outs = eng.collect([rid], timeout=5)[rid]
+    assert final(outs).finish_reason == FINISH_ABORT and final(outs).error
+    assert not eng.r.exists(eng.hb_key)
