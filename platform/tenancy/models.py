@@ -1,0 +1,62 @@
+"""Tenancy models: ``Tenant`` and its ``ApiKey``s (stored as lookup prefix + peppered hash, never plaintext)."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+def _default_scopes() -> list[str]:
+    return ["inference"]
+
+
+class Tenant(models.Model):
+    """A customer of the platform; owns API keys and their usage."""
+
+    name = models.CharField(max_length=128, unique=True)
+    is_active = models.BooleanField(default=True, help_text="Inactive tenants' keys are refused.")
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="tenants"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ApiKey(models.Model):
+    """An API key: ``prefix`` (``sk-`` + 8 chars, unique, shown in lists) + HMAC-SHA256 of the full secret.
+
+    ``allowed_models`` empty = every model; ``scopes`` e.g. ``["inference"]``, ``["operator"]``.
+    """
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
+    name = models.CharField(max_length=128)
+    prefix = models.CharField(max_length=16, unique=True, editable=False)
+    secret_hash = models.CharField(max_length=64, editable=False, help_text="hex HMAC-SHA256(pepper, secret)")
+    allowed_models = models.JSONField(default=list, blank=True)
+    scopes = models.JSONField(default=_default_scopes, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True, editable=False)
+    last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "API key"
+
+    def __str__(self) -> str:
+        return f"{self.prefix} ({self.name})"
+
+    def is_usable(self, now=None) -> bool:
+        """Not revoked, not expired and its tenant active (``now`` defaults to the current time)."""
+        now = now or timezone.now()
+        return (
+            self.revoked_at is None
+            and (self.expires_at is None or self.expires_at > now)
+            and self.tenant.is_active
+        )

@@ -1,0 +1,80 @@
+"""Tenancy reads: API key authentication (the one code path used by the gateway and DRF)."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.utils import timezone
+
+from .models import ApiKey
+from .services import API_KEY_PREFIX_CHARS, API_KEY_PREFIX_LEAD, api_key_hash
+
+API_KEY_MAX_LEN = 256
+_DUMMY_HASH = "0" * 64
+
+
+@dataclass(frozen=True, slots=True)
+class AuthContext:
+    """Who is calling: the authenticated key and its tenant. Immutable, safe to cache (<= 1 s)."""
+
+    key_id: int
+    key_prefix: str
+    tenant_id: int
+    tenant_name: str
+    allowed_models: tuple[str, ...]
+    scopes: tuple[str, ...]
+    expires_at: datetime | None
+
+    def allows_model(self, served_model_name: str) -> bool:
+        """True when the key may use ``served_model_name`` (empty ``allowed_models`` = every model)."""
+        return not self.allowed_models or served_model_name in self.allowed_models
+
+    def has_scope(self, scope: str) -> bool:
+        """True when ``scope`` is among the key's scopes."""
+        return scope in self.scopes
+
+    def is_expired(self, now: datetime | None = None) -> bool:
+        """True once ``expires_at`` has passed (check this on a cached context)."""
+        return self.expires_at is not None and self.expires_at <= (now or timezone.now())
+
+
+def api_key_split(secret: str) -> str | None:
+    """Lookup prefix of a presented key (``sk-XXXXXXXX`` of ``sk-XXXXXXXX.<secret>``), or None if malformed."""
+    if not isinstance(secret, str) or len(secret) > API_KEY_MAX_LEN or not secret.startswith(API_KEY_PREFIX_LEAD):
+        return None
+    prefix, dot, rest = secret.partition(".")
+    if not dot or not rest or len(prefix) != len(API_KEY_PREFIX_LEAD) + API_KEY_PREFIX_CHARS:
+        return None
+    return prefix
+
+
+def api_key_authenticate(secret: str) -> AuthContext | None:
+    """Authenticate a presented API key (sync ORM: call it off the event loop).
+
+    Returns the ``AuthContext`` or ``None`` for a malformed, unknown, wrong, revoked or expired key,
+    or a key whose tenant is inactive. The hash comparison is constant-time (``hmac.compare_digest``),
+    and unknown prefixes still pay for one HMAC so timing does not reveal which prefixes exist.
+    """
+    prefix = api_key_split(secret)
+    if prefix is None:
+        return None
+    api_key = ApiKey.objects.select_related("tenant").filter(prefix=prefix).first()
+    presented = api_key_hash(secret)
+    if api_key is None:
+        hmac.compare_digest(presented, _DUMMY_HASH)
+        return None
+    if not hmac.compare_digest(presented, api_key.secret_hash):
+        return None
+    if not api_key.is_usable():
+        return None
+    return AuthContext(
+        key_id=api_key.pk,
+        key_prefix=api_key.prefix,
+        tenant_id=api_key.tenant_id,
+        tenant_name=api_key.tenant.name,
+        allowed_models=tuple(api_key.allowed_models or ()),
+        scopes=tuple(api_key.scopes or ()),
+        expires_at=api_key.expires_at,
+    )
