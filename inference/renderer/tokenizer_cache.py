@@ -1,0 +1,404 @@
+"""Per-process tokenizer cache over the Rust ``tokenizers`` library (no ``transformers`` at run time).
+
+``get_tokenizer(dir)`` loads ``tokenizer.json`` + ``tokenizer_config.json`` (+ ``chat_template.jinja``)
+once per process and returns a ``LoadedTokenizer`` whose ``encode``/``decode`` give the same ids/text
+as ``transformers.AutoTokenizer.from_pretrained(dir)`` (5.24, fast backend) for the same files.
+
+What transformers 5.24 does on top of ``tokenizer.json`` that we reproduce (checked in
+``tests/renderer/test_tokenizer_cache.py`` against the real AutoTokenizer):
+
+* ``tokenizer_class`` ``LlamaTokenizer``/``LlamaTokenizerFast`` with a non-ByteLevel (SentencePiece
+  style) ``tokenizer.json`` is rebuilt by ``transformers/models/llama/tokenization_llama.py``: no
+  normalizer, a ``Metaspace(replacement="▁", prepend_scheme=always|first|never, split=False)``
+  pre-tokenizer (``always`` when ``add_prefix_space`` is unset/true and ``legacy`` is true, ``first``
+  when ``legacy`` is false, ``never`` when ``add_prefix_space`` is false) and a BPE model without
+  ``unk_token``. This changes ids, e.g. ``" leading"`` no longer gets an extra ``"▁"`` token.
+* Named special tokens (``bos_token`` ... ``mask_token`` and ``extra_special_tokens``), including
+  the tokenizer class' defaults (``GemmaTokenizer``: ``mask_token="<mask>"``), are special: they are
+  skipped by ``decode(skip_special_tokens=True)`` even where ``tokenizer.json`` marks them non-special.
+* ``clean_up_tokenization_spaces`` is ignored for BPE models (transformers 5 skips it with a
+  warning); applied only for other model types.
+* ``add_bos_token``/``add_eos_token``: transformers 5 keeps the ``tokenizer.json`` post-processor
+  for these files, so ``encode(add_special_tokens=True)`` is exactly the post-processor's output;
+  the ``add_bos_token``/``add_eos_token`` attributes report what that post-processor really does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import tokenizers
+
+from .errors import TokenIdError, TokenizerLoadError
+
+# transformers' SPECIAL_TOKENS_ATTRIBUTES (tokenization_utils_base.py), in its order.
+SPECIAL_TOKEN_ATTRIBUTES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+# Defaults of tokenizer classes' __init__ (transformers 5.24), used when the config omits the key.
+_CLASS_DEFAULTS: dict[str, dict[str, str]] = {
+    "GemmaTokenizer": {
+        "unk_token": "<unk>",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "mask_token": "<mask>",
+    },
+    "LlamaTokenizer": {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},
+}
+
+
+def _token_str(value: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string, an AddedToken dict or null."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _clean_up_tokenization(text: str) -> str:
+    """transformers' ``clean_up_tokenization`` (spaces before punctuation and English contractions)."""
+    for a, b in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
+        text = text.replace(a, b)
+    return text
+
+
+def _is_byte_level(tok_json: dict) -> bool:
+    def has_bl(node: Any) -> bool:
+        if isinstance(node, dict):
+            if node.get("type") == "ByteLevel":
+                return True
+            return any(has_bl(v) for v in node.values())
+        if isinstance(node, list):
+            return any(has_bl(v) for v in node)
+        return False
+
+    return has_bl(tok_json.get("pre_tokenizer")) or has_bl(tok_json.get("decoder"))
+
+
+def _llama_rewrite(tok_json: dict, config: dict) -> dict:
+    """Apply transformers 5's LlamaTokenizer rebuild to a SentencePiece-style tokenizer.json."""
+    add_prefix_space = config.get("add_prefix_space")
+    add_prefix_space = True if add_prefix_space is None else bool(add_prefix_space)
+    if add_prefix_space:
+        scheme = "always" if config.get("legacy", True) else "first"
+    else:
+        scheme = "never"
+    tok_json = dict(tok_json)
+    tok_json["normalizer"] = None
+    tok_json["pre_tokenizer"] = {
+        "type": "Metaspace",
+        "replacement": "\u2581",
+        "prepend_scheme": scheme,
+        "split": False,
+    }
+    model = dict(tok_json["model"])
+    model["unk_token"] = None
+    tok_json["model"] = model
+    decoders = [
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+    ]
+    if add_prefix_space:
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    tok_json["decoder"] = {"type": "Sequence", "decoders": decoders}
+    return tok_json
+
+
+@dataclass
+class LoadedTokenizer:
+    """A tokenizer directory loaded once: the Rust tokenizer plus its parsed ``tokenizer_config.json``.
+
+    Attributes:
+        path: real path of the directory.
+        tokenizer: the ``tokenizers.Tokenizer`` (after the transformers-5 rewrites described above).
+        config: parsed ``tokenizer_config.json`` (``{}`` when absent).
+        special_tokens_map: named special tokens ``{"bos_token": "<s>", ...}`` (strings only,
+            None omitted), what transformers passes to chat templates.
+        bos_token/eos_token/pad_token/unk_token: strings or None; ``*_token_id`` their ids or None.
+        chat_template: the default template string or None; ``chat_templates``: named templates
+            (``{"default": ..., "tool_use": ...}``) when the config has a list of them.
+        vocab_size: full size including added tokens (ids are valid in ``[0, vocab_size)``).
+        all_special_ids: ids of named + additional special tokens (transformers' order).
+        max_token_chars: the longest token string in characters (vocab and added tokens). A text of
+            ``c`` characters encodes to at least ``ceil(c / max_token_chars)`` tokens for
+            tokenizers without expanding/contracting normalizers (NFC can contract), so it is a
+            cheap pre-check bound, not an exact count.
+        add_bos_token/add_eos_token: whether ``encode(add_special_tokens=True)`` adds BOS/EOS.
+    """
+
+    path: str
+    tokenizer: tokenizers.Tokenizer
+    config: dict
+    special_tokens_map: dict[str, str]
+    chat_template: str | None
+    chat_templates: dict[str, str]
+    vocab_size: int
+    all_special_ids: list[int]
+    skip_ids: frozenset[int]
+    max_token_chars: int
+    add_bos_token: bool
+    add_eos_token: bool
+    clean_up_tokenization_spaces: bool
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    # -- special tokens -------------------------------------------------------------------------
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens_map.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens_map.get("eos_token")
+
+    @property
+    def pad_token(self) -> str | None:
+        return self.special_tokens_map.get("pad_token")
+
+    @property
+    def unk_token(self) -> str | None:
+        return self.special_tokens_map.get("unk_token")
+
+    def token_to_id(self, token: str | None) -> int | None:
+        """Id of a token string, or None if absent."""
+        if token is None:
+            return None
+        return self.tokenizer.token_to_id(token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self.token_to_id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.token_to_id(self.eos_token)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self.token_to_id(self.pad_token)
+
+    @property
+    def unk_token_id(self) -> int | None:
+        return self.token_to_id(self.unk_token)
+
+    # -- encode / decode ------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; identical to ``AutoTokenizer(text, add_special_tokens=...)["input_ids"]``."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def check_ids(self, ids: list[int], param: str = "tokens") -> None:
+        """Raise ``TokenIdError`` naming the first id that is not an int in ``[0, vocab_size)``."""
+        n = self.vocab_size
+        for i, t in enumerate(ids):
+            if type(t) is not int or t < 0 or t >= n:  # bool is not a token id either
+                raise TokenIdError(
+                    f"token id {t!r} at index {i} is out of range: valid ids are 0..{n - 1}", param=param
+                )
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Text of ``ids`` like transformers' ``decode``. Raises ``TokenIdError`` for invalid ids."""
+        self.check_ids(ids)
+        return self.decode_unchecked(ids, skip_special_tokens)
+
+    def decode_unchecked(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """``decode`` without the id range check (ids must already be valid)."""
+        if skip_special_tokens:
+            ids = [t for t in ids if t not in self.skip_ids]
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
+        if self.clean_up_tokenization_spaces:
+            text = _clean_up_tokenization(text)
+        return text
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token string of an id (byte-level/▁ form), or None if out of range."""
+        return self.tokenizer.id_to_token(token_id)
+
+
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
+    """Load a tokenizer directory without caching (see ``get_tokenizer``).
+
+    Raises ``TokenizerLoadError`` when ``tokenizer.json`` is missing or unreadable.
+    """
+    real = os.path.realpath(tokenizer_dir)
+    tj_path = os.path.join(real, "tokenizer.json")
+    cfg_path = os.path.join(real, "tokenizer_config.json")
+    try:
+        config = _read_json(cfg_path) if os.path.exists(cfg_path) else {}
+        tclass = str(config.get("tokenizer_class") or "")
+        base_class = tclass.removesuffix("Fast")
+        with open(tj_path, encoding="utf-8") as f:
+            raw = f.read()
+        tok_json: dict | None = None
+        if base_class == "LlamaTokenizer":
+            tok_json = json.loads(raw)
+            if not _is_byte_level(tok_json):
+                raw = json.dumps(_llama_rewrite(tok_json, config))
+        tok = tokenizers.Tokenizer.from_str(raw)
+        model_type = type(tok.model).__name__
+        del raw
+    except Exception as exc:  # tokenizers raises plain Exception
+        raise TokenizerLoadError(f"cannot load tokenizer from {tokenizer_dir!r}: {exc}") from exc
+
+    # Named special tokens, as transformers' special_tokens_map.
+    defaults = _CLASS_DEFAULTS.get(base_class, {})
+    stm: dict[str, str] = {}
+    for attr in SPECIAL_TOKEN_ATTRIBUTES:
+        value = _token_str(config[attr]) if attr in config else defaults.get(attr)
+        if value is not None:
+            stm[attr] = value
+    extra = config.get("extra_special_tokens")
+    additional: list[str] = []
+    if isinstance(extra, dict):
+        for k, v in extra.items():
+            s = _token_str(v)
+            if s is not None:
+                stm.setdefault(k, s)
+    elif isinstance(extra, list):
+        additional += [s for s in map(_token_str, extra) if s is not None]
+    ast = config.get("additional_special_tokens")
+    if isinstance(ast, list):
+        additional += [s for s in map(_token_str, ast) if s is not None]
+
+    all_special: list[int] = []
+    for s in list(stm.values()) + additional:
+        i = tok.token_to_id(s)
+        if i is not None and i not in all_special:
+            all_special.append(i)
+    added = tok.get_added_tokens_decoder()
+    rust_special = {i for i, t in added.items() if t.special}
+    skip_ids = frozenset(rust_special | set(all_special))
+
+    # Chat templates: tokenizer_config.json (string or list of {name, template}), then
+    # chat_template.jinja (which transformers 5 saves instead, and prefers when present).
+    chat_template: str | None = None
+    named: dict[str, str] = {}
+    ct = config.get("chat_template")
+    if isinstance(ct, str):
+        chat_template = ct
+    elif isinstance(ct, list):
+        for item in ct:
+            if isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("template"), str):
+                named[item["name"]] = item["template"]
+        chat_template = named.get("default")
+    jinja_path = os.path.join(real, "chat_template.jinja")
+    if os.path.exists(jinja_path):
+        with open(jinja_path, encoding="utf-8") as f:
+            chat_template = f.read()
+        if named:
+            named["default"] = chat_template
+    extra_dir = os.path.join(real, "additional_chat_templates")
+    if os.path.isdir(extra_dir):
+        for fn in sorted(os.listdir(extra_dir)):
+            if fn.endswith(".jinja"):
+                with open(os.path.join(extra_dir, fn), encoding="utf-8") as f:
+                    named[fn[: -len(".jinja")]] = f.read()
+        if chat_template is not None:
+            named.setdefault("default", chat_template)
+
+    vocab = tok.get_vocab(with_added_tokens=True)
+    max_chars = max((len(s) for s in vocab), default=1)
+
+    probe = tok.encode("a", add_special_tokens=True).ids
+    plain = tok.encode("a", add_special_tokens=False).ids
+    bos_id = tok.token_to_id(stm["bos_token"]) if "bos_token" in stm else None
+    eos_id = tok.token_to_id(stm["eos_token"]) if "eos_token" in stm else None
+    add_bos = len(probe) > len(plain) and bos_id is not None and probe[0] == bos_id
+    add_eos = len(probe) > len(plain) and eos_id is not None and probe[-1] == eos_id
+
+    cleanup = bool(config.get("clean_up_tokenization_spaces", False))
+    if cleanup and model_type == "BPE" and not config.get(
+        "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False
+    ):
+        cleanup = False
+
+    return LoadedTokenizer(
+        path=real,
+        tokenizer=tok,
+        config=config,
+        special_tokens_map=stm,
+        chat_template=chat_template,
+        chat_templates=named,
+        vocab_size=tok.get_vocab_size(with_added_tokens=True),
+        all_special_ids=all_special,
+        skip_ids=skip_ids,
+        max_token_chars=max(1, max_chars),
+        add_bos_token=add_bos,
+        add_eos_token=add_eos,
+        clean_up_tokenization_spaces=cleanup,
+    )
+
+
+_CACHE: dict[tuple[str, float, float], LoadedTokenizer] = {}
+_CACHE_LOCK = threading.Lock()
+_LOAD_LOCKS: dict[str, threading.Lock] = {}
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return -1.0
+
+
+def get_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
+    """The process-wide ``LoadedTokenizer`` of ``tokenizer_dir``.
+
+    Cached by (real path, mtime of tokenizer.json, mtime of tokenizer_config.json): a directory
+    replaced in place (new revision) is reloaded, and an old entry for the same path is dropped.
+    Thread-safe; concurrent first calls for one directory load it once.
+    Raises ``TokenizerLoadError``.
+    """
+    real = os.path.realpath(tokenizer_dir)
+    key = (real, _mtime(os.path.join(real, "tokenizer.json")), _mtime(os.path.join(real, "tokenizer_config.json")))
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    with _CACHE_LOCK:
+        lock = _LOAD_LOCKS.setdefault(real, threading.Lock())
+    with lock:
+        hit = _CACHE.get(key)
+        if hit is not None:
+            return hit
+        loaded = load_tokenizer(real)
+        with _CACHE_LOCK:
+            for k in [k for k in _CACHE if k[0] == real]:
+                del _CACHE[k]
+            _CACHE[key] = loaded
+        return loaded
+
+
+def clear_tokenizer_cache() -> None:
+    """Forget every cached tokenizer (tests, or an operator-triggered reload)."""
+    with _CACHE_LOCK:
+        _CACHE.clear()
