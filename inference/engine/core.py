@@ -52,6 +52,7 @@ log = logging.getLogger("inference.engine")
 
 OUTPUT_MAXLEN = 10000
 EMA_ALPHA = 0.3
+EARLY_ABORT_S = 60.0  # how long an abort for a not-yet-read request is remembered
 
 
 class EngineCore:
@@ -90,6 +91,7 @@ class EngineCore:
                                  started_at=time.time())
         self._ctl_last = "$"
         self._pending: dict[str, list[EngineCoreOutput]] = {}
+        self._early_aborts: dict[str, float] = {}  # request id -> monotonic time the abort arrived
 
     # ------------------------------------------------------------------ link
     def _setup_link(self) -> None:
@@ -129,9 +131,12 @@ class EngineCore:
     def _poll(self) -> None:
         """Read new requests and aborts; block briefly only when there is nothing to run."""
         idle = not self.running and not self.waiting
-        room = max(1, self.max_num_seqs * 2 - len(self.waiting) - len(self.running))
-        resp = self.redis.xreadgroup(ENGINE_GROUP, self.consumer, {self.req_key: ">"}, count=room,
-                                     block=100 if idle else None)
+        # Take at most what fits soon (2 × max_num_seqs held), leaving the rest to other replicas.
+        room = self.max_num_seqs * 2 - len(self.waiting) - len(self.running)
+        resp = None
+        if room > 0:
+            resp = self.redis.xreadgroup(ENGINE_GROUP, self.consumer, {self.req_key: ">"}, count=room,
+                                         block=100 if idle else None)
         accepted_ids = []
         for _stream, entries in resp or []:
             for entry_id, fields in entries:
@@ -170,10 +175,21 @@ class EngineCore:
             self._emit(req.client_id, EngineCoreOutput(finish_reason=FINISH_ERROR, error=f"bad request: {exc}",
                                                        **base))
             return
-        self.waiting.append(seq)
         self._emit(req.client_id, EngineCoreOutput(**base))
+        if self._early_aborts.pop(req.request_id, None) is not None:
+            self._finish_out(seq, FINISH_ABORT)
+            return
+        self.waiting.append(seq)
 
     def _abort(self, ids: set[str]) -> None:
+        # An abort may overtake its request (still unread in the request stream): remember it a while.
+        held = {s.request_id for s in self.waiting} | {s.request_id for s in self.running}
+        t = time.monotonic()
+        for rid in ids - held:
+            self._early_aborts[rid] = t
+        if len(self._early_aborts) > 10000 or (self._early_aborts and
+                                               t - next(iter(self._early_aborts.values())) > EARLY_ABORT_S):
+            self._early_aborts = {k: v for k, v in self._early_aborts.items() if t - v <= EARLY_ABORT_S}
         for seq in [s for s in self.waiting if s.request_id in ids]:
             self.waiting.remove(seq)
             self._finish_out(seq, FINISH_ABORT)

@@ -139,6 +139,15 @@ def test_abort_frees_the_slot(engine):
     assert st.num_running == 0 and st.num_waiting == 0
 
 
+def test_abort_before_the_request_is_read(engine):
+    rid = "early-" + str(time.time_ns())
+    engine.abort(rid)
+    time.sleep(0.3)  # the engine reads the abort before the request exists
+    engine.send(PROMPT, request_id=rid, temperature=0, max_tokens=300)
+    outs = engine.collect([rid], timeout=10)[rid]
+    assert final(outs).finish_reason == FINISH_ABORT and tokens(outs) == []
+
+
 def test_sixteen_concurrent_requests_finish(engine):
     ids = [engine.send([50 + i] * (5 + i), temperature=0.8, seed=i, max_tokens=64, ignore_eos=True)
            for i in range(16)]
