@@ -1,0 +1,141 @@
+"""Celery tasks of queue ``render``: thin wrappers over ``inference.renderer`` (DESIGN.md §4).
+
+Django-free: they use ``celery.shared_task``; the app (``platform/config/celery.py``) routes
+``inference.render_chat``, ``inference.tokenize_prompt`` and ``inference.detokenize`` to queue
+``render``. Results are JSON-serialisable dicts, never exceptions:
+
+* success: ``{"ok": True, ...}``
+* failure: ``{"ok": False, "error": {"type": <error class name>, "message": str, "param": str|None}}``;
+  ``type`` is a ``RenderError`` subclass name (client error -> HTTP 400), ``"TemplateTimeoutError"``
+  when the soft time limit fired, or ``"InternalError"`` for an unexpected bug (-> HTTP 500).
+
+Time limits: ``soft_time_limit`` = ``RENDER_TIME_LIMIT_S`` (default 5 s) raises
+``SoftTimeLimitExceeded`` inside the task (-> ``TemplateTimeoutError``); the hard ``time_limit``
+(soft + ``RENDER_HARD_TIME_LIMIT_EXTRA_S``, default 2 s) kills a prefork child stuck in C code or
+ignoring the soft signal, and Celery replaces it. The sandbox's operation budget normally stops
+runaway templates well before either limit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from celery import shared_task
+from celery.exceptions import SoftTimeLimitExceeded
+
+from inference.renderer.chat_template import detokenize, render_chat, tokenize_prompt
+from inference.renderer.errors import RenderError, TemplateTimeoutError
+
+logger = logging.getLogger(__name__)
+
+RENDER_TIME_LIMIT_S = float(os.environ.get("RENDER_TIME_LIMIT_S", "5"))
+RENDER_HARD_TIME_LIMIT_S = RENDER_TIME_LIMIT_S + float(os.environ.get("RENDER_HARD_TIME_LIMIT_EXTRA_S", "2"))
+
+_RENDER_ARGS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "tools",
+    "documents",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_special_tokens",
+)
+
+
+def _error(exc: BaseException) -> dict[str, Any]:
+    if isinstance(exc, RenderError):
+        return {"ok": False, "error": exc.to_dict()}
+    if isinstance(exc, SoftTimeLimitExceeded):
+        err = TemplateTimeoutError(f"rendering took longer than {RENDER_TIME_LIMIT_S:g} s and was abandoned")
+        return {"ok": False, "error": err.to_dict()}
+    logger.exception("render task failed unexpectedly")
+    return {"ok": False, "error": {"type": "InternalError", "message": f"{type(exc).__name__}: {exc}", "param": None}}
+
+
+def _require(payload: Any, key: str) -> Any:
+    if not isinstance(payload, dict) or key not in payload:
+        raise RenderError(f"payload is missing {key!r}", param=key)
+    return payload[key]
+
+
+def run_render_chat(payload: dict) -> dict:
+    """The body of ``render_chat_task`` (callable in-process for the inline pool of DESIGN.md §4).
+
+    payload: ``{"tokenizer_dir": str, "messages": list, "add_generation_prompt"?: bool,
+    "continue_final_message"?: bool, "tools"?: list|None, "documents"?: list|None,
+    "chat_template"?: str|None, "chat_template_kwargs"?: dict|None, "add_special_tokens"?: bool}``.
+    Returns ``{"ok": True, "prompt_text": str, "prompt_token_ids": list[int]}`` or an error dict.
+    """
+    try:
+        kwargs = {k: payload[k] for k in _RENDER_ARGS if isinstance(payload, dict) and k in payload}
+        out = render_chat(_require(payload, "tokenizer_dir"), _require(payload, "messages"), **kwargs)
+        return {"ok": True, "prompt_text": out.prompt_text, "prompt_token_ids": out.prompt_token_ids}
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes a structured result
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        return _error(exc)
+
+
+def run_tokenize_prompt(payload: dict) -> dict:
+    """payload ``{"tokenizer_dir", "prompt", "add_special_tokens"?: bool (default True)}`` ->
+    ``{"ok": True, "prompt_token_ids": [...]}`` or an error dict."""
+    try:
+        ids = tokenize_prompt(
+            _require(payload, "tokenizer_dir"),
+            _require(payload, "prompt"),
+            add_special_tokens=bool(payload.get("add_special_tokens", True)),
+        )
+        return {"ok": True, "prompt_token_ids": ids}
+    except BaseException as exc:  # noqa: BLE001
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        return _error(exc)
+
+
+def run_detokenize(payload: dict) -> dict:
+    """payload ``{"tokenizer_dir", "tokens": [int], "skip_special_tokens"?: bool (default False)}``
+    -> ``{"ok": True, "prompt": str}`` (vLLM's /detokenize field name) or an error dict."""
+    try:
+        text = detokenize(
+            _require(payload, "tokenizer_dir"),
+            _require(payload, "tokens"),
+            skip_special_tokens=bool(payload.get("skip_special_tokens", False)),
+        )
+        return {"ok": True, "prompt": text}
+    except BaseException as exc:  # noqa: BLE001
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        return _error(exc)
+
+
+@shared_task(
+    name="inference.render_chat",
+    soft_time_limit=RENDER_TIME_LIMIT_S,
+    time_limit=RENDER_HARD_TIME_LIMIT_S,
+    acks_late=False,
+)
+def render_chat_task(payload: dict) -> dict:
+    """Celery task: render + tokenize a chat (see ``run_render_chat``)."""
+    return run_render_chat(payload)
+
+
+@shared_task(
+    name="inference.tokenize_prompt",
+    soft_time_limit=RENDER_TIME_LIMIT_S,
+    time_limit=RENDER_HARD_TIME_LIMIT_S,
+)
+def tokenize_prompt_task(payload: dict) -> dict:
+    """Celery task: tokenize a plain prompt (see ``run_tokenize_prompt``)."""
+    return run_tokenize_prompt(payload)
+
+
+@shared_task(
+    name="inference.detokenize",
+    soft_time_limit=RENDER_TIME_LIMIT_S,
+    time_limit=RENDER_HARD_TIME_LIMIT_S,
+)
+def detokenize_task(payload: dict) -> dict:
+    """Celery task: ids -> text (see ``run_detokenize``)."""
+    return run_detokenize(payload)

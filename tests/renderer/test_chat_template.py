@@ -1,0 +1,312 @@
+"""render_chat vs transformers' apply_chat_template on real tokenizers, plus the sandbox limits."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+
+import pytest
+
+from inference.renderer.chat_template import detect_content_format, render_chat
+from inference.renderer.errors import (
+    InvalidMessagesError,
+    InvalidTemplateKwargsError,
+    NoChatTemplateError,
+    RenderError,
+    TemplateLimitError,
+    TemplateRenderError,
+    TemplateSecurityError,
+    TemplateSyntaxError,
+)
+from tests.renderer.tokdirs import hf_tokenizer, tok_dir
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "description": "City name"}},
+            "required": ["city"],
+        },
+    },
+}
+TOOL_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+
+
+def reference_ids(name: str, messages, **kwargs) -> list[int]:
+    """transformers 5.24's apply_chat_template(tokenize=True) input ids."""
+    out = hf_tokenizer(name).apply_chat_template(copy.deepcopy(messages), tokenize=True, **kwargs)
+    if not isinstance(out, list):
+        out = out["input_ids"]
+    return list(out)
+
+
+def reference_text(name: str, messages, **kwargs) -> str:
+    return hf_tokenizer(name).apply_chat_template(copy.deepcopy(messages), tokenize=False, **kwargs)
+
+
+def assert_same(name: str, messages, hf_messages=None, *, add_generation_prompt=True, **kwargs):
+    """render_chat(messages) equals transformers on hf_messages (the vLLM-normalised form)."""
+    hf_messages = messages if hf_messages is None else hf_messages
+    got = render_chat(tok_dir(name), copy.deepcopy(messages), add_generation_prompt=add_generation_prompt, **kwargs)
+    hf_kwargs = {k: v for k, v in kwargs.items() if k != "chat_template_kwargs"}
+    hf_kwargs.update(kwargs.get("chat_template_kwargs") or {})
+    ref_text = reference_text(name, hf_messages, add_generation_prompt=add_generation_prompt, **hf_kwargs)
+    ref_ids = reference_ids(name, hf_messages, add_generation_prompt=add_generation_prompt, **hf_kwargs)
+    assert got.prompt_text == ref_text
+    assert got.prompt_token_ids == ref_ids
+    return got
+
+
+BASIC = [{"role": "user", "content": "Hello, who are you?"}]
+MULTI = [
+    {"role": "system", "content": "You are a terse assistant."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4."},
+    {"role": "user", "content": "And 3+3?"},
+]
+UNICODE = [{"role": "user", "content": "Traduis: 你好，世界 🌍🚀 — «ça va?» e\u0301 \t tabs\n\nnew lines"}]
+TOOLS_CONV = [
+    {"role": "system", "content": "Use tools when useful."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'},
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3: at least 8 conversations
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "messages",
+    [BASIC, MULTI, UNICODE, [{"role": "user", "content": ""}], [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "again"}]],
+    ids=["basic", "multi_turn", "unicode", "empty_user", "empty_assistant_turn"],
+)
+def test_qwen3_plain_conversations(messages):
+    got = assert_same("qwen3", messages)
+    assert got.prompt_text.endswith("<|im_start|>assistant\n")
+
+
+def test_qwen3_no_generation_prompt():
+    assert_same("qwen3", MULTI, add_generation_prompt=False)
+
+
+def test_qwen3_tools_and_tool_results():
+    got = assert_same("qwen3", TOOLS_CONV, tools=[WEATHER_TOOL])
+    assert '"get_weather"' in got.prompt_text and "<tool_response>" in got.prompt_text
+
+
+def test_qwen3_tool_call_arguments_json_string_parsed_like_vllm():
+    as_string = copy.deepcopy(TOOLS_CONV)
+    as_string[2]["tool_calls"][0]["function"]["arguments"] = json.dumps({"city": "Paris"})
+    as_string[2]["content"] = None  # OpenAI clients send null content with tool_calls
+    assert_same("qwen3", as_string, TOOLS_CONV, tools=[WEATHER_TOOL])
+    nulled = copy.deepcopy(TOOLS_CONV)
+    nulled[2]["tool_calls"][0]["function"]["arguments"] = "null"
+    expected = copy.deepcopy(TOOLS_CONV)
+    expected[2]["tool_calls"][0]["function"]["arguments"] = {}
+    assert_same("qwen3", nulled, expected, tools=[WEATHER_TOOL])
+
+
+def test_qwen3_list_content_is_joined_with_newlines():
+    one_part = [{"role": "user", "content": [{"type": "text", "text": "Hello, who are you?"}]}]
+    assert render_chat(tok_dir("qwen3"), one_part).prompt_token_ids == render_chat(tok_dir("qwen3"), BASIC).prompt_token_ids
+    two_parts = [{"role": "user", "content": [{"type": "text", "text": "line one"}, {"type": "text", "text": "line two"}]}]
+    assert_same("qwen3", two_parts, [{"role": "user", "content": "line one\nline two"}])
+
+
+def test_qwen3_continue_final_message():
+    msgs = BASIC + [{"role": "assistant", "content": "I am a model that"}]
+    got = assert_same("qwen3", msgs, add_generation_prompt=False, continue_final_message=True)
+    assert got.prompt_text.endswith("I am a model that")
+
+
+def test_qwen3_enable_thinking_false_via_kwargs():
+    got = assert_same("qwen3", MULTI, chat_template_kwargs={"enable_thinking": False})
+    assert got.prompt_text.endswith("<think>\n\n</think>\n\n")
+    assert got.prompt_text != render_chat(tok_dir("qwen3"), MULTI).prompt_text
+
+
+def test_qwen3_reasoning_content_history():
+    msgs = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1", "reasoning_content": "thought one"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2", "reasoning_content": "thought two"},
+    ]
+    got = assert_same("qwen3", msgs, add_generation_prompt=False)
+    assert "thought two" in got.prompt_text
+
+
+def test_qwen3_add_special_tokens_flag_is_passed_to_encode():
+    # Qwen3 adds no BOS, so the ids are equal either way; llama3_1 shows the difference below.
+    a = render_chat(tok_dir("llama3_1"), BASIC)
+    b = render_chat(tok_dir("llama3_1"), BASIC, add_special_tokens=True)
+    assert a.prompt_token_ids[0] == 128000 and a.prompt_token_ids[1] != 128000  # no double BOS
+    assert b.prompt_token_ids[:2] == [128000, 128000]
+
+
+# ---------------------------------------------------------------------------------------------
+# Other families
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["llama3_1", "gemma3", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "messages",
+    [BASIC, MULTI, UNICODE, [{"role": "user", "content": ""}]],
+    ids=["basic", "multi_turn", "unicode", "empty"],
+)
+def test_other_families_match_transformers(name, messages):
+    assert_same(name, messages)
+
+
+def test_llama3_1_no_generation_prompt_and_list_content():
+    assert_same("llama3_1", MULTI, add_generation_prompt=False)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert_same("llama3_1", parts, [{"role": "user", "content": "a\nb"}])
+
+
+def test_gemma3_openai_content_format():
+    tpl = hf_tokenizer("gemma3").chat_template
+    assert detect_content_format(tpl) == "openai"
+    assert detect_content_format(hf_tokenizer("qwen3").chat_template) == "string"
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    # Gemma's template loops over the parts itself: the parts reach it unjoined, like in vLLM.
+    assert_same("gemma3", parts)
+
+
+def test_gemma3_template_raise_exception_message():
+    msgs = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    with pytest.raises(TemplateRenderError) as exc:
+        render_chat(tok_dir("gemma3"), msgs)
+    assert "Conversation roles must alternate" in exc.value.message
+    with pytest.raises(Exception, match="Conversation roles must alternate"):
+        hf_tokenizer("gemma3").apply_chat_template(msgs, tokenize=False)
+
+
+def test_deepseek_v3_continue_final_message():
+    msgs = BASIC + [{"role": "assistant", "content": "Sure, here"}]
+    got = assert_same("deepseek_v3", msgs, add_generation_prompt=False, continue_final_message=True)
+    assert got.prompt_text.endswith("Sure, here")
+
+
+@pytest.mark.parametrize("name", ["gptoss", "llama2"])
+def test_no_chat_template(name):
+    with pytest.raises(NoChatTemplateError) as exc:
+        render_chat(tok_dir(name), BASIC)
+    assert "no chat template" in exc.value.message
+    assert isinstance(exc.value, ValueError)
+
+
+def test_explicit_template_for_a_model_without_one():
+    got = render_chat(
+        tok_dir("llama2"),
+        BASIC,
+        chat_template="{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}",
+    )
+    assert got.prompt_text == "<s>[user] Hello, who are you?\n"
+    assert got.prompt_token_ids[0] == 1 and got.prompt_token_ids.count(1) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument validation
+# ---------------------------------------------------------------------------------------------
+def test_invalid_arguments():
+    d = tok_dir("qwen3")
+    with pytest.raises(InvalidMessagesError):
+        render_chat(d, [])
+    with pytest.raises(InvalidMessagesError):
+        render_chat(d, [{"content": "no role"}])
+    with pytest.raises(InvalidMessagesError) as exc:
+        render_chat(d, [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    assert exc.value.param == "messages"
+    with pytest.raises(InvalidTemplateKwargsError) as exc:
+        render_chat(d, BASIC, chat_template_kwargs={"messages": []})
+    assert exc.value.param == "chat_template_kwargs"
+    with pytest.raises(InvalidTemplateKwargsError):
+        render_chat(d, BASIC, continue_final_message=True)  # add_generation_prompt defaults to True
+    with pytest.raises(TemplateSyntaxError):
+        render_chat(d, BASIC, chat_template="{% for %}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sandbox
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ messages.__class__ }}",
+        "{{ raise_exception.__globals__ }}",
+        "{{ namespace.__init__.__globals__['os'] }}",
+        "{% set ns = namespace(_x=1) %}",
+        "{% set _ = messages.append(1) %}{{ messages|length }}",
+        "{{ '{0.__class__}'.format(messages) }}",
+    ],
+)
+def test_sandbox_escape_is_refused(template):
+    with pytest.raises((TemplateSecurityError, TemplateRenderError)) as exc:
+        render_chat(tok_dir("qwen3"), BASIC, chat_template=template)
+    assert isinstance(exc.value, TemplateSecurityError) or "underscore" in exc.value.message
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}",
+        "{% for a in range(10**9) %}x{% endfor %}",
+        "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+        "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+        "{{ 'x' * 10**9 }}",
+        "{{ ['x'] * 10**9 }}",
+        "{{ 7 ** (10 ** 9) }}",
+        "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+        "{% set ns = namespace(s='xy') %}{% for i in range(64) %}{% set ns.s = [ns.s, ns.s]|join %}{% endfor %}",
+    ],
+    ids=["nested_loops", "huge_range", "concat_doubling", "plus_doubling", "str_mul", "list_mul", "pow", "recursion", "join_doubling"],
+)
+def test_resource_bombs_fail_fast(template):
+    t0 = time.monotonic()
+    with pytest.raises(TemplateLimitError):
+        render_chat(tok_dir("qwen3"), BASIC, chat_template=template)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_output_size_cap():
+    big = "{% for i in range(100000) %}{{ 'abcdefghij' * 3 }}{% endfor %}"
+    with pytest.raises(TemplateLimitError) as exc:
+        render_chat(tok_dir("qwen3"), BASIC, chat_template=big, max_output_chars=10_000)
+    assert "10000" in exc.value.message
+    # The default cap (1 MiB + 4x input) also stops it: 3,000,000 characters.
+    with pytest.raises(TemplateLimitError):
+        render_chat(tok_dir("qwen3"), BASIC, chat_template=big)
+    # Just under an explicit cap passes.
+    ok = render_chat(tok_dir("qwen3"), BASIC, chat_template="{{ 'a' * 999 }}", max_output_chars=1000)
+    assert len(ok.prompt_text) == 999
+
+
+def test_raise_exception_carries_template_message():
+    with pytest.raises(TemplateRenderError) as exc:
+        render_chat(tok_dir("qwen3"), BASIC, chat_template="{{ raise_exception('reasoning_effort must be low') }}")
+    assert exc.value.message == "reasoning_effort must be low"
+    assert isinstance(exc.value, RenderError)
+
+
+def test_large_legitimate_conversation_is_within_budget():
+    msgs = []
+    for i in range(1000):
+        msgs.append({"role": "user", "content": f"question {i} " + "x" * 200})
+        msgs.append({"role": "assistant", "content": f"answer {i}"})
+    msgs.append({"role": "user", "content": "last"})
+    got = render_chat(tok_dir("qwen3"), msgs, tools=[WEATHER_TOOL])
+    assert got.prompt_text.count("<|im_start|>") == 2003  # system(tools) + 2001 turns + generation prompt
+    assert got.prompt_token_ids == reference_ids("qwen3", msgs, tools=[WEATHER_TOOL], add_generation_prompt=True)
+
+
+def test_strftime_now_and_tojson_match_transformers():
+    tpl = "{{ strftime_now('%Y') }}|{{ {'b': 'é<>', 'a': [1, 2]} | tojson }}|{{ {'a': 1} | tojson(indent=2) }}"
+    got = render_chat(tok_dir("qwen3"), BASIC, chat_template=tpl)
+    ref = hf_tokenizer("qwen3").apply_chat_template(BASIC, chat_template=tpl, tokenize=False)
+    assert got.prompt_text == ref
