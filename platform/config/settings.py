@@ -14,6 +14,7 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
                             (``unix://<repo>/var/redis/redis.sock?db=0``).
 ``API_KEY_PEPPER``          secret mixed into API key hashes. Default: HMAC-SHA256(SECRET_KEY, fixed label).
 ``LINK_PREFIX``             prefix of every Redis key the platform owns. Default ``llmp``.
+``DATABASE_TEST_NAME``      name of the test database (tests only). Default: Django's ``test_<name>``.
 ``LOG_LEVEL``               root log level. Default ``INFO``.
 ``DJANGO_CSRF_TRUSTED_ORIGINS``  comma-separated origins for the admin behind a proxy. Default empty.
 ==========================  =================================================================================
@@ -113,6 +114,7 @@ INSTALLED_APPS = [
     "usage",
     "admission",
     "gateway",
+    "ops",
 ]
 
 MIDDLEWARE = [
@@ -166,6 +168,10 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     )
     if not os.environ.get("DATABASE_URL"):
         VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+if _env_first("DATABASE_TEST_NAME"):
+    # Lets concurrent test runs against one PostgreSQL server use distinct test databases.
+    DATABASES["default"]["TEST"] = {"NAME": _env_first("DATABASE_TEST_NAME")}
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
