@@ -104,15 +104,20 @@ class StopChecker:
         include_stop_str_in_output: keep the matched stop string at the end of the output.
 
     ``push(text)`` returns ``(text_safe_to_emit, matched_stop_or_None)``. Once a stop string
-    matched, the output ends there: later pushes return ``("", matched)``. ``flush()`` returns
-    the held-back tail at the end of the stream (when no stop matched).
+    matched, the output ends there: later pushes return ``("", matched)``. ``flush()`` ends the
+    stream and returns ``(held_back_text, matched_stop_or_None)`` (a stop can still be decided at
+    flush, see below).
 
-    Matching: the earliest occurrence in the output wins (ties: the longest stop string). vLLM
-    checks the stop strings in list order over the newly added text instead; the two agree except
-    when several different stop strings appear in the same newly added chunk.
-    Without ``include_stop_str_in_output`` a tail that is a proper prefix of a stop string is
-    held back; with it, nothing needs holding back (text before a stop is emitted either way).
-    Cost per push: O(len(text) + longest stop string) per stop string.
+    Semantics (whole-text, so independent of how the text is chunked): the output is cut at the
+    earliest occurrence of any stop string; when two stop strings start at the same position the
+    shorter wins (it completes first). A complete match is only final once no other stop string
+    could still complete at an earlier start; until then the text from that earlier start is
+    held. vLLM instead checks the stop strings in list order over the newly added text
+    (``vllm/v1/engine/detokenizer.py::check_stop_strings``); the two agree except when different
+    stop strings overlap.
+    Without ``include_stop_str_in_output`` a tail that is a proper prefix of a stop string is held
+    back; with it, text before any possible stop is emitted at once.
+    Cost per push: O((len(text) + longest stop) x number of stops).
     """
 
     def __init__(self, stop: list[str] | None, include_stop_str_in_output: bool = False):
@@ -124,7 +129,7 @@ class StopChecker:
         self.include = include_stop_str_in_output
         self._max_len = max((len(s) for s in stops), default=0)
         self._pending = ""  # received, not yet emitted
-        self._tail = ""  # last (max_len - 1) characters already emitted (include mode search window)
+        self._tail = ""  # last (max_len - 1) characters already emitted
         self.matched: str | None = None
 
     @property
@@ -132,16 +137,29 @@ class StopChecker:
         """True once a stop string matched."""
         return self.matched is not None
 
-    def _held_suffix_len(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
-        best = 0
+    def _earliest_match(self, window: str) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
         for s in self.stop:
-            upto = min(len(s) - 1, len(text))
-            for k in range(upto, best, -1):
-                if text.endswith(s[:k]):
-                    best = k
-                    break
+            i = window.find(s)
+            if i != -1 and (best is None or i < best[0] or (i == best[0] and len(s) < len(best[1]))):
+                best = (i, s)
         return best
+
+    def _earliest_partial(self, window: str, before: int) -> int | None:
+        """Smallest j < ``before`` where ``window[j:]`` is a proper prefix of some stop string."""
+        for j in range(max(0, len(window) - self._max_len + 1), min(before, len(window))):
+            suffix = window[j:]
+            for s in self.stop:
+                if len(s) > len(suffix) and s.startswith(suffix):
+                    return j
+        return None
+
+    def _finish(self, window: str, base: int, match: tuple[int, str]) -> str:
+        start, s = match
+        end = start + len(s) if self.include else start
+        self.matched = s
+        self._pending = ""
+        return window[base:end] if end > base else ""
 
     def push(self, text: str) -> tuple[str, str | None]:
         """Feed newly decoded text; returns (text to emit now, matched stop string or None)."""
@@ -151,31 +169,31 @@ class StopChecker:
             return text, None
         window = self._tail + self._pending + text
         base = len(self._tail)  # window[base:] has not been emitted
-        found_at, found = -1, None
-        for s in self.stop:
-            i = window.find(s)
-            if i != -1 and (found_at == -1 or i < found_at or (i == found_at and len(s) > len(found))):
-                found_at, found = i, s
-        if found is not None:
-            end = found_at + len(found) if self.include else found_at
-            emit = window[base:end] if end > base else ""
-            self.matched = found
-            self._pending = ""
-            return emit, found
-        if self.include:
-            emit, self._pending = window[base:], ""
+        match = self._earliest_match(window)
+        if match is not None:
+            j = self._earliest_partial(window, match[0])
+            if j is None:
+                return self._finish(window, base, match), self.matched
+            cut = max(base, j)
+        elif self.include:
+            cut = len(window)
         else:
-            hold = self._held_suffix_len(window[base:])
-            unemitted = window[base:]
-            emit = unemitted[: len(unemitted) - hold]
-            self._pending = unemitted[len(unemitted) - hold :]
-        emitted_tail = (window[:base] + emit)
-        self._tail = emitted_tail[-(self._max_len - 1) :] if self._max_len > 1 else ""
+            j = self._earliest_partial(window, len(window))
+            cut = len(window) if j is None else max(base, j)
+        emit = window[base:cut]
+        self._pending = window[cut:]
+        emitted = window[:cut]
+        self._tail = emitted[-(self._max_len - 1) :] if self._max_len > 1 else ""
         return emit, None
 
-    def flush(self) -> str:
-        """End of stream without a stop match: return the held-back tail."""
+    def flush(self) -> tuple[str, str | None]:
+        """End of stream: returns (held-back text, matched stop or None)."""
         if self.matched is not None:
-            return ""
+            return "", self.matched
+        window = self._tail + self._pending
+        base = len(self._tail)
+        match = self._earliest_match(window) if self.stop else None
+        if match is not None:
+            return self._finish(window, base, match), self.matched
         out, self._pending = self._pending, ""
-        return out
+        return out, None

@@ -1,0 +1,137 @@
+"""inference.tasks: structured results in-process, and a real prefork Celery worker on Redis
+(time limits only work in a real worker: the soft limit is a signal in the pool child)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from inference.renderer.chat_template import render_chat
+from inference.tasks import render_chat_task, run_detokenize, run_render_chat, run_tokenize_prompt
+from tests.renderer.tokdirs import tok_dir
+
+REPO = Path(__file__).resolve().parents[2]
+BASIC = [{"role": "user", "content": "Hello"}]
+HANG = "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"
+
+
+def test_run_render_chat_ok_and_errors():
+    d = tok_dir("qwen3")
+    ok = run_render_chat({"tokenizer_dir": d, "messages": BASIC, "chat_template_kwargs": {"enable_thinking": False}})
+    ref = render_chat(d, BASIC, chat_template_kwargs={"enable_thinking": False})
+    assert ok == {"ok": True, "prompt_text": ref.prompt_text, "prompt_token_ids": ref.prompt_token_ids}
+
+    err = run_render_chat({"tokenizer_dir": tok_dir("gptoss"), "messages": BASIC})
+    assert err["ok"] is False and err["error"]["type"] == "NoChatTemplateError" and err["error"]["param"] == "messages"
+
+    err = run_render_chat({"tokenizer_dir": d, "messages": BASIC, "chat_template": "{{ raise_exception('nope') }}"})
+    assert err["error"] == {"type": "TemplateRenderError", "message": "nope", "param": "messages"}
+
+    err = run_render_chat({"tokenizer_dir": d, "messages": BASIC, "chat_template": HANG})
+    assert err["error"]["type"] == "TemplateLimitError"
+
+    err = run_render_chat({"messages": BASIC})
+    assert err["ok"] is False and err["error"]["param"] == "tokenizer_dir"
+
+
+def test_tokenize_and_detokenize_tasks():
+    d = tok_dir("llama3_1")
+    out = run_tokenize_prompt({"tokenizer_dir": d, "prompt": "Hi"})
+    assert out["ok"] and out["prompt_token_ids"][0] == 128000
+    assert run_detokenize({"tokenizer_dir": d, "tokens": out["prompt_token_ids"], "skip_special_tokens": True}) == {
+        "ok": True,
+        "prompt": "Hi",
+    }
+    bad = run_detokenize({"tokenizer_dir": d, "tokens": [10**9]})
+    assert bad["ok"] is False and bad["error"]["type"] == "TokenIdError" and str(10**9) in bad["error"]["message"]
+
+
+def test_task_objects_are_registered_with_their_names():
+    assert render_chat_task.name == "inference.render_chat"
+    assert render_chat_task.soft_time_limit > 0 and render_chat_task.time_limit > render_chat_task.soft_time_limit
+    # Executes the real task body locally (no broker).
+    res = render_chat_task.apply(args=({"tokenizer_dir": tok_dir("qwen3"), "messages": BASIC},)).get()
+    assert res["ok"] is True
+
+
+@pytest.fixture(scope="module")
+def worker():
+    redis = pytest.importorskip("redis")
+    url = os.environ.get("RENDER_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
+    try:
+        redis.Redis.from_url(url).ping()
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"no Redis at {url}: {exc}")
+    queue = f"render-test-{uuid.uuid4().hex[:8]}"
+    env = dict(
+        os.environ,
+        RENDER_TEST_REDIS_URL=url,
+        RENDER_TIME_LIMIT_S="1.5",
+        RENDER_HARD_TIME_LIMIT_EXTRA_S="2",
+        RENDER_MAX_OPS=str(10**12),  # disable the sandbox budget: the time limit must stop the hang
+        PYTHONPATH=f"{REPO}:{REPO / 'platform'}",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "tests.renderer.render_worker_app", "worker", "-P", "prefork",
+         "-c", "1", "-Q", queue, "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "warning"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    from tests.renderer.render_worker_app import app
+
+    yield app, queue
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+def _call(app, queue, name, payload, timeout=30):
+    return app.send_task(name, args=[payload], queue=queue).get(timeout=timeout)
+
+
+def test_real_worker_renders_and_abandons_hanging_template(worker):
+    app, queue = worker
+    d = tok_dir("qwen3")
+    # Warm the pool child (tokenizer load ~0.5 s) under the short limit; a busy CI box may need retries.
+    for _ in range(5):
+        if _call(app, queue, "inference.tokenize_prompt", {"tokenizer_dir": d, "prompt": "x"}, timeout=60)["ok"]:
+            break
+    ok = _call(app, queue, "inference.render_chat", {"tokenizer_dir": d, "messages": BASIC}, timeout=60)
+    assert ok["ok"] is True, ok
+    assert ok["prompt_token_ids"] == render_chat(d, BASIC).prompt_token_ids
+
+    t0 = time.monotonic()
+    hung = _call(app, queue, "inference.render_chat", {"tokenizer_dir": d, "messages": BASIC, "chat_template": HANG})
+    elapsed = time.monotonic() - t0
+    assert hung["ok"] is False and hung["error"]["type"] == "TemplateTimeoutError", hung
+    assert elapsed < 4.0, elapsed  # soft limit 1.5 s
+
+    # The worker still serves after the timeout.
+    again = _call(app, queue, "inference.tokenize_prompt", {"tokenizer_dir": d, "prompt": "Hello"})
+    assert again == {"ok": True, "prompt_token_ids": [9707]}
+
+
+def test_data_plane_modules_import_without_django_torch_transformers():
+    code = (
+        "import sys, inference.renderer.chat_template, inference.output_processor\n"
+        "from inference.renderer.chat_template import render_chat\n"
+        f"render_chat({tok_dir('qwen3')!r}, [{{'role': 'user', 'content': 'x'}}])\n"
+        "bad = [m for m in ('django', 'torch', 'transformers', 'celery') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "import inference.tasks\n"
+        # kombu.utils.json imports django.utils.functional when Django is installed; that is all.
+        "bad = [m for m in ('django.conf', 'django.db', 'torch', 'transformers') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
