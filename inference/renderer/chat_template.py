@@ -54,7 +54,7 @@ from .sandbox import ChatTemplateEnvironment, RenderBudget, activate_budget, dea
 from .tokenizer_cache import LoadedTokenizer, get_tokenizer
 
 DEFAULT_MAX_OUTPUT_CHARS = int(os.environ.get("RENDER_MAX_OUTPUT_CHARS", str(1 << 20)))
-DEFAULT_MAX_OPS = int(os.environ.get("RENDER_MAX_OPS", "1000000"))
+DEFAULT_MAX_OPS = int(os.environ.get("RENDER_MAX_OPS", "200000"))
 
 # Arguments of render_chat that chat_template_kwargs may not override (vLLM rejects
 # ``chat_template``/``tokenize`` in chat_template_kwargs; the others would collide).
@@ -366,8 +366,11 @@ def render_chat(
         max_output_chars: cap on the rendered text; default ``RENDER_MAX_OUTPUT_CHARS`` (1 MiB)
             plus 4x the characters of the inputs (large conversations are legitimate, template
             amplification is not).
-        max_ops: operation budget; default ``RENDER_MAX_OPS`` (1,000,000) plus 100 per input
-            message/tool/document.
+        max_ops: operation budget (loop iterations + calls + filters + intercepted operators);
+            default ``RENDER_MAX_OPS`` (200,000) plus 100 per input message/tool/document plus 1
+            per input character. Real templates use 3-8 per message (Qwen3, Gemma 3, Llama 3.1,
+            DeepSeek-V3 measured on 2001 messages); an empty nested ``range(99999)`` loop stops
+            after ~0.2 s.
 
     Returns ``RenderedPrompt(prompt_text, prompt_token_ids)``.
     Raises a ``RenderError`` subclass (see ``errors.py``); all are ``ValueError``.
@@ -433,10 +436,11 @@ def render_chat(
         add_generation_prompt=bool(add_generation_prompt),
     )
     n_items = len(chat) + len(tools or []) + len(documents or [])
+    input_chars = _input_size(chat, tools, documents, kwargs)
     if max_output_chars is None:
-        max_output_chars = DEFAULT_MAX_OUTPUT_CHARS + 4 * _input_size(chat, tools, documents, kwargs)
+        max_output_chars = DEFAULT_MAX_OUTPUT_CHARS + 4 * input_chars
     if max_ops is None:
-        max_ops = DEFAULT_MAX_OPS + 100 * n_items
+        max_ops = DEFAULT_MAX_OPS + 100 * n_items + input_chars
     text = render_template(source, variables, max_output_chars=max_output_chars, max_ops=max_ops)
 
     if continue_final_message:

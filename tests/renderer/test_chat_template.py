@@ -280,8 +280,9 @@ def test_output_size_cap():
         render_chat(tok_dir("qwen3"), BASIC, chat_template=big, max_output_chars=10_000)
     assert "10000" in exc.value.message
     # The default cap (1 MiB + 4x input) also stops it: 3,000,000 characters.
-    with pytest.raises(TemplateLimitError):
+    with pytest.raises(TemplateLimitError) as exc:
         render_chat(tok_dir("qwen3"), BASIC, chat_template=big)
+    assert "characters" in exc.value.message
     # Just under an explicit cap passes.
     ok = render_chat(tok_dir("qwen3"), BASIC, chat_template="{{ 'a' * 999 }}", max_output_chars=1000)
     assert len(ok.prompt_text) == 999
