@@ -1,0 +1,47 @@
+"""Chat-template rendering, tokenization and the tokenizer cache (Django-, torch- and
+transformers-free). Public API:
+
+* ``render_chat(tokenizer_dir, messages, *, add_generation_prompt=True, continue_final_message=False,
+  tools=None, documents=None, chat_template=None, chat_template_kwargs=None, add_special_tokens=False)
+  -> RenderedPrompt(prompt_text, prompt_token_ids)``  (``chat_template.py``)
+* ``tokenize_prompt(tokenizer_dir, prompt, add_special_tokens=True) -> list[int]``
+* ``detokenize(tokenizer_dir, ids, skip_special_tokens=False) -> str``
+* ``get_tokenizer(tokenizer_dir) -> LoadedTokenizer``  (``tokenizer_cache.py``)
+* errors: ``RenderError`` and subclasses (``errors.py``)
+"""
+
+from .chat_template import RenderedPrompt, detokenize, render_chat, tokenize_prompt
+from .errors import (
+    InvalidMessagesError,
+    InvalidTemplateKwargsError,
+    NoChatTemplateError,
+    RenderError,
+    TemplateLimitError,
+    TemplateRenderError,
+    TemplateSecurityError,
+    TemplateSyntaxError,
+    TemplateTimeoutError,
+    TokenIdError,
+    TokenizerLoadError,
+)
+from .tokenizer_cache import LoadedTokenizer, get_tokenizer
+
+__all__ = [
+    "InvalidMessagesError",
+    "InvalidTemplateKwargsError",
+    "LoadedTokenizer",
+    "NoChatTemplateError",
+    "RenderError",
+    "RenderedPrompt",
+    "TemplateLimitError",
+    "TemplateRenderError",
+    "TemplateSecurityError",
+    "TemplateSyntaxError",
+    "TemplateTimeoutError",
+    "TokenIdError",
+    "TokenizerLoadError",
+    "detokenize",
+    "get_tokenizer",
+    "render_chat",
+    "tokenize_prompt",
+]
