@@ -133,6 +133,7 @@ class _SamplingFields(_Base):
     stream_options: StreamOptions | None = None
     user: str | None = None
     request_id: str | None = Field(default=None, max_length=MAX_REQUEST_ID_LEN)
+    return_token_ids: bool | None = False
 
     @field_validator("stop")
     @classmethod

@@ -1,0 +1,28 @@
+"""ASGI entry point: Channels ``ProtocolTypeRouter``.
+
+HTTP requests under the gateway prefixes (``/v1/``, ``/health``, ``/tokenize``, ...) go to the gateway's
+Channels consumers; everything else (admin, REST control API, dashboards) goes to Django's ASGI handler.
+"""
+
+import os
+
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+django_asgi_app = get_asgi_application()
+
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+
+from gateway.routing import GATEWAY_PREFIXES, http_urlpatterns  # noqa: E402
+
+_gateway = URLRouter(http_urlpatterns)
+
+
+async def http_router(scope, receive, send):
+    """Send gateway paths to the Channels consumers and the rest to Django."""
+    if scope["path"].startswith(GATEWAY_PREFIXES):
+        return await _gateway(scope, receive, send)
+    return await django_asgi_app(scope, receive, send)
+
+
+application = ProtocolTypeRouter({"http": http_router})

@@ -1,0 +1,167 @@
+"""``POST /v1/chat/completions`` (OpenAI chat API; shapes as reference/vllm_frontend.md §9)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from gateway import auth
+from gateway.errors import ApiError
+from gateway.generation import (
+    GenerationRun,
+    UsageRecorder,
+    call_render,
+    chat_template_for,
+    client_request_id,
+    link,
+    eos_ids_of,
+    load_tokenizer,
+    public_finish_reason,
+    resolve_model,
+    to_request_error,
+    usage_dict,
+    vocab_size_of,
+)
+from gateway.http import GatewayConsumer
+from gateway.logprobs import chat_logprobs
+from inference.input_processor import generation_defaults, new_internal_id, process_inputs
+from inference.protocol.openai import (
+    ChatCompletionRequest,
+    RequestValidationError,
+    parse_json_body,
+    validate_request,
+)
+
+
+def render_payload(model: dict, req: ChatCompletionRequest) -> dict:
+    """The ``inference.render_chat`` task payload for ``req`` on ``model``."""
+    add_generation_prompt = bool(req.add_generation_prompt)
+    if req.continue_final_message:
+        add_generation_prompt = False
+    return {
+        "tokenizer_dir": model["tokenizer_dir"],
+        "messages": [m.model_dump(exclude_unset=True) for m in req.messages],
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": bool(req.continue_final_message),
+        "tools": [t.model_dump(exclude_unset=True) for t in req.tools] if req.tools else None,
+        "documents": req.documents,
+        "chat_template": chat_template_for(model, req),
+        "chat_template_kwargs": req.chat_template_kwargs or None,
+        "add_special_tokens": bool(req.add_special_tokens),
+    }
+
+
+class ChatCompletionsConsumer(GatewayConsumer):
+    """Chat completions, streaming (SSE) and not. Every check runs before the first byte."""
+
+    async def handle_request(self, body: bytes) -> None:
+        arrival = time.time()
+        ctx = await auth.authenticate(self.scope["headers"])
+        auth.require_scope(ctx, "inference")
+        try:
+            req = validate_request(ChatCompletionRequest, parse_json_body(body))
+        except RequestValidationError as exc:
+            raise to_request_error(exc) from None
+        external_id = "chatcmpl-" + client_request_id(self.header(b"x-request-id"), req.request_id)
+        self.extra_headers.append((b"x-request-id", external_id.encode()))
+        recorder = UsageRecorder("chat.completions", new_internal_id(external_id), arrival, ctx, req.model, n=req.n or 1)
+        run: GenerationRun | None = None
+        try:
+            model = await resolve_model(ctx, req.model)
+            tokenizer = await load_tokenizer(model)
+            rendered = await call_render("inference.render_chat", render_payload(model, req))
+            try:
+                processed = process_inputs(
+                    req, external_id=external_id, prompt_token_ids=rendered["prompt_token_ids"],
+                    prompt_param="messages", max_model_len=model["max_model_len"],
+                    vocab_size=vocab_size_of(tokenizer, model), defaults=generation_defaults(model["model_dir"]),
+                    client_id=link().client_id, arrival_time=arrival, eos_token_ids=eos_ids_of(tokenizer),
+                    logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+            except RequestValidationError as exc:
+                raise to_request_error(exc) from None
+            run = GenerationRun(model=model, processed=processed, tokenizer=tokenizer, stop=req.stop,
+                                include_stop_str_in_output=bool(req.include_stop_str_in_output),
+                                skip_special_tokens=req.skip_special_tokens is not False, arrival_time=arrival)
+            await run.start()
+            recorder.run = run
+            if req.stream:
+                await self._stream(req, run, external_id, int(arrival), tokenizer)
+            else:
+                await self._complete(req, run, external_id, int(arrival), tokenizer)
+            recorder.finish_reason = run.choices[0].finish_reason if run.choices else None
+        except ApiError as err:
+            recorder.status_code = err.status
+            raise
+        except asyncio.CancelledError:
+            recorder.status_code = 499
+            recorder.finish_reason = "abort"
+            raise
+        finally:
+            if run is not None:
+                await run.close()
+            await recorder.emit()
+
+    async def _complete(self, req, run: GenerationRun, external_id: str, created: int, tokenizer) -> None:
+        async for _ in run.deltas():
+            pass
+        error = run.error_message()
+        if error:
+            raise ApiError(503, error, "server_error", None, "engine_error", [("retry-after", "1")])
+        choices = []
+        for c in run.choices:
+            choices.append({
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text, "tool_calls": []},
+                "logprobs": chat_logprobs(tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0)
+                if req.logprobs else None,
+                "finish_reason": public_finish_reason(c.finish_reason),
+                "stop_reason": c.stop_reason,
+                **({"token_ids": c.token_ids} if req.return_token_ids else {}),
+            })
+        await self.send_json(200, {
+            "id": external_id, "object": "chat.completion", "created": created,
+            "model": run.model["served_model_name"], "choices": choices,
+            "usage": usage_dict(run.prompt_tokens, run.completion_tokens, run.num_cached_tokens),
+            "system_fingerprint": None,
+            **({"prompt_token_ids": run.processed.prompt_token_ids} if req.return_token_ids else {}),
+        })
+
+    async def _stream(self, req, run: GenerationRun, external_id: str, created: int, tokenizer) -> None:
+        model_name = run.model["served_model_name"]
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(choices, usage=None):
+            body = {"id": external_id, "object": "chat.completion.chunk", "created": created,
+                    "model": model_name, "choices": choices}
+            if include_usage:
+                body["usage"] = usage
+            return body
+
+        await self.start_sse()
+        for c in run.choices:
+            await self.send_event(chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]))
+        seen_logprobs = {c.index: 0 for c in run.choices}
+        async for d in run.deltas():
+            state = run.choices[d.index]
+            if state.finish_reason == "error":
+                break
+            if d.finish_reason is None and not d.text:
+                continue  # text held back (partial character or possible stop string)
+            choice = {"index": d.index, "delta": {"content": d.text} if d.text else {},
+                      "logprobs": None, "finish_reason": public_finish_reason(d.finish_reason)}
+            if req.logprobs:
+                start = seen_logprobs[d.index]
+                choice["logprobs"] = chat_logprobs(tokenizer, state.token_ids[start:], state.logprobs[start:],
+                                                   req.top_logprobs or 0)
+                seen_logprobs[d.index] = len(state.token_ids)
+            if d.finish_reason is not None:
+                choice["stop_reason"] = d.stop_reason
+            await self.send_event(chunk([choice]))
+        error = run.error_message()
+        if error:
+            raise ApiError(503, error, "server_error", None, "engine_error")
+        if include_usage:
+            await self.send_event(chunk([], usage_dict(run.prompt_tokens, run.completion_tokens,
+                                                       run.num_cached_tokens)))
+        await self.end_sse()

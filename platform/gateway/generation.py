@@ -1,0 +1,349 @@
+"""The generation service behind chat and completions (DESIGN.md §2, steps 3-11).
+
+Endpoint modules parse and validate; this module resolves the model, renders and tokenizes through the
+Celery ``render`` queue, runs input processing, hands the requests to the engine link, turns engine outputs
+into text (incremental detokenization, stop strings) and records usage exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from django.conf import settings
+
+from gateway import auth
+from gateway.errors import ApiError, bad_request, not_found, unavailable
+from gateway.model_cache import get_model
+from inference.engine_client import EngineLink, EngineUnavailableError
+from inference.input_processor import ProcessedInput, model_vocab_size
+from inference.output_processor import IncrementalDetokenizer, StopChecker
+from inference.protocol.engine import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, EngineCoreOutput
+from inference.protocol.openai import MAX_REQUEST_ID_LEN, RequestValidationError
+from inference.render_client import CeleryResultWaiter, RenderUnavailableError
+from inference.renderer.tokenizer_cache import get_tokenizer
+from usage.events import usage_event_emit
+
+log = logging.getLogger(__name__)
+
+RENDER_QUEUE = "render"
+
+
+def link() -> EngineLink:
+    """This process's engine link."""
+    return EngineLink.for_current_process(settings.REDIS_URL, settings.LINK_PREFIX)
+
+
+def client_request_id(header_value: bytes | None, body_value: str | None) -> str:
+    """The client's request id: ``X-Request-Id`` header, else body ``request_id``, else random.
+
+    Capped at ``MAX_REQUEST_ID_LEN`` characters (longer header values are refused with 400 by the caller
+    via ``ApiError``); only printable ASCII is kept.
+    """
+    raw = None
+    if header_value:
+        raw = header_value.decode("latin-1")
+        if len(raw) > MAX_REQUEST_ID_LEN:
+            raise bad_request(f"X-Request-Id is longer than {MAX_REQUEST_ID_LEN} characters", "X-Request-Id")
+    elif body_value:
+        raw = body_value
+    if raw:
+        cleaned = "".join(ch for ch in raw if 32 < ord(ch) < 127)
+        if cleaned:
+            return cleaned
+    return secrets.token_hex(8)
+
+
+async def resolve_model(ctx, name: str | None) -> dict:
+    """The served model for ``name`` (404 when unknown, 403 when the key may not use it)."""
+    if not name:
+        raise bad_request("'model' is required", "model")
+    snap = await get_model(name)
+    if snap is None:
+        raise not_found(f"The model '{name}' does not exist or is not served here", "model", "model_not_found")
+    auth.require_model(ctx, name)
+    return snap
+
+
+async def load_tokenizer(model: dict):
+    """The model's tokenizer, loaded once per process off the event loop."""
+    return await asyncio.to_thread(get_tokenizer, model["tokenizer_dir"])
+
+
+async def call_render(task: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """Run a renderer task on the Celery ``render`` queue and return its ``ok`` result.
+
+    Structured task errors become HTTP 400 with the renderer's ``param``; no worker answering within the
+    time limit becomes 503.
+    """
+    from config.celery import app  # the Celery app lives in the Django config package
+
+    timeout = float(getattr(settings, "RENDER_WAIT_TIMEOUT_S", 30.0))
+    waiter = CeleryResultWaiter.for_current_loop(settings.REDIS_URL)
+    try:
+        result = await waiter.call(app, task, [payload], queue=RENDER_QUEUE, timeout=timeout)
+    except RenderUnavailableError as exc:
+        raise unavailable(f"{exc}; the render workers are busy or down, retry shortly", 2,
+                          "render_unavailable") from None
+    if not result.get("ok"):
+        err = result.get("error") or {}
+        etype = err.get("type", "RenderError")
+        message = err.get("message") or "The request could not be rendered"
+        code = {"TemplateTimeoutError": "template_timeout", "NoChatTemplateError": "no_chat_template",
+                "TemplateSecurityError": "template_security", "TemplateLimitError": "template_limit"}.get(
+            etype, "invalid_prompt")
+        raise bad_request(message, err.get("param"), code)
+    return result
+
+
+def chat_template_for(model: dict, req) -> str | None:
+    """The template to render with: request template (only if the registry allows it), else the registry
+    override, else ``None`` (the tokenizer's own)."""
+    if req.chat_template is not None:
+        if not model.get("allow_request_chat_template"):
+            raise bad_request("Client-supplied chat templates are not allowed for this model", "chat_template",
+                              "chat_template_not_allowed")
+        return req.chat_template
+    return model.get("chat_template") or None
+
+
+def vocab_size_of(tokenizer, model: dict) -> int:
+    """Valid prompt ids are ``[0, this)``: ids the tokenizer can decode (added tokens included) that the
+    model's embedding also has rows for."""
+    model_vocab = model_vocab_size(model["model_dir"])
+    return min(int(tokenizer.vocab_size), model_vocab) if model_vocab else int(tokenizer.vocab_size)
+
+
+def eos_ids_of(tokenizer) -> list[int]:
+    """The tokenizer's EOS id as a list (empty when it has none)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return [eos] if isinstance(eos, int) else []
+
+
+# ----------------------------------------------------------------------------- running
+
+
+@dataclass
+class ChoiceState:
+    """Output state of one choice (one engine child request)."""
+
+    index: int
+    request_id: str
+    detok: IncrementalDetokenizer
+    stops: StopChecker
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class ChoiceDelta:
+    """New text for one choice; ``finish_reason`` set on its last delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class GenerationRun:
+    """One API request's engine work: ``n`` children sharing one output queue.
+
+    Iterate ``deltas()``; call ``close()`` in a ``finally`` (aborts unfinished children, idempotent).
+    """
+
+    model: dict
+    processed: ProcessedInput
+    tokenizer: Any
+    stop: list[str]
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+    arrival_time: float
+    choices: list[ChoiceState] = field(default_factory=list)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    _closed: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.processed.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return max((c.num_cached_tokens for c in self.choices), default=0)
+
+    async def start(self) -> None:
+        """Register the output queue and send every child to the engine (503 when no replica is alive)."""
+        by_id = {}
+        for i, req in enumerate(self.processed.requests):
+            state = ChoiceState(
+                index=i, request_id=req.request_id,
+                detok=IncrementalDetokenizer(self.tokenizer, self.processed.prompt_token_ids,
+                                             skip_special_tokens=self.skip_special_tokens),
+                stops=StopChecker(self.stop, self.include_stop_str_in_output))
+            self.choices.append(state)
+            by_id[req.request_id] = state
+        self._by_id = by_id
+        try:
+            await link().add_requests(self.model["served_model_name"], self.processed.requests, self.queue)
+        except EngineUnavailableError as exc:
+            raise unavailable(str(exc), 2, "engine_unavailable") from None
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """Yield text deltas as engine outputs arrive, until every choice has finished."""
+        remaining = len(self.choices)
+        while remaining:
+            out: EngineCoreOutput = await self.queue.get()
+            state = self._by_id.get(out.request_id)
+            if state is None or state.finish_reason is not None:
+                continue
+            delta = self._apply(state, out)
+            if delta is not None:
+                if state.finish_reason is not None:
+                    remaining -= 1
+                yield delta
+        self.finished_time = time.time()
+
+    def _apply(self, state: ChoiceState, out: EngineCoreOutput) -> ChoiceDelta | None:
+        if out.num_cached_tokens:
+            state.num_cached_tokens = out.num_cached_tokens
+        new_ids = list(out.new_token_ids)
+        if new_ids and self.first_token_time is None:
+            self.first_token_time = time.time()
+        state.token_ids.extend(new_ids)
+        if out.new_logprobs:
+            state.logprobs.extend(out.new_logprobs)
+        text = state.detok.push(new_ids) if new_ids else ""
+        finish = out.finish_reason
+        if finish is not None:
+            text += state.detok.flush()
+        emit, matched = state.stops.push(text)
+        if matched is not None:
+            state.finish_reason = FINISH_STOP
+            state.stop_reason = matched
+            state.text += emit
+            if out.finish_reason is None:
+                asyncio.get_running_loop().create_task(self._abort([state.request_id]))
+            return ChoiceDelta(state.index, emit, new_ids, FINISH_STOP, matched)
+        if finish is not None:
+            tail, late_match = state.stops.flush()
+            emit += tail
+            state.finish_reason = FINISH_STOP if late_match is not None else finish
+            state.stop_reason = late_match if late_match is not None else out.stop_reason
+            state.error = out.error
+        state.text += emit
+        if not emit and not new_ids and finish is None:
+            return None
+        return ChoiceDelta(state.index, emit, new_ids, state.finish_reason, state.stop_reason)
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        try:
+            await link().abort(self.model["served_model_name"], request_ids)
+        except Exception:  # noqa: BLE001
+            log.exception("abort failed")
+
+    async def close(self) -> None:
+        """Abort children that have not finished (client gone, error, cancellation). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        unfinished = [c.request_id for c in self.choices if c.finish_reason is None]
+        for c in self.choices:
+            if c.finish_reason is None:
+                c.finish_reason = FINISH_ABORT
+        if unfinished:
+            await asyncio.shield(self._abort(unfinished))
+        for c in self.choices:
+            link().release(c.request_id)
+        if self.finished_time is None:
+            self.finished_time = time.time()
+
+    def error_message(self) -> str | None:
+        """The first engine error of any choice."""
+        for c in self.choices:
+            if c.finish_reason == FINISH_ERROR:
+                return c.error or "The engine failed while generating"
+        return None
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI ``usage`` object."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
+
+
+def public_finish_reason(reason: str | None) -> str | None:
+    """OpenAI exposes only stop/length/tool_calls/content_filter; ``abort`` never reaches a live client."""
+    if reason in (FINISH_STOP, FINISH_LENGTH, None):
+        return reason
+    return FINISH_STOP if reason == FINISH_ABORT else reason
+
+
+@dataclass
+class UsageRecorder:
+    """Collects one request's usage and emits it exactly once (``emit`` is idempotent)."""
+
+    endpoint: str
+    request_id: str
+    arrival_time: float
+    ctx: Any = None
+    model: str | None = None
+    status_code: int = 200
+    finish_reason: str | None = None
+    run: GenerationRun | None = None
+    n: int = 1
+    _emitted: bool = False
+
+    async def emit(self) -> None:
+        """Send the usage event to the durable Redis stream (one XADD; never a DB write on the loop)."""
+        if self._emitted or self.ctx is None:
+            return
+        self._emitted = True
+        run = self.run
+        now = time.time()
+        event = {
+            "request_id": self.request_id,
+            "tenant_id": self.ctx.tenant_id,
+            "api_key_id": self.ctx.key_id,
+            "served_model_name": self.model or "",
+            "endpoint": self.endpoint,
+            "prompt_tokens": run.prompt_tokens if run else 0,
+            "completion_tokens": run.completion_tokens if run else 0,
+            "cached_tokens": run.num_cached_tokens if run else 0,
+            "status_code": self.status_code,
+            "finish_reason": self.finish_reason,
+            "ttft_ms": ((run.first_token_time - self.arrival_time) * 1000.0)
+            if run and run.first_token_time else None,
+            "e2e_latency_ms": ((run.finished_time if run and run.finished_time else now)
+                               - self.arrival_time) * 1000.0,
+            "n": self.n,
+            "created_at": self.arrival_time,
+            "finished_at": now,
+        }
+        try:
+            await asyncio.shield(usage_event_emit(link().redis, event))
+        except Exception:  # noqa: BLE001 - usage must never break the response
+            log.exception("usage event emit failed for %s", self.request_id)
+
+
+def to_request_error(exc: RequestValidationError) -> ApiError:
+    """Map an input-processing error to HTTP 400."""
+    return bad_request(exc.message, exc.param)

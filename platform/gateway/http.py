@@ -1,0 +1,149 @@
+"""Base Channels HTTP consumer for the OpenAI-compatible routes.
+
+Channels' ``AsyncHttpConsumer`` runs ``handle()`` inside its message loop, so an ``http.disconnect`` is not
+seen until ``handle()`` returns; a streaming handler would never learn that its client went away. This base
+runs the handler as a task instead and cancels it when the client disconnects, so the request's engine work
+is aborted and its resources released (DESIGN.md §2). It also caps the body size while it arrives (413),
+turns ``ApiError`` into the OpenAI envelope with its real status, and turns anything unexpected into a logged
+500 (a defect to fix, DESIGN.md §8).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from typing import Any
+
+from channels.exceptions import StopConsumer
+from channels.generic.http import AsyncHttpConsumer
+
+from gateway.errors import ApiError, error_body
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = int(os.environ.get("MAX_REQUEST_BODY_BYTES", str(16 * 1024 * 1024)))
+JSON_HEADERS = [(b"content-type", b"application/json")]
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+
+
+class GatewayConsumer(AsyncHttpConsumer):
+    """Base for gateway endpoints: subclasses implement ``async handle_request(body: bytes)``."""
+
+    channel_layer_alias = "__gateway_no_layer__"  # no channel layer round trips per request
+    methods: tuple[str, ...] = ("POST",)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._size = 0
+        self._task: asyncio.Task | None = None
+        self._started = False
+        self.extra_headers: list[tuple[bytes, bytes]] = []
+
+    # ------------------------------------------------------------------ ASGI plumbing
+    async def http_request(self, message):
+        """Accumulate the body (413 past ``MAX_BODY_BYTES``), then start the handler task."""
+        if self._task is not None:
+            return
+        chunk = message.get("body", b"")
+        self._size += len(chunk)
+        if self._size > MAX_BODY_BYTES:
+            self.body = []
+            self._task = asyncio.get_running_loop().create_task(self._reject_too_large())
+            return
+        if chunk:
+            self.body.append(chunk)
+        if not message.get("more_body"):
+            body = b"".join(self.body)
+            self.body = []
+            self._task = asyncio.get_running_loop().create_task(self._run(body))
+
+    async def http_disconnect(self, message):
+        """Client went away (or the response is complete): cancel the handler if it still runs."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        raise StopConsumer()
+
+    async def _reject_too_large(self) -> None:
+        await self.send_error(ApiError(413, f"Request body too large: the limit is {MAX_BODY_BYTES} bytes",
+                                       "invalid_request_error", None, "request_too_large"))
+
+    async def _run(self, body: bytes) -> None:
+        try:
+            if self.scope.get("method") not in self.methods:
+                raise ApiError(405, f"Method {self.scope.get('method')} is not allowed on {self.scope.get('path')}",
+                               "invalid_request_error", None, "method_not_allowed",
+                               [("allow", ", ".join(self.methods))])
+            await self.handle_request(body)
+        except asyncio.CancelledError:
+            raise
+        except ApiError as err:
+            if self._started:
+                await self.send_sse_error(err)
+            else:
+                await self.send_error(err)
+        except Exception:  # noqa: BLE001 - a 500 is a defect, but the client still gets an envelope
+            log.exception("unhandled error on %s", self.scope.get("path"))
+            err = ApiError(500, "The server had an error while processing your request.", "server_error",
+                           None, "internal_error")
+            if self._started:
+                await self.send_sse_error(err)
+            else:
+                await self.send_error(err)
+
+    async def handle_request(self, body: bytes) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ helpers
+    def header(self, name: bytes) -> bytes | None:
+        """First request header ``name`` (lower-case bytes), or ``None``."""
+        for key, value in self.scope.get("headers", []):
+            if key.lower() == name:
+                return value
+        return None
+
+    async def send_json(self, status: int, payload: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        """Send a complete JSON response."""
+        await self.send_headers(status=status, headers=JSON_HEADERS + self.extra_headers + (headers or []))
+        await self.send_body(json.dumps(payload, separators=(",", ":"), allow_nan=False).encode())
+
+    async def send_error(self, err: ApiError) -> None:
+        """Send ``err`` as a JSON envelope with its status and headers."""
+        headers = [(k.encode(), v.encode()) for k, v in err.headers]
+        await self.send_headers(status=err.status, headers=JSON_HEADERS + self.extra_headers + headers)
+        await self.send_body(err.body())
+
+    async def start_sse(self, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        """Send 200 + SSE headers; after this, errors go in-band."""
+        await self.send_headers(status=200, headers=SSE_HEADERS + self.extra_headers + (headers or []))
+        self._started = True
+
+    async def send_event(self, payload: Any) -> None:
+        """Send one ``data: <json>`` SSE event."""
+        await self.send_body(b"data: " + json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
+                             + b"\n\n", more_body=True)
+
+    async def end_sse(self) -> None:
+        """Send ``data: [DONE]`` and close the response."""
+        await self.send_body(b"data: [DONE]\n\n", more_body=False)
+
+    async def send_sse_error(self, err: ApiError) -> None:
+        """In-band error after the stream started (only failures after the first byte), then ``[DONE]``."""
+        try:
+            await self.send_body(b"data: " + json.dumps({"error": {
+                "message": err.message, "type": err.type, "param": err.param, "code": err.code}}).encode()
+                + b"\n\n", more_body=True)
+            await self.end_sse()
+        except Exception:  # noqa: BLE001 - client may be gone
+            pass
+
+
+def not_found_app_body(path: str) -> bytes:
+    """Envelope for unknown routes."""
+    return error_body(f"Unknown route: {path}", "not_found_error", None, "unknown_route")

@@ -1,0 +1,36 @@
+"""``GET /v1/models`` and ``GET /v1/models/{model}`` (OpenAI list/retrieve models)."""
+
+from __future__ import annotations
+
+from asgiref.sync import sync_to_async
+
+from gateway import auth
+from gateway.errors import not_found
+from gateway.http import GatewayConsumer
+from registry.selectors import served_models_enabled
+
+
+def _model_card(m) -> dict:
+    return {"id": m.served_model_name, "object": "model", "created": int(m.created_at.timestamp()),
+            "owned_by": "platform", "root": m.served_model_name, "parent": None,
+            "max_model_len": m.max_model_len}
+
+
+class ModelsConsumer(GatewayConsumer):
+    """Lists the enabled models this key may use; ``/v1/models/<id>`` retrieves one."""
+
+    methods = ("GET",)
+
+    async def handle_request(self, body: bytes) -> None:
+        ctx = await auth.authenticate(self.scope["headers"])
+        models = await sync_to_async(lambda: list(served_models_enabled()), thread_sensitive=False)()
+        cards = [_model_card(m) for m in models
+                 if not ctx.allowed_models or m.served_model_name in ctx.allowed_models]
+        wanted = self.scope["url_route"]["kwargs"].get("model")
+        if wanted:
+            for card in cards:
+                if card["id"] == wanted:
+                    await self.send_json(200, card)
+                    return
+            raise not_found(f"The model '{wanted}' does not exist", "model", "model_not_found")
+        await self.send_json(200, {"object": "list", "data": cards})

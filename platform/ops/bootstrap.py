@@ -1,0 +1,76 @@
+"""First-run data for the quickstart: an operator account, a demo tenant, its API key and the demo model.
+
+Idempotent: a second run reuses what exists. The demo key's secret is shown once when created and kept only
+in ``var/demo_api_key`` (mode 0600) on this machine so the quickstart can print it again; the database holds
+only its prefix and peppered hash, like every key.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from django.contrib.auth import get_user_model
+
+from registry.services import served_model_register
+from tenancy.models import ApiKey
+from tenancy.selectors import api_key_authenticate
+from tenancy.services import api_key_create, tenant_get_or_create
+
+DEMO_TENANT = "demo"
+DEMO_KEY_NAME = "demo-key"
+
+
+@dataclass
+class DemoInfo:
+    """What the quickstart prints."""
+
+    operator_username: str
+    operator_password: str | None
+    api_key: str
+    model_name: str
+
+
+def _private_write(path: Path, value: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(value)
+
+
+def operator_ensure(var_dir: Path, username: str = "operator") -> str | None:
+    """Create the superuser ``username`` if missing; return its password when we know it (created here)."""
+    user_model = get_user_model()
+    pw_file = var_dir / "operator_password"
+    if user_model.objects.filter(username=username).exists():
+        return pw_file.read_text().strip() if pw_file.exists() else None
+    password = os.environ.get("OPERATOR_PASSWORD") or secrets.token_urlsafe(12)
+    user_model.objects.create_superuser(username=username, email="", password=password)
+    _private_write(pw_file, password)
+    return password
+
+
+def demo_key_ensure(var_dir: Path, model_name: str) -> str:
+    """Return a working demo key secret, creating a new key when the stored one is missing or invalid."""
+    key_file = var_dir / "demo_api_key"
+    if key_file.exists():
+        secret = key_file.read_text().strip()
+        if secret and api_key_authenticate(secret) is not None:
+            return secret
+    tenant = tenant_get_or_create(name=DEMO_TENANT)
+    _key, secret = api_key_create(tenant=tenant, name=DEMO_KEY_NAME)
+    _private_write(key_file, secret)
+    return secret
+
+
+def demo_bootstrap(*, var_dir: Path, model_name: str, model_dir: str, max_model_len: int) -> DemoInfo:
+    """Ensure operator, demo tenant, demo key and the demo model registration exist."""
+    served_model_register(served_model_name=model_name, model_dir=model_dir, max_model_len=max_model_len)
+    password = operator_ensure(var_dir)
+    secret = demo_key_ensure(var_dir, model_name)
+    return DemoInfo("operator", password, secret, model_name)
+
+
+__all__ = ["DemoInfo", "demo_bootstrap", "ApiKey"]

