@@ -28,6 +28,8 @@ import msgpack
 import redis.asyncio as aioredis
 
 from inference.protocol.engine import (
+    API_ALIVE_TTL_S,
+    api_alive_key,
     FINISH_ERROR,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -44,13 +46,6 @@ log = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 1.0
 ACCEPT_GRACE_S = 5.0
-API_ALIVE_TTL_S = 10
-
-
-def api_alive_key(prefix: str, client_id: str) -> str:
-    """Redis key an api process refreshes while alive; engines abort requests of a client whose key is gone."""
-    return f"{prefix}:api:{client_id}:alive"
-
 
 class EngineUnavailableError(RuntimeError):
     """No live engine replica serves the model (maps to HTTP 503)."""

@@ -29,6 +29,7 @@ import msgpack
 import redis
 
 from inference.protocol.engine import (
+    api_alive_key,
     ENGINE_GROUP,
     FINISH_ABORT,
     FINISH_ERROR,
@@ -52,6 +53,7 @@ log = logging.getLogger("inference.engine")
 
 OUTPUT_MAXLEN = 10000
 EMA_ALPHA = 0.3
+CLIENT_CHECK_INTERVAL_S = 2.0  # how often held requests' api processes are checked for liveness
 EARLY_ABORT_S = 60.0  # how long an abort for a not-yet-read request is remembered
 
 
@@ -92,6 +94,7 @@ class EngineCore:
         self._ctl_last = "$"
         self._pending: dict[str, list[EngineCoreOutput]] = {}
         self._early_aborts: dict[str, float] = {}  # request id -> monotonic time the abort arrived
+        self._next_client_check = time.monotonic() + CLIENT_CHECK_INTERVAL_S
 
     # ------------------------------------------------------------------ link
     def _setup_link(self) -> None:
@@ -202,6 +205,25 @@ class EngineCore:
         if len(keep) != len(self.running):
             self.runner.remove_rows(keep)
             self.running = [self.running[i] for i in keep]
+
+    def _drop_dead_clients(self) -> None:
+        """Abort requests whose api process stopped refreshing its liveness key (killed or restarted),
+        so their slots never stay occupied for an output stream nobody reads (DESIGN.md §6)."""
+        t = time.monotonic()
+        if t < self._next_client_check:
+            return
+        self._next_client_check = t + CLIENT_CHECK_INTERVAL_S
+        clients = sorted({s.request.client_id for s in self.running} | {s.request.client_id for s in self.waiting})
+        if not clients:
+            return
+        alive = self.redis.mget([api_alive_key(self.prefix, c) for c in clients])
+        dead = {c for c, v in zip(clients, alive) if v is None}
+        if dead:
+            ids = {s.request_id for s in list(self.waiting) + self.running if s.request.client_id in dead}
+            log.warning("aborting %d request(s) of vanished api process(es) %s", len(ids), sorted(dead))
+            self._abort(ids)
+            for c in dead:
+                self._pending.pop(c, None)
 
     def _finish_out(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         self._emit(seq.request.client_id, EngineCoreOutput(
@@ -323,6 +345,7 @@ class EngineCore:
             while not self.stop_event.is_set():
                 try:
                     self._poll()
+                    self._drop_dead_clients()
                     self._flush()  # acceptance outputs go out before the (maybe long) step
                     if self.running or self.waiting:
                         self.step()

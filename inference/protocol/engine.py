@@ -13,6 +13,8 @@ Link layout (DESIGN.md §6), all keys prefixed by ``link_prefix`` (default ``llm
   entries ``{"a": msgpack([request_id, ...])}`` abort those internal request ids wherever they run.
 * ``{p}:api:{client_id}:outputs``  Redis Stream, one per api process; one entry per engine step that
   has outputs for that process (field ``o`` = msgpack of ``EngineCoreOutputs``).
+* ``{p}:api:{client_id}:alive``  string with TTL ``API_ALIVE_TTL_S`` refreshed by an api process while it
+  has requests in flight; engines abort requests whose client key is gone.
 * ``{p}:engine:{model}:replica:{engine_id}``  string with a TTL of ``HEARTBEAT_TTL_S``, refreshed
   every ``HEARTBEAT_INTERVAL_S`` by a live replica; value = msgpack of ``EngineStats``.
 """
@@ -27,6 +29,7 @@ import msgpack
 
 HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TTL_S = 3.0
+API_ALIVE_TTL_S = 10
 ENGINE_GROUP = "engines"
 
 FINISH_STOP = "stop"
@@ -53,6 +56,12 @@ def outputs_stream(prefix: str, client_id: str) -> str:
 def replica_key(prefix: str, model: str, engine_id: str) -> str:
     """Redis key of one replica's heartbeat (string with TTL)."""
     return f"{prefix}:engine:{model}:replica:{engine_id}"
+
+
+def api_alive_key(prefix: str, client_id: str) -> str:
+    """Redis key an api process refreshes (TTL ``API_ALIVE_TTL_S``) while it waits on engine outputs;
+    engines abort the requests of a client whose key is gone."""
+    return f"{prefix}:api:{client_id}:alive"
 
 
 def replica_pattern(prefix: str, model: str) -> str:

@@ -20,6 +20,7 @@ import pytest
 import redis
 
 from inference.protocol.engine import (
+    api_alive_key,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineStats,
@@ -105,6 +106,8 @@ class EngineProc:
         req = EngineCoreRequest(request_id=rid, external_req_id=rid, prompt_token_ids=prompt,
                                 sampling_params=SamplingParams(**sampling), client_id=self.client_id,
                                 arrival_time=time.time())
+        # like an api process, keep this client's liveness key fresh while it has requests in flight
+        self.r.set(api_alive_key(self.prefix, self.client_id), b"1", ex=120)
         self.r.xadd(requests_stream(self.prefix, MODEL), {"r": req.to_wire()})
         return rid
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from inference.protocol.engine import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
+from inference.protocol.engine import api_alive_key, FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 
 EOS_IDS = [151645, 151643]
 
@@ -169,3 +169,19 @@ def test_heartbeat_and_sigterm(fresh_engine):
     outs = eng.collect([rid], timeout=5)[rid]
     assert final(outs).finish_reason == FINISH_ABORT and final(outs).error
     assert not eng.r.exists(eng.hb_key)
+
+
+def test_requests_of_a_vanished_api_process_are_aborted(engine):
+    """An api process that dies (its liveness key expires) must not leave its requests running."""
+    rid = engine.send(PROMPT, temperature=1.0, max_tokens=480, ignore_eos=True)
+    engine.collect([rid], until_first_token=True)
+    engine.r.delete(api_alive_key(engine.prefix, engine.client_id))
+    t0 = time.time()
+    deadline = t0 + 8
+    while time.time() < deadline:
+        st = engine.stats()
+        if st and st.num_running == 0 and st.num_waiting == 0:
+            break
+        time.sleep(0.1)
+    assert st.num_running == 0 and st.num_waiting == 0
+    assert time.time() - t0 < 5  # checked every 2 s, not after the 480 tokens
