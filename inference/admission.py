@@ -1,0 +1,590 @@
+"""Shared admission control in Redis (DESIGN.md §3; better than vLLM's, reference/vllm_frontend.md §8).
+
+Django-free (``redis.asyncio`` for the api processes, plain ``redis`` for the control plane). Every check
+and every counter change is one Lua script, so it is atomic across all api processes on all machines and
+costs one round trip.
+
+Limits (per served model; published by the control plane into ``{prefix}:adm:m:{model}:limits``, a hash
+with optional fields ``max_num_queued_reqs`` and ``max_num_queued_tokens``; an absent field = unbounded).
+The scripts read that hash on every check, so an admin change is in force at once in every process.
+
+* ``max_num_queued_reqs``: requests admitted and not finished; ``n`` counts n. Refuse when
+  ``queued_reqs + n > limit``, except when nothing at all is admitted for the model (``queued_reqs == 0``
+  and limit > 0: a request with ``n`` above the limit could otherwise never run). ``0`` refuses everything
+  (an operator's "drain" switch).
+* ``max_num_queued_tokens``: prompt tokens of admitted children that have not produced their first token
+  (whole prompt, cached or not). The incoming request's own ``n × prompt_tokens`` count (vLLM ignores
+  them); refuse when ``queued_tokens > 0 and queued_tokens + n × prompt_tokens > limit``: a request is
+  always admissible when no other prompt tokens are queued for the model (otherwise a long prompt could
+  never run).
+
+Two steps per request:
+
+1. ``precheck(model, request_id, n, estimated_tokens)`` before the Celery render: a *provisional*
+   reservation on an estimate (``estimate_prompt_tokens``: ``len(body bytes)`` capped at ``max_model_len``,
+   an upper bound for ordinary templates), so a full queue refuses before any rendering, tokenizing or
+   fetching, and a burst cannot all pass an empty queue and then pay for renders (vLLM issue #58192).
+2. ``reserve(model, request_id, n, prompt_tokens, reservation=prov)`` after tokenizing: settles the
+   reservation to the exact ``n × prompt_tokens`` atomically. Shrinking always succeeds; growing past
+   the estimate (only for unusual templates) is checked again and may still refuse.
+
+Release, each exactly once (idempotent both in process and in Redis, because the reservation hash is the
+source of truth and counters only move together with it): ``release_prefill(reservation, child)`` at
+each child's first output token (its prompt tokens), ``release(reservation)`` at finish / abort / error /
+client disconnect (the request slots and any prompt tokens still held).
+
+Crash safety: every reservation belongs to a holder (one per api process and event loop) whose lease, a
+score in ``{prefix}:adm:holders``, is refreshed every ``LEASE_REFRESH_S``. Any live process reaps holders
+whose lease is older than ``LEASE_TTL_S`` on the same 1 s tick (``reap``), removing their reservations and
+correcting the counters in one script: after a ``kill -9`` the counters are true again within
+``LEASE_TTL_S + LEASE_REFRESH_S`` (≈ 6 s).
+
+Refusals raise ``AdmissionRefused`` (reason ``max_num_queued_reqs`` / ``max_num_queued_tokens``, a message
+naming the limit, ``retry_after_s`` = queued tokens / measured prefill throughput of the model's live
+engines, at least 1 s, at most ``RETRY_AFTER_MAX_S``) and are counted per model and reason in Redis.
+
+Redis keys (``{p}`` = LINK_PREFIX): ``{p}:adm:m:{model}:limits|state|refused|ttft``,
+``{p}:adm:r:{reservation_id}``, ``{p}:adm:h:{holder}``, ``{p}:adm:holders``, ``{p}:adm:models``.
+Scripts build keys from the prefix (not Redis-Cluster safe; one Redis, as DESIGN.md §1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import redis
+import redis.asyncio as aioredis
+
+from inference.protocol.engine import EngineStats, replica_pattern
+
+log = logging.getLogger(__name__)
+
+LEASE_TTL_S = float(os.environ.get("ADMISSION_LEASE_TTL_S", "5"))
+LEASE_REFRESH_S = float(os.environ.get("ADMISSION_LEASE_REFRESH_S", "1"))
+RETRY_AFTER_MAX_S = int(os.environ.get("ADMISSION_RETRY_AFTER_MAX_S", "60"))
+THROUGHPUT_CACHE_S = 1.0
+ESTIMATE_OVERHEAD_TOKENS = 16
+
+REASON_REQS = "max_num_queued_reqs"
+REASON_TOKENS = "max_num_queued_tokens"
+REASONS = (REASON_REQS, REASON_TOKENS)
+
+# TTFT histogram bucket upper bounds in seconds (shared in Redis; +Inf implicit).
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0,
+                  80.0)
+
+
+# ------------------------------------------------------------------------------------------------ keys
+def limits_key(prefix: str, model: str) -> str:
+    """Hash of the model's published limits (fields absent = unbounded)."""
+    return f"{prefix}:adm:m:{model}:limits"
+
+
+def state_key(prefix: str, model: str) -> str:
+    """Hash ``reqs``, ``tokens``: the model's queued requests and queued prompt tokens."""
+    return f"{prefix}:adm:m:{model}:state"
+
+
+def refused_key(prefix: str, model: str) -> str:
+    """Hash reason → refusal count."""
+    return f"{prefix}:adm:m:{model}:refused"
+
+
+def ttft_key(prefix: str, model: str) -> str:
+    """Hash of the shared TTFT histogram: ``b<i>`` bucket counts (non-cumulative), ``sum``, ``count``."""
+    return f"{prefix}:adm:m:{model}:ttft"
+
+
+def models_key(prefix: str) -> str:
+    """Set of model names admission has seen (for ``/metrics``)."""
+    return f"{prefix}:adm:models"
+
+
+def holders_key(prefix: str) -> str:
+    """Sorted set holder → lease expiry (ms, Redis clock)."""
+    return f"{prefix}:adm:holders"
+
+
+# ------------------------------------------------------------------------------------------------ Lua
+# Shared check. Returns nil when admissible, else {reason, limit}.
+_CHECK = """
+local function check(limits_key, reqs, toks, n, add)
+  local lim = redis.call('HMGET', limits_key, 'max_num_queued_reqs', 'max_num_queued_tokens')
+  local mr = tonumber(lim[1])
+  local mt = tonumber(lim[2])
+  if mr and reqs + n > mr and not (reqs == 0 and mr > 0) then return {'max_num_queued_reqs', mr} end
+  if mt and add > 0 and toks > 0 and toks + add > mt then return {'max_num_queued_tokens', mt} end
+  return nil
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+# KEYS: limits, state, refused, reservation, holder set, holders zset, models set
+# ARGV: n, per-child tokens, holder, lease_ms, reservation id, model, request id
+# Returns {1, reqs, tokens} admitted, {0, reason, limit, reqs, tokens} refused.
+_RESERVE = _CHECK + """
+local n = tonumber(ARGV[1])
+local ptok = tonumber(ARGV[2])
+local st = redis.call('HMGET', KEYS[2], 'reqs', 'tokens')
+local reqs = tonumber(st[1]) or 0
+local toks = tonumber(st[2]) or 0
+local add = n * ptok
+local bad = check(KEYS[1], reqs, toks, n, add)
+if bad then
+  redis.call('HINCRBY', KEYS[3], bad[1], 1)
+  return {0, bad[1], bad[2], reqs, toks}
+end
+redis.call('HINCRBY', KEYS[2], 'reqs', n)
+redis.call('HINCRBY', KEYS[2], 'tokens', add)
+local fields = {'model', ARGV[6], 'holder', ARGV[3], 'reqs', n, 'ptok', ptok, 'tokens', add, 'rid', ARGV[7]}
+for i = 0, n - 1 do
+  fields[#fields + 1] = 'c' .. i
+  fields[#fields + 1] = 1
+end
+redis.call('HSET', KEYS[4], unpack(fields))
+redis.call('SADD', KEYS[5], ARGV[5])
+redis.call('ZADD', KEYS[6], now_ms() + tonumber(ARGV[4]), ARGV[3])
+redis.call('SADD', KEYS[7], ARGV[6])
+return {1, reqs + n, toks + add}
+"""
+
+# Release everything a reservation still holds. Used by RELEASE, SETTLE and REAP.
+_RELEASE_FN = """
+local function release_res(prefix, rid)
+  local rkey = prefix .. ':adm:r:' .. rid
+  local v = redis.call('HMGET', rkey, 'model', 'holder', 'reqs', 'tokens')
+  if not v[1] then return 0 end
+  local skey = prefix .. ':adm:m:' .. v[1] .. ':state'
+  redis.call('HINCRBY', skey, 'reqs', 0 - tonumber(v[3]))
+  redis.call('HINCRBY', skey, 'tokens', 0 - tonumber(v[4]))
+  redis.call('DEL', rkey)
+  redis.call('SREM', prefix .. ':adm:h:' .. v[2], rid)
+  return 1
+end
+"""
+
+# ARGV: prefix, reservation id. Returns 1 when something was released, 0 when already released/reaped.
+_RELEASE = _RELEASE_FN + """
+return release_res(ARGV[1], ARGV[2])
+"""
+
+# ARGV: prefix, reservation id, child index, ttft seconds ('' = none), bucket bounds...
+# Releases the child's prompt tokens once; records TTFT in the shared histogram when given.
+_RELEASE_PREFILL = """
+local prefix = ARGV[1]
+local rkey = prefix .. ':adm:r:' .. ARGV[2]
+local model = redis.call('HGET', rkey, 'model')
+if not model then return 0 end
+if ARGV[4] ~= '' then
+  local ttft = tonumber(ARGV[4])
+  local hkey = prefix .. ':adm:m:' .. model .. ':ttft'
+  local idx = #ARGV - 4
+  for i = 5, #ARGV do
+    if ttft <= tonumber(ARGV[i]) then idx = i - 5 break end
+  end
+  redis.call('HINCRBY', hkey, 'b' .. idx, 1)
+  redis.call('HINCRBY', hkey, 'count', 1)
+  redis.call('HINCRBYFLOAT', hkey, 'sum', ARGV[4])
+end
+if redis.call('HDEL', rkey, 'c' .. ARGV[3]) == 0 then return 0 end
+local ptok = tonumber(redis.call('HGET', rkey, 'ptok'))
+redis.call('HINCRBY', rkey, 'tokens', 0 - ptok)
+redis.call('HINCRBY', prefix .. ':adm:m:' .. model .. ':state', 'tokens', 0 - ptok)
+return 1
+"""
+
+# Settle a provisional reservation to the exact per-child prompt length.
+# KEYS: limits, state, refused. ARGV: prefix, reservation id, exact per-child tokens.
+# Returns {1, reqs, tokens} settled, {0, reason, limit, reqs, tokens} refused (reservation released),
+# {-1} when the reservation no longer exists (reaped).
+_SETTLE = _CHECK + _RELEASE_FN + """
+local prefix = ARGV[1]
+local rid = ARGV[2]
+local rkey = prefix .. ':adm:r:' .. rid
+local v = redis.call('HMGET', rkey, 'reqs', 'ptok', 'tokens')
+if not v[1] then return {-1} end
+local n = tonumber(v[1])
+local old = tonumber(v[3])
+local exact = tonumber(ARGV[3])
+local pending = 0
+for i = 0, n - 1 do
+  if redis.call('HEXISTS', rkey, 'c' .. i) == 1 then pending = pending + 1 end
+end
+local new = pending * exact
+local st = redis.call('HMGET', KEYS[2], 'reqs', 'tokens')
+local reqs = tonumber(st[1]) or 0
+local toks = tonumber(st[2]) or 0
+if new > old then
+  local others = toks - old
+  local bad = check(KEYS[1], 0, others, 0, new)
+  if bad then
+    redis.call('HINCRBY', KEYS[3], bad[1], 1)
+    release_res(prefix, rid)
+    return {0, bad[1], bad[2], reqs - n, others}
+  end
+end
+redis.call('HSET', rkey, 'ptok', exact, 'tokens', new)
+redis.call('HINCRBY', KEYS[2], 'tokens', new - old)
+return {1, reqs, toks + new - old}
+"""
+
+# ARGV: prefix, max holders per call. Reaps holders whose lease expired; returns reservations removed.
+_REAP = _RELEASE_FN + """
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local hkey = ARGV[1] .. ':adm:holders'
+local dead = redis.call('ZRANGEBYSCORE', hkey, '-inf', now_ms, 'LIMIT', 0, tonumber(ARGV[2]))
+local removed = 0
+for _, holder in ipairs(dead) do
+  local skey = ARGV[1] .. ':adm:h:' .. holder
+  for _, rid in ipairs(redis.call('SMEMBERS', skey)) do
+    removed = removed + release_res(ARGV[1], rid)
+  end
+  redis.call('DEL', skey)
+  redis.call('ZREM', hkey, holder)
+end
+return removed
+"""
+
+# ARGV: holder, lease_ms. KEYS: holders zset.
+_REFRESH = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+return now
+"""
+
+
+# ------------------------------------------------------------------------------------------------ types
+class AdmissionRefused(Exception):
+    """The request does not fit the model's admission limits (HTTP 503 + ``Retry-After``).
+
+    ``reason``: ``max_num_queued_reqs`` or ``max_num_queued_tokens``; ``limit``: the limit's value;
+    ``queued_reqs`` / ``queued_tokens``: the model's counters when refused; ``retry_after_s``: whole
+    seconds ≥ 1 (queued tokens / measured prefill tokens per second).
+    """
+
+    def __init__(self, model: str, reason: str, limit: int, queued_reqs: int, queued_tokens: int,
+                 retry_after_s: int):
+        self.model = model
+        self.reason = reason
+        self.limit = limit
+        self.queued_reqs = queued_reqs
+        self.queued_tokens = queued_tokens
+        self.retry_after_s = retry_after_s
+        if reason == REASON_REQS:
+            what = (f"the queue of model '{model}' is full: {queued_reqs} requests are queued or running "
+                    f"and max_num_queued_reqs is {limit}")
+        else:
+            what = (f"the prefill backlog of model '{model}' is full: {queued_tokens} prompt tokens are "
+                    f"waiting for their first token and max_num_queued_tokens is {limit}")
+        super().__init__(f"Server overloaded: {what}. Retry after {retry_after_s} s.")
+
+    @property
+    def message(self) -> str:
+        """Human-readable message naming the limit that was hit."""
+        return str(self)
+
+
+@dataclass
+class Reservation:
+    """One API request's admission reservation (``n`` children of ``prompt_tokens`` each).
+
+    ``reservation_id`` keys the Redis hash; ``provisional`` is True until ``reserve`` settled it to the
+    exact prompt length. Release methods on ``Admission`` are idempotent per reservation and child.
+    """
+
+    model: str
+    request_id: str
+    n: int
+    prompt_tokens: int
+    reservation_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    provisional: bool = False
+    prefill_released: set[int] = field(default_factory=set)
+    released: bool = False
+
+
+def estimate_prompt_tokens(body_len: int, max_model_len: int) -> int:
+    """Upper-bound estimate of a request's prompt tokens before rendering: ``min(max_model_len, body
+    bytes + ESTIMATE_OVERHEAD_TOKENS)``.
+
+    A BPE token covers at least one byte of text, and the JSON around messages (``{"role":..,
+    "content":..}``) outweighs the template's added special tokens for ordinary templates; a prompt longer
+    than ``max_model_len`` is refused with 400 anyway. Over-estimates are corrected by ``reserve`` right
+    after tokenizing (milliseconds later).
+    """
+    return max(1, min(int(max_model_len), int(body_len) + ESTIMATE_OVERHEAD_TOKENS))
+
+
+def retry_after_for(queued_tokens: int, prefill_tokens_per_s: float) -> int:
+    """``Retry-After`` seconds: the backlog's drain time at the measured prefill rate, clamped to
+    ``[1, RETRY_AFTER_MAX_S]`` (1 s when no throughput was measured yet)."""
+    if prefill_tokens_per_s <= 0 or queued_tokens <= 0:
+        return 1
+    return int(min(RETRY_AFTER_MAX_S, max(1, math.ceil(queued_tokens / prefill_tokens_per_s))))
+
+
+# ------------------------------------------------------------------------------------------------ async side
+@dataclass
+class Admission:
+    """Api-process side of shared admission. Create with ``Admission.for_current_process``.
+
+    One per process and event loop; it is a lease holder and runs one background task that refreshes the
+    lease and reaps dead holders every ``LEASE_REFRESH_S``.
+    """
+
+    redis: aioredis.Redis
+    prefix: str
+    holder: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    _task: asyncio.Task | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
+    _throughput: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    _instances: ClassVar[dict[int, "Admission"]] = {}
+
+    def __post_init__(self) -> None:
+        r = self.redis
+        self._reserve = r.register_script(_RESERVE)
+        self._release = r.register_script(_RELEASE)
+        self._release_prefill = r.register_script(_RELEASE_PREFILL)
+        self._settle = r.register_script(_SETTLE)
+        self._reap = r.register_script(_REAP)
+        self._refresh = r.register_script(_REFRESH)
+
+    @classmethod
+    def for_current_process(cls, redis_url: str, prefix: str) -> "Admission":
+        """The process's admission client for the running loop (created and started on first use)."""
+        loop = asyncio.get_running_loop()
+        adm = cls._instances.get(id(loop))
+        if adm is None or adm._loop is not loop or adm.prefix != prefix:
+            adm = cls(redis=aioredis.Redis.from_url(redis_url, max_connections=256), prefix=prefix)
+            adm.start()
+            cls._instances[id(loop)] = adm
+        return adm
+
+    def start(self) -> None:
+        """Start the lease/reaper task on the running loop."""
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._lease_loop(), name="admission-lease")
+
+    async def close(self) -> None:
+        """Stop the lease task, release this holder's lease (its reservations are reaped at once)."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        try:
+            await self.redis.zadd(holders_key(self.prefix), {self.holder: 0})
+            await self.reap()
+        finally:
+            await self.redis.aclose()
+
+    async def _lease_loop(self) -> None:
+        while True:
+            try:
+                await self._refresh(keys=[holders_key(self.prefix)],
+                                    args=[self.holder, int(LEASE_TTL_S * 1000)])
+                await self.reap()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - must survive Redis hiccups
+                log.exception("admission lease refresh failed")
+            await asyncio.sleep(LEASE_REFRESH_S)
+
+    async def reap(self) -> int:
+        """Remove reservations of holders whose lease expired; returns how many were removed."""
+        return int(await self._reap(args=[self.prefix, 100]))
+
+    # --------------------------------------------------------------------------------- checks
+    async def precheck(self, model: str, request_id: str, n: int, estimated_tokens: int) -> Reservation:
+        """Provisional reservation of ``n`` requests × ``estimated_tokens`` before rendering.
+
+        Raises ``AdmissionRefused`` when it does not fit (nothing was reserved then).
+        """
+        res = Reservation(model=model, request_id=request_id, n=int(n), prompt_tokens=int(estimated_tokens),
+                          provisional=True)
+        await self._take(res)
+        return res
+
+    async def reserve(self, model: str, request_id: str, n: int, prompt_tokens: int, *,
+                      reservation: Reservation | None = None) -> Reservation:
+        """Exact reservation of ``n`` requests × ``prompt_tokens`` after tokenizing.
+
+        With ``reservation`` (from ``precheck``) the provisional reservation is settled in place (never
+        double counted); without, a fresh one is taken. Raises ``AdmissionRefused`` when it does not fit
+        (the provisional reservation is then released).
+        """
+        if reservation is None:
+            res = Reservation(model=model, request_id=request_id, n=int(n), prompt_tokens=int(prompt_tokens))
+            await self._take(res)
+            return res
+        if reservation.released:
+            raise RuntimeError("reserve() on a released reservation")
+        out = await self._settle(keys=[limits_key(self.prefix, model), state_key(self.prefix, model),
+                                       refused_key(self.prefix, model)],
+                                 args=[self.prefix, reservation.reservation_id, int(prompt_tokens)])
+        status = int(out[0])
+        if status == -1:  # reaped (this process stalled past its lease): take a fresh one
+            fresh = Reservation(model=model, request_id=request_id, n=int(n), prompt_tokens=int(prompt_tokens),
+                                reservation_id=reservation.reservation_id)
+            await self._take(fresh)
+            reservation.prompt_tokens = fresh.prompt_tokens
+            reservation.provisional = False
+            return reservation
+        if status == 0:
+            reservation.released = True
+            raise await self._refusal(model, out)
+        reservation.prompt_tokens = int(prompt_tokens)
+        reservation.provisional = False
+        return reservation
+
+    async def _take(self, res: Reservation) -> None:
+        p, m = self.prefix, res.model
+        out = await self._reserve(
+            keys=[limits_key(p, m), state_key(p, m), refused_key(p, m), f"{p}:adm:r:{res.reservation_id}",
+                  f"{p}:adm:h:{self.holder}", holders_key(p), models_key(p)],
+            args=[res.n, res.prompt_tokens, self.holder, int(LEASE_TTL_S * 1000), res.reservation_id, m,
+                  res.request_id])
+        if int(out[0]) != 1:
+            res.released = True
+            raise await self._refusal(m, out)
+
+    async def _refusal(self, model: str, out) -> AdmissionRefused:
+        reason = out[1].decode() if isinstance(out[1], bytes) else str(out[1])
+        limit, reqs, toks = int(out[2]), int(out[3]), int(out[4])
+        tps = await self.prefill_throughput(model)
+        return AdmissionRefused(model, reason, limit, reqs, toks, retry_after_for(toks, tps))
+
+    # --------------------------------------------------------------------------------- releases
+    async def release_prefill(self, reservation: Reservation | None, child: int,
+                              ttft_s: float | None = None) -> None:
+        """Release child ``child``'s prompt tokens at its first output token (once; later calls no-op).
+
+        ``ttft_s`` (seconds, first token of the whole request) is recorded in the shared TTFT histogram.
+        """
+        if reservation is None or reservation.released or child in reservation.prefill_released:
+            return
+        reservation.prefill_released.add(child)
+        await self._release_prefill(args=[self.prefix, reservation.reservation_id, int(child),
+                                          "" if ttft_s is None else repr(float(ttft_s)), *TTFT_BUCKETS_S])
+
+    async def release(self, reservation: Reservation | None) -> None:
+        """Release everything ``reservation`` still holds (finish, abort, error, disconnect). Idempotent."""
+        if reservation is None or reservation.released:
+            return
+        reservation.released = True
+        await self._release(args=[self.prefix, reservation.reservation_id])
+
+    # --------------------------------------------------------------------------------- reads
+    async def prefill_throughput(self, model: str) -> float:
+        """Sum of ``prefill_tokens_per_s`` over the model's live replicas (cached ``THROUGHPUT_CACHE_S``)."""
+        now = time.monotonic()
+        hit = self._throughput.get(model)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        value = await prefill_throughput_async(self.redis, self.prefix, model)
+        self._throughput[model] = (now + THROUGHPUT_CACHE_S, value)
+        return value
+
+    async def snapshot(self, model: str) -> dict:
+        """``model_snapshot`` over the async client."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            _snapshot_cmds(pipe, self.prefix, model)
+            raw = await pipe.execute()
+        return _snapshot_parse(raw)
+
+
+async def prefill_throughput_async(r: aioredis.Redis, prefix: str, model: str) -> float:
+    """Sum of the live replicas' ``prefill_tokens_per_s`` for ``model`` (0.0 when none measured)."""
+    keys = [k async for k in r.scan_iter(match=replica_pattern(prefix, model), count=100)]
+    if not keys:
+        return 0.0
+    return sum(EngineStats.from_wire(v).prefill_tokens_per_s for v in await r.mget(keys) if v)
+
+
+# ------------------------------------------------------------------------------------------------ sync side
+def _snapshot_cmds(pipe, prefix: str, model: str) -> None:
+    pipe.hgetall(state_key(prefix, model))
+    pipe.hgetall(limits_key(prefix, model))
+    pipe.hgetall(refused_key(prefix, model))
+    pipe.hgetall(ttft_key(prefix, model))
+
+
+def _ints(h: dict) -> dict[str, int]:
+    return {(k.decode() if isinstance(k, bytes) else k): int(float(v)) for k, v in h.items()}
+
+
+def _snapshot_parse(raw) -> dict:
+    state, limits, refused, ttft = raw
+    state, limits, refused = _ints(state), _ints(limits), _ints(refused)
+    t = {(k.decode() if isinstance(k, bytes) else k): float(v) for k, v in ttft.items()}
+    return {
+        "queued_reqs": state.get("reqs", 0),
+        "queued_tokens": state.get("tokens", 0),
+        "max_num_queued_reqs": limits.get(REASON_REQS),
+        "max_num_queued_tokens": limits.get(REASON_TOKENS),
+        "refused": {reason: refused.get(reason, 0) for reason in REASONS},
+        "ttft_buckets": [int(t.get(f"b{i}", 0)) for i in range(len(TTFT_BUCKETS_S) + 1)],
+        "ttft_sum": t.get("sum", 0.0),
+        "ttft_count": int(t.get("count", 0)),
+    }
+
+
+def model_snapshot(r: redis.Redis, prefix: str, model: str) -> dict:
+    """The model's live admission state (one pipelined round trip, sync client).
+
+    Returns ``queued_reqs``, ``queued_tokens`` (ints), ``max_num_queued_reqs`` / ``max_num_queued_tokens``
+    (int or None = unbounded), ``refused`` ({reason: count}), ``ttft_buckets`` (non-cumulative counts, one
+    per ``TTFT_BUCKETS_S`` bound plus +Inf), ``ttft_sum`` (s), ``ttft_count``.
+    """
+    with r.pipeline(transaction=False) as pipe:
+        _snapshot_cmds(pipe, prefix, model)
+        return _snapshot_parse(pipe.execute())
+
+
+def limits_publish(r: redis.Redis, prefix: str, model: str, max_num_queued_reqs: int | None,
+                   max_num_queued_tokens: int | None) -> None:
+    """Publish a model's limits (``None`` = unbounded) in one MULTI; in force at the next check."""
+    with r.pipeline(transaction=True) as pipe:
+        key = limits_key(prefix, model)
+        pipe.delete(key)
+        mapping = {}
+        if max_num_queued_reqs is not None:
+            mapping[REASON_REQS] = int(max_num_queued_reqs)
+        if max_num_queued_tokens is not None:
+            mapping[REASON_TOKENS] = int(max_num_queued_tokens)
+        if mapping:
+            pipe.hset(key, mapping=mapping)
+        pipe.sadd(models_key(prefix), model)
+        pipe.execute()
+
+
+def known_models(r: redis.Redis, prefix: str) -> list[str]:
+    """Models with admission state or published limits."""
+    return sorted(m.decode() if isinstance(m, bytes) else m for m in r.smembers(models_key(prefix)))
+
+
+def prefill_throughput(r: redis.Redis, prefix: str, model: str) -> float:
+    """Sync ``prefill_throughput_async``: summed ``prefill_tokens_per_s`` of the model's live replicas."""
+    keys = list(r.scan_iter(match=replica_pattern(prefix, model), count=100))
+    if not keys:
+        return 0.0
+    return sum(EngineStats.from_wire(v).prefill_tokens_per_s for v in r.mget(keys) if v)
+
+
+def reap(r: redis.Redis, prefix: str) -> int:
+    """Sync reaper (for tools and tests): remove reservations of holders whose lease expired."""
+    return int(r.register_script(_REAP)(args=[prefix, 100]))
