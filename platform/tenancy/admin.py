@@ -6,6 +6,8 @@ from django import forms
 from django.contrib import admin, messages
 
 from .models import ApiKey, Tenant
+
+LIMIT_FIELDS = ("rpm_limit", "tpm_limit", "max_concurrent_requests", "token_budget", "budget_period")
 from .services import api_key_create, api_key_revoke
 
 
@@ -30,7 +32,7 @@ class ApiKeyAdminForm(forms.ModelForm):
 
     class Meta:
         model = ApiKey
-        fields = ("tenant", "name", "allowed_models", "scopes", "expires_at")
+        fields = ("tenant", "name", "allowed_models", "scopes", "expires_at", *LIMIT_FIELDS)
 
 
 class ApiKeyInline(admin.TabularInline):
@@ -47,7 +49,8 @@ class ApiKeyInline(admin.TabularInline):
 
 @admin.register(Tenant)
 class TenantAdmin(admin.ModelAdmin):
-    list_display = ("name", "is_active", "owner", "created_at")
+    list_display = ("name", "is_active", "owner", "rpm_limit", "tpm_limit", "max_concurrent_requests",
+                    "token_budget", "created_at")
     list_filter = ("is_active",)
     search_fields = ("name", "owner__username")
     raw_id_fields = ("owner",)
@@ -79,13 +82,13 @@ class ApiKeyAdmin(admin.ModelAdmin):
     def get_readonly_fields(self, request, obj=None):
         if obj is None:
             return ()
-        return ("tenant", "prefix", "revoked_at", "last_used_at", "created_at")
+        return ("tenant", "prefix", "revoked_at", "last_used_at", "replaced_by", "created_at")
 
     def get_fields(self, request, obj=None):
         if obj is None:
-            return ("tenant", "name", "allowed_models", "scopes", "expires_at")
-        return ("tenant", "prefix", "name", "allowed_models", "scopes", "expires_at", "revoked_at",
-                "last_used_at", "created_at")
+            return ("tenant", "name", "allowed_models", "scopes", "expires_at", *LIMIT_FIELDS)
+        return ("tenant", "prefix", "name", "allowed_models", "scopes", "expires_at", *LIMIT_FIELDS, "revoked_at",
+                "last_used_at", "replaced_by", "created_at")
 
     def save_model(self, request, obj, form, change):
         if change:
@@ -97,6 +100,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
             allowed_models=form.cleaned_data.get("allowed_models") or [],
             scopes=form.cleaned_data.get("scopes") or None,
             expires_at=form.cleaned_data.get("expires_at"),
+            limits={f: form.cleaned_data.get(f) for f in LIMIT_FIELDS if f in form.cleaned_data},
         )
         # The admin goes on to log and redirect with ``obj``: make it the saved row.
         obj.__dict__.update({k: v for k, v in api_key.__dict__.items() if k != "_state"})

@@ -11,7 +11,32 @@ def _default_scopes() -> list[str]:
     return ["inference"]
 
 
-class Tenant(models.Model):
+BUDGET_PERIOD_CHOICES = [("day", "day (UTC)"), ("week", "week (UTC, from Monday)"), ("month", "month (UTC)")]
+
+
+class LimitFields(models.Model):
+    """Limits shared by tenants and keys (blank = unlimited); enforced by ``tenancy.limits`` in Redis."""
+
+    rpm_limit = models.PositiveIntegerField(null=True, blank=True, help_text="requests per minute; blank = unlimited")
+    tpm_limit = models.PositiveIntegerField(
+        null=True, blank=True, help_text="tokens per minute (prompt + max completion reserved at admission)")
+    max_concurrent_requests = models.PositiveIntegerField(null=True, blank=True, help_text="requests in flight")
+    token_budget = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="tokens per budget period; blank = no budget")
+    budget_period = models.CharField(max_length=8, choices=BUDGET_PERIOD_CHOICES, default="month", blank=True)
+
+    class Meta:
+        abstract = True
+
+    def limits(self):
+        """These limits as a ``tenancy.limits.Limits`` (the hot path's Django-free form)."""
+        from .limits import Limits
+
+        return Limits(rpm=self.rpm_limit, tpm=self.tpm_limit, max_concurrent=self.max_concurrent_requests,
+                      token_budget=self.token_budget, budget_period=self.budget_period or "month")
+
+
+class Tenant(LimitFields):
     """A customer of the platform; owns API keys and their usage."""
 
     name = models.CharField(max_length=128, unique=True)
@@ -28,10 +53,12 @@ class Tenant(models.Model):
         return self.name
 
 
-class ApiKey(models.Model):
+class ApiKey(LimitFields):
     """An API key: ``prefix`` (``sk-`` + 8 chars, unique, shown in lists) + HMAC-SHA256 of the full secret.
 
-    ``allowed_models`` empty = every model; ``scopes`` e.g. ``["inference"]``, ``["operator"]``.
+    ``allowed_models`` empty = every model; ``scopes`` among ``inference``, ``usage:read``, ``keys:write``
+    and the operator-only ``metrics``/``operator``. A rotated key points at its successor (``replaced_by``)
+    and keeps working until its ``expires_at`` (the grace period).
     """
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="api_keys")
@@ -43,6 +70,9 @@ class ApiKey(models.Model):
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True, editable=False)
     last_used_at = models.DateTimeField(null=True, blank=True, editable=False)
+    replaced_by = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="replaces", editable=False,
+        help_text="the key this one was rotated into")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

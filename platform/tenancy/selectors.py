@@ -8,6 +8,7 @@ from datetime import datetime
 
 from django.utils import timezone
 
+from .limits import UNLIMITED, Limits
 from .models import ApiKey
 from .services import API_KEY_PREFIX_CHARS, API_KEY_PREFIX_LEAD, api_key_hash
 
@@ -17,7 +18,10 @@ _DUMMY_HASH = "0" * 64
 
 @dataclass(frozen=True, slots=True)
 class AuthContext:
-    """Who is calling: the authenticated key and its tenant. Immutable, safe to cache (<= 1 s)."""
+    """Who is calling: the authenticated key and its tenant. Immutable, safe to cache (<= 1 s).
+
+    ``key_limits``/``tenant_limits`` carry the limits so ``tenancy.limits.limits_acquire`` needs no DB hit.
+    """
 
     key_id: int
     key_prefix: str
@@ -26,6 +30,8 @@ class AuthContext:
     allowed_models: tuple[str, ...]
     scopes: tuple[str, ...]
     expires_at: datetime | None
+    key_limits: Limits = UNLIMITED
+    tenant_limits: Limits = UNLIMITED
 
     def allows_model(self, served_model_name: str) -> bool:
         """True when the key may use ``served_model_name`` (empty ``allowed_models`` = every model)."""
@@ -77,4 +83,6 @@ def api_key_authenticate(secret: str) -> AuthContext | None:
         allowed_models=tuple(api_key.allowed_models or ()),
         scopes=tuple(api_key.scopes or ()),
         expires_at=api_key.expires_at,
+        key_limits=api_key.limits(),
+        tenant_limits=api_key.tenant.limits(),
     )
