@@ -180,6 +180,9 @@ def build_sampling_params(req, *, max_tokens: int, defaults: GenerationDefaults,
             raise RequestValidationError(
                 f"stop_token_ids contains {tid}, which is out of vocabulary (valid ids are 0 to "
                 f"{vocab_size - 1})", "stop_token_ids")
+    if req.top_k is not None and req.top_k > vocab_size:
+        raise RequestValidationError(
+            f"top_k must be -1, 0 (disabled) or at most the vocabulary size {vocab_size}, got {req.top_k}", "top_k")
     min_tokens = req.min_tokens or 0
     if min_tokens > max_tokens:
         raise RequestValidationError(

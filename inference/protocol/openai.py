@@ -109,6 +109,84 @@ class ChatTool(BaseModel):
     function: FunctionDefinition
 
 
+# chat_template_kwargs policy (conformance C35): the keys the template may not see are refused; keys with a
+# known meaning must have their type; any other key is passed to the template (which ignores keys it does not
+# reference) but only with a JSON scalar value, so a request cannot smuggle structures into a template.
+_RESERVED_TEMPLATE_KWARGS = ("chat_template", "tokenize", "messages", "tools", "documents",
+                             "add_generation_prompt", "continue_final_message")
+_TYPED_TEMPLATE_KWARGS: dict[str, tuple[type, ...]] = {
+    "enable_thinking": (bool,), "thinking": (bool,), "reasoning_effort": (str,), "add_vision_id": (bool,),
+    "keep_cot": (bool,),
+}
+MAX_TEMPLATE_KWARGS = 32
+
+
+def check_chat_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """Validate ``chat_template_kwargs`` (policy above). Raises ``RequestValidationError`` (param
+    ``chat_template_kwargs`` or ``chat_template_kwargs.<key>``)."""
+    if not kwargs:
+        return
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise RequestValidationError(f"chat_template_kwargs may hold at most {MAX_TEMPLATE_KWARGS} keys",
+                                     "chat_template_kwargs")
+    for key, value in kwargs.items():
+        if key in _RESERVED_TEMPLATE_KWARGS:
+            raise RequestValidationError(
+                f"chat_template_kwargs must not contain {key!r}"
+                + (": client-supplied chat templates are refused" if key == "chat_template" else ""),
+                "chat_template_kwargs")
+        want = _TYPED_TEMPLATE_KWARGS.get(key)
+        if want is not None:
+            if type(value) not in want and value is not None:
+                raise RequestValidationError(
+                    f"chat_template_kwargs.{key} must be a {want[0].__name__}, got {type(value).__name__}",
+                    f"chat_template_kwargs.{key}")
+        elif value is not None and type(value) not in (str, int, float, bool):
+            raise RequestValidationError(
+                f"chat_template_kwargs.{key} must be a string, number or boolean", f"chat_template_kwargs.{key}")
+
+
+def check_tools(tools: list["ChatTool"] | None, tool_choice: Any) -> None:
+    """Validate ``tools`` against ``tool_choice`` (OpenAI rules, reference/vllm_frontend.md §2.1).
+
+    ``tool_choice``: ``"none"``, ``"auto"``, ``"required"`` or ``{"type": "function", "function":
+    {"name": ...}}``; anything but ``"none"`` needs ``tools``; a named choice must name one of them; tool
+    names must be unique. ``"required"`` and a named choice ask for output constrained to a tool call,
+    which this server does not do (no guided decoding), so they are refused with 400 rather than ignored.
+    """
+    if tools is not None and len(tools) == 0:
+        raise RequestValidationError("tools must not be an empty array", "tools")
+    names = [t.function.name for t in tools or []]
+    if len(set(names)) != len(names):
+        raise RequestValidationError("tool function names must be unique", "tools")
+    if tool_choice is None:
+        return
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("none", "auto", "required"):
+            raise RequestValidationError(
+                f"tool_choice must be 'none', 'auto', 'required' or a function object, got {tool_choice!r}",
+                "tool_choice")
+        if tool_choice != "none" and not tools:
+            raise RequestValidationError(f"tool_choice {tool_choice!r} requires 'tools'", "tool_choice")
+        if tool_choice == "required":
+            raise RequestValidationError(
+                "tool_choice 'required' is not supported: this server does not constrain output to tool calls",
+                "tool_choice")
+        return
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if tool_choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise RequestValidationError(
+            "tool_choice object must be {'type': 'function', 'function': {'name': <tool name>}}", "tool_choice")
+    if not tools:
+        raise RequestValidationError("a named tool_choice requires 'tools'", "tool_choice")
+    if fn["name"] not in names:
+        raise RequestValidationError(f"tool_choice names {fn['name']!r}, which is not one of the tools {names}",
+                                     "tool_choice")
+    raise RequestValidationError(
+        "a named tool_choice is not supported: this server does not constrain output to tool calls",
+        "tool_choice")
+
+
 class _SamplingFields(_Base):
     """Sampling fields shared by chat and completions (OpenAI + vLLM extensions)."""
 
@@ -221,13 +299,8 @@ class ChatCompletionRequest(_SamplingFields):
                 "continue_final_message")
         if self.top_logprobs and not self.logprobs:
             raise RequestValidationError("top_logprobs requires logprobs to be true", "top_logprobs")
-        if self.tools is not None and len(self.tools) == 0:
-            raise RequestValidationError("tools must not be an empty array", "tools")
-        if self.chat_template_kwargs:
-            for bad in ("chat_template", "tokenize"):
-                if bad in self.chat_template_kwargs:
-                    raise RequestValidationError(
-                        f"chat_template_kwargs must not contain {bad!r}", "chat_template_kwargs")
+        check_chat_template_kwargs(self.chat_template_kwargs)
+        check_tools(self.tools, self.tool_choice)
         return self
 
     @property
@@ -305,3 +378,147 @@ def validate_request(model_cls: type[_Base], data: dict[str, Any]) -> Any:
         if len(errors) > 1:
             text += f" (and {len(errors) - 1} more error(s))"
         raise RequestValidationError(text, param) from None
+
+
+# ----------------------------------------------------------------------------- /tokenize, /detokenize
+
+
+class TokenizeCompletionRequest(_Base):
+    """``POST /tokenize`` with a completion-style body (reference/vllm_frontend.md §10.1)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool | None = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Base):
+    """``POST /tokenize`` with a chat-style body: the same template arguments as chat completions."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    add_special_tokens: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    return_token_strs: bool | None = False
+
+    @field_validator("messages")
+    @classmethod
+    def _non_empty(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        if not v:
+            raise ValueError("messages must contain at least one message")
+        return v
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> "TokenizeChatRequest":
+        if self.add_generation_prompt and self.continue_final_message and \
+                "add_generation_prompt" in self.model_fields_set:
+            raise RequestValidationError(
+                "continue_final_message and add_generation_prompt cannot both be true: continue the final "
+                "assistant message or start a new one, not both", "continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise RequestValidationError(
+                "continue_final_message requires the last message to be from the assistant",
+                "continue_final_message")
+        check_chat_template_kwargs(self.chat_template_kwargs)
+        if self.tools is not None and len(self.tools) == 0:
+            self.tools = None  # vLLM: an empty tools list is allowed on /tokenize
+        check_tools(self.tools, self.tool_choice if self.tool_choice != "required" else "auto")
+        return self
+
+
+def tokenize_request_class(data: dict[str, Any]) -> type[_Base]:
+    """The /tokenize schema for ``data``: chat when it has ``messages``, else completion."""
+    return TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
+
+
+class DetokenizeRequest(_Base):
+    """``POST /detokenize``: ``{"model", "tokens": [int, ...]}`` → ``{"prompt": str}``."""
+
+    model: str | None = None
+    tokens: list[int]
+    skip_special_tokens: bool | None = False
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, v: list[int]) -> list[int]:
+        for i, t in enumerate(v):
+            if t < 0:
+                raise RequestValidationError(f"token id {t} at index {i} is out of vocabulary (negative)",
+                                             "tokens")
+        return v
+
+
+# ----------------------------------------------------------------------------- tokens in, tokens out
+
+
+class GenerateSamplingParams(_Base):
+    """``sampling_params`` of ``POST /inference/v1/generate`` (what the render routes return).
+
+    Engine fields (``inference.protocol.engine.SamplingParams``) with the same ranges as the OpenAI fields,
+    plus the frontend-applied ``n``, ``stop``, ``include_stop_str_in_output`` and ``skip_special_tokens``.
+    ``max_tokens`` omitted → the room left in the context.
+    """
+
+    n: int | None = Field(default=1, ge=1, le=MAX_N)
+    temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=0, ge=-1, le=1_000_000)
+    min_p: float | None = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    min_tokens: int | None = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    eos_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=1.0, gt=0.0, le=10.0)
+    logit_bias: dict[str, float] | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
+
+    _check_stop = field_validator("stop")(_SamplingFields._check_stop.__func__)
+    _check_logit_bias = field_validator("logit_bias")(_SamplingFields._check_logit_bias.__func__)
+
+    @model_validator(mode="after")
+    def _check_greedy_n(self) -> "GenerateSamplingParams":
+        if (self.n or 1) > 1 and self.temperature is not None and self.temperature < 1e-5:
+            raise RequestValidationError("n must be 1 when using greedy sampling (temperature 0)",
+                                         "sampling_params.n")
+        if self.stop_token_ids and any(i < 0 for i in self.stop_token_ids):
+            raise RequestValidationError("stop_token_ids must be non-negative", "sampling_params.stop_token_ids")
+        return self
+
+
+class GenerateRequest(_Base):
+    """``POST /inference/v1/generate`` body (vLLM's ``GenerateRequest``, text-only subset)."""
+
+    model: str | None = None
+    request_id: str | None = Field(default=None, max_length=MAX_REQUEST_ID_LEN)
+    token_ids: list[int] = Field(min_length=1)
+    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+
+    @field_validator("token_ids")
+    @classmethod
+    def _ids(cls, v: list[int]) -> list[int]:
+        for i, t in enumerate(v):
+            if t < 0:
+                raise RequestValidationError(f"token id {t} at index {i} is out of vocabulary (negative)",
+                                             "token_ids")
+        return v
+
+
+class AbortRequestsRequest(_Base):
+    """``POST /inference/v1/abort_requests``: ``{"request_ids": [str, ...]}``."""
+
+    request_ids: list[str] = Field(max_length=1024)

@@ -464,10 +464,18 @@ def render_chat(
 
 def tokenize_prompt(tokenizer_dir: str, prompt: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of a plain prompt (``/v1/completions``, ``/tokenize``); BOS added by default like
-    transformers. Raises ``RenderError`` (param ``prompt``) if ``prompt`` is not a string."""
+    transformers, except when the prompt text already starts with the BOS string (one BOS, never two). Raises ``RenderError`` (param ``prompt``) if ``prompt`` is not a string."""
     if not isinstance(prompt, str):
         raise RenderError("prompt must be a string", param="prompt")
-    return get_tokenizer(tokenizer_dir).encode(prompt, add_special_tokens=add_special_tokens)
+    tok = get_tokenizer(tokenizer_dir)
+    ids = tok.encode(prompt, add_special_tokens=add_special_tokens)
+    # A prompt that already starts with the BOS string (e.g. a client-rendered chat template) must not gain
+    # a second BOS (conformance C01; vLLM's completions path doubled it).
+    bos, bos_id = tok.bos_token, tok.bos_token_id
+    if (add_special_tokens and bos and bos_id is not None and prompt.startswith(bos)
+            and len(ids) >= 2 and ids[0] == bos_id and ids[1] == bos_id):
+        del ids[0]
+    return ids
 
 
 def detokenize(tokenizer_dir: str, ids: list[int], skip_special_tokens: bool = False) -> str:

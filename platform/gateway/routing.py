@@ -6,16 +6,27 @@ from django.urls import path, re_path
 
 from gateway.chat import ChatCompletionsConsumer
 from gateway.completions import CompletionsConsumer
+from gateway.generate import AbortRequestsConsumer, GenerateConsumer
 from gateway.health import HealthConsumer, NotFoundConsumer
+from gateway.metrics import MetricsConsumer
 from gateway.models_api import ModelsConsumer
+from gateway.render import ChatRenderConsumer, CompletionRenderConsumer
+from gateway.tokenize import DetokenizeConsumer, TokenizeConsumer
 
 http_urlpatterns = [
     path("health", HealthConsumer.as_asgi()),
+    path("metrics", MetricsConsumer.as_asgi()),
     path("v1/chat/completions", ChatCompletionsConsumer.as_asgi()),
+    path("v1/chat/completions/render", ChatRenderConsumer.as_asgi()),
+    path("v1/completions/render", CompletionRenderConsumer.as_asgi()),
+    path("tokenize", TokenizeConsumer.as_asgi()),
+    path("detokenize", DetokenizeConsumer.as_asgi()),
+    path("inference/v1/generate", GenerateConsumer.as_asgi()),
+    path("inference/v1/abort_requests", AbortRequestsConsumer.as_asgi()),
     path("v1/completions", CompletionsConsumer.as_asgi()),
     path("v1/models", ModelsConsumer.as_asgi()),
     re_path(r"^v1/models/(?P<model>[^/]+)$", ModelsConsumer.as_asgi()),
-    re_path(r"^v1/", NotFoundConsumer.as_asgi()),
+    re_path(r"", NotFoundConsumer.as_asgi()),  # anything else under GATEWAY_PREFIXES: JSON 404
 ]
 
 # Route prefixes handled above; everything else goes to Django (admin, REST control API, dashboards).
