@@ -49,8 +49,9 @@ class CompletionsConsumer(GatewayConsumer):
             req = validate_request(CompletionRequest, parse_json_body(body))
         except RequestValidationError as exc:
             raise to_request_error(exc) from None
-        external_id = "cmpl-" + client_request_id(self.header(b"x-request-id"), req.request_id)
-        self.extra_headers.append((b"x-request-id", external_id.encode()))
+        base_id = client_request_id(self.header(b"x-request-id"), req.request_id)
+        external_id = "cmpl-" + base_id
+        self.extra_headers.append((b"x-request-id", base_id.encode()))  # the client's id, echoed as sent
         recorder = UsageRecorder("completions", new_internal_id(external_id), arrival, ctx, req.model, n=req.n or 1)
         run: GenerationRun | None = None
         try:

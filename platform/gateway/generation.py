@@ -82,14 +82,21 @@ async def call_render(task: str, payload: dict[str, Any]) -> dict[str, Any]:
     """
     from config.celery import app  # the Celery app lives in the Django config package
 
-    timeout = float(getattr(settings, "RENDER_WAIT_TIMEOUT_S", 30.0))
-    waiter = CeleryResultWaiter.for_current_loop(settings.REDIS_URL)
-    try:
-        result = await waiter.call(app, task, [payload], queue=RENDER_QUEUE, timeout=timeout)
-    except RenderUnavailableError as exc:
-        raise unavailable(f"{exc}; the render workers are busy or down, retry shortly", 2,
-                          "render_unavailable") from None
+    from gateway.render import call_inline, render_route  # RENDER_ROUTE=inline: same task body, in-process
+
+    if render_route() == "inline":
+        result = await call_inline(task, payload)
+    else:
+        timeout = float(getattr(settings, "RENDER_WAIT_TIMEOUT_S", 30.0))
+        waiter = CeleryResultWaiter.for_current_loop(settings.REDIS_URL)
+        try:
+            result = await waiter.call(app, task, [payload], queue=RENDER_QUEUE, timeout=timeout)
+        except RenderUnavailableError as exc:
+            raise unavailable(f"{exc}; the render workers are busy or down, retry shortly", 2,
+                              "render_unavailable") from None
     if not result.get("ok"):
+        if (result.get("error") or {}).get("type") == "InternalError":
+            raise ApiError(500, "The renderer failed unexpectedly", "server_error", None, "render_internal_error")
         err = result.get("error") or {}
         etype = err.get("type", "RenderError")
         message = err.get("message") or "The request could not be rendered"
