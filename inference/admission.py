@@ -315,16 +315,17 @@ class Reservation:
     released: bool = False
 
 
-def estimate_prompt_tokens(body_len: int, max_model_len: int) -> int:
+def estimate_prompt_tokens(body_len: int, max_model_len: int, *, exact: bool = False) -> int:
     """Upper-bound estimate of a request's prompt tokens before rendering: ``min(max_model_len, body
     bytes + ESTIMATE_OVERHEAD_TOKENS)``.
 
     A BPE token covers at least one byte of text, and the JSON around messages (``{"role":..,
     "content":..}``) outweighs the template's added special tokens for ordinary templates; a prompt longer
     than ``max_model_len`` is refused with 400 anyway. Over-estimates are corrected by ``reserve`` right
-    after tokenizing (milliseconds later).
+    after tokenizing (milliseconds later). ``exact=True``: ``body_len`` is already the prompt's token count
+    (token-id prompts), only capped.
     """
-    return max(1, min(int(max_model_len), int(body_len) + ESTIMATE_OVERHEAD_TOKENS))
+    return max(1, min(int(max_model_len), int(body_len) + (0 if exact else ESTIMATE_OVERHEAD_TOKENS)))
 
 
 def retry_after_for(queued_tokens: int, prefill_tokens_per_s: float) -> int:

@@ -1,8 +1,33 @@
+import os
+
 from django.apps import AppConfig
+
+# Beat republishes every model's limits this often (seconds) so a flushed Redis recovers by itself.
+ADMISSION_REPUBLISH_S = float(os.environ.get("ADMISSION_REPUBLISH_S", "10"))
 
 
 class AdmissionConfig(AppConfig):
-    """Django app config of ``admission``."""
+    """Admission control: per-model queue limits published to Redis, live state in the admin."""
 
     default_auto_field = "django.db.models.BigAutoField"
     name = "admission"
+    verbose_name = "Admission control"
+
+    def ready(self) -> None:
+        from django.db.models.signals import post_delete, post_save
+
+        from .models import AdmissionPolicy
+        from .services import on_policy_deleted, on_policy_saved
+
+        post_save.connect(on_policy_saved, sender=AdmissionPolicy, dispatch_uid="admission-publish-save")
+        post_delete.connect(on_policy_deleted, sender=AdmissionPolicy, dispatch_uid="admission-publish-delete")
+        try:
+            from config.celery import app as celery_app
+        except Exception:  # noqa: BLE001 - Celery is optional for management commands
+            return
+        # The worker listens on render,usage (ops serve, tests/live_platform.py): run on `usage`.
+        celery_app.conf.beat_schedule.setdefault("admission-republish-limits", {
+            "task": "admission.republish_limits",
+            "schedule": ADMISSION_REPUBLISH_S,
+            "options": {"queue": "usage", "expires": ADMISSION_REPUBLISH_S},
+        })

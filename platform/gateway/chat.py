@@ -10,6 +10,9 @@ from gateway.errors import ApiError
 from gateway.generation import (
     GenerationRun,
     UsageRecorder,
+    admission_precheck,
+    admission_release,
+    admission_reserve,
     call_render,
     chat_template_for,
     client_request_id,
@@ -67,8 +70,10 @@ class ChatCompletionsConsumer(GatewayConsumer):
         self.extra_headers.append((b"x-request-id", base_id.encode()))  # the client's id, echoed as sent
         recorder = UsageRecorder("chat.completions", new_internal_id(external_id), arrival, ctx, req.model, n=req.n or 1)
         run: GenerationRun | None = None
+        reservation = None
         try:
             model = await resolve_model(ctx, req.model)
+            reservation = await admission_precheck(model, recorder.request_id, req.n or 1, len(body))
             tokenizer = await load_tokenizer(model)
             rendered = await call_render("inference.render_chat", render_payload(model, req))
             try:
@@ -80,9 +85,11 @@ class ChatCompletionsConsumer(GatewayConsumer):
                     logprobs=(req.top_logprobs or 0) if req.logprobs else None)
             except RequestValidationError as exc:
                 raise to_request_error(exc) from None
+            await admission_reserve(reservation, processed)
             run = GenerationRun(model=model, processed=processed, tokenizer=tokenizer, stop=req.stop,
                                 include_stop_str_in_output=bool(req.include_stop_str_in_output),
-                                skip_special_tokens=req.skip_special_tokens is not False, arrival_time=arrival)
+                                skip_special_tokens=req.skip_special_tokens is not False, arrival_time=arrival,
+                                reservation=reservation)
             await run.start()
             recorder.run = run
             if req.stream:
@@ -100,6 +107,7 @@ class ChatCompletionsConsumer(GatewayConsumer):
         finally:
             if run is not None:
                 await run.close()
+            await admission_release(reservation)
             await recorder.emit()
 
     async def _complete(self, req, run: GenerationRun, external_id: str, created: int, tokenizer) -> None:

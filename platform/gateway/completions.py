@@ -10,6 +10,9 @@ from gateway.errors import ApiError
 from gateway.generation import (
     GenerationRun,
     UsageRecorder,
+    admission_precheck,
+    admission_release,
+    admission_reserve,
     call_render,
     client_request_id,
     link,
@@ -54,8 +57,13 @@ class CompletionsConsumer(GatewayConsumer):
         self.extra_headers.append((b"x-request-id", base_id.encode()))  # the client's id, echoed as sent
         recorder = UsageRecorder("completions", new_internal_id(external_id), arrival, ctx, req.model, n=req.n or 1)
         run: GenerationRun | None = None
+        reservation = None
         try:
             model = await resolve_model(ctx, req.model)
+            reservation = await admission_precheck(  # token-id prompts: exact; text: its UTF-8 bytes bound
+                model, recorder.request_id, req.n or 1,
+                len(req.prompt) if isinstance(req.prompt, list) else len(req.prompt.encode()),
+                exact=isinstance(req.prompt, list))
             tokenizer = await load_tokenizer(model)
             prompt_ids, prompt_text = await prompt_ids_for(model, req)
             try:
@@ -66,12 +74,14 @@ class CompletionsConsumer(GatewayConsumer):
                     arrival_time=arrival, eos_token_ids=eos_ids_of(tokenizer), logprobs=req.logprobs)
             except RequestValidationError as exc:
                 raise to_request_error(exc) from None
+            await admission_reserve(reservation, processed)
             echo_text = ""
             if req.echo:
                 echo_text = prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids, False)
             run = GenerationRun(model=model, processed=processed, tokenizer=tokenizer, stop=req.stop,
                                 include_stop_str_in_output=bool(req.include_stop_str_in_output),
-                                skip_special_tokens=req.skip_special_tokens is not False, arrival_time=arrival)
+                                skip_special_tokens=req.skip_special_tokens is not False, arrival_time=arrival,
+                                reservation=reservation)
             await run.start()
             recorder.run = run
             if req.stream:
@@ -89,6 +99,7 @@ class CompletionsConsumer(GatewayConsumer):
         finally:
             if run is not None:
                 await run.close()
+            await admission_release(reservation)
             await recorder.emit()
 
     async def _complete(self, req, run: GenerationRun, external_id, created, tokenizer, echo_text) -> None:

@@ -19,6 +19,7 @@ from django.conf import settings
 from gateway import auth
 from gateway.errors import ApiError, bad_request, not_found, unavailable
 from gateway.model_cache import get_model
+from inference.admission import Admission, AdmissionRefused, Reservation, estimate_prompt_tokens
 from inference.engine_client import EngineLink, EngineUnavailableError
 from inference.input_processor import ProcessedInput, model_vocab_size
 from inference.output_processor import IncrementalDetokenizer, StopChecker
@@ -36,6 +37,48 @@ RENDER_QUEUE = "render"
 def link() -> EngineLink:
     """This process's engine link."""
     return EngineLink.for_current_process(settings.REDIS_URL, settings.LINK_PREFIX)
+
+
+def admission() -> Admission:
+    """This process's shared-admission client (DESIGN.md §3)."""
+    return Admission.for_current_process(settings.REDIS_URL, settings.LINK_PREFIX)
+
+
+def overloaded(exc: AdmissionRefused) -> ApiError:
+    """An admission refusal as HTTP 503 ``server_overloaded`` with ``Retry-After``."""
+    return unavailable(exc.message, exc.retry_after_s, "server_overloaded")
+
+
+async def admission_precheck(model: dict, request_id: str, n: int, size: int, exact: bool = False) -> Reservation:
+    """Provisional reservation before rendering; 503 when refused.
+
+    ``size``: an upper bound of the prompt's tokens known before rendering (the body's or the prompt
+    text's bytes, or with ``exact`` the length of a token-id prompt); see ``estimate_prompt_tokens``.
+    """
+    try:
+        return await admission().precheck(model["served_model_name"], request_id, n,
+                                          estimate_prompt_tokens(size, model["max_model_len"], exact=exact))
+    except AdmissionRefused as exc:
+        raise overloaded(exc) from None
+
+
+async def admission_reserve(reservation: Reservation, processed: ProcessedInput) -> None:
+    """Settle ``reservation`` to the exact ``n × prompt_tokens`` after tokenizing; 503 when refused."""
+    try:
+        await admission().reserve(reservation.model, reservation.request_id, len(processed.requests),
+                                  len(processed.prompt_token_ids), reservation=reservation)
+    except AdmissionRefused as exc:
+        raise overloaded(exc) from None
+
+
+async def admission_release(reservation: Reservation | None) -> None:
+    """Release what ``reservation`` still holds (idempotent; errors are logged, never raised)."""
+    if reservation is None or reservation.released:
+        return
+    try:
+        await asyncio.shield(admission().release(reservation))
+    except Exception:  # noqa: BLE001 - the lease reaper is the backstop
+        log.exception("admission release failed for %s", reservation.request_id)
 
 
 def client_request_id(header_value: bytes | None, body_value: str | None) -> str:
@@ -180,6 +223,7 @@ class GenerationRun:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     first_token_time: float | None = None
     finished_time: float | None = None
+    reservation: Reservation | None = None
     _closed: bool = False
 
     @property
@@ -219,7 +263,16 @@ class GenerationRun:
             state = self._by_id.get(out.request_id)
             if state is None or state.finish_reason is not None:
                 continue
+            first = self.first_token_time is None
             delta = self._apply(state, out)
+            if out.new_token_ids and self.reservation is not None \
+                    and state.index not in self.reservation.prefill_released:
+                try:  # first output token of this child: its prompt tokens leave the prefill backlog
+                    await admission().release_prefill(
+                        self.reservation, state.index,
+                        (self.first_token_time - self.arrival_time) if first and self.first_token_time else None)
+                except Exception:  # noqa: BLE001 - release() at close is the backstop
+                    log.exception("admission prefill release failed")
             if delta is not None:
                 if state.finish_reason is not None:
                     remaining -= 1
@@ -277,6 +330,7 @@ class GenerationRun:
             await asyncio.shield(self._abort(unfinished))
         for c in self.choices:
             link().release(c.request_id)
+        await admission_release(self.reservation)
         if self.finished_time is None:
             self.finished_time = time.time()
 

@@ -1,0 +1,49 @@
+"""``manage.py admission_policy MODEL [--max-num-queued-reqs N|none] [--max-num-queued-tokens N|none]
+[--target-ttft-ms MS] [--apply-suggested]``: set a model's admission limits (published at once)."""
+
+from __future__ import annotations
+
+from django.core.management.base import BaseCommand, CommandError
+
+from admission.services import (
+    admission_policy_apply_suggested,
+    admission_policy_get_or_create,
+    admission_policy_update,
+)
+from registry.selectors import served_model_get
+
+
+def _limit(value: str | None):
+    if value is None or value.lower() in ("", "none", "unbounded"):
+        return None
+    return int(value)
+
+
+class Command(BaseCommand):
+    help = "Set a served model's admission limits (none = unbounded) and publish them to Redis."
+
+    def add_arguments(self, parser):
+        parser.add_argument("model")
+        parser.add_argument("--max-num-queued-reqs", default="__unset__")
+        parser.add_argument("--max-num-queued-tokens", default="__unset__")
+        parser.add_argument("--target-ttft-ms", type=int, default=None)
+        parser.add_argument("--apply-suggested", action="store_true")
+
+    def handle(self, *args, **opts):
+        sm = served_model_get(opts["model"])
+        if sm is None:
+            raise CommandError(f"unknown model {opts['model']!r}")
+        policy = admission_policy_get_or_create(served_model=sm)
+        fields = {}
+        for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            if opts[name] != "__unset__":
+                fields[name] = _limit(opts[name])
+        if opts["target_ttft_ms"] is not None:
+            fields["target_ttft_ms"] = opts["target_ttft_ms"]
+        admission_policy_update(policy=policy, **fields)
+        if opts["apply_suggested"]:
+            if admission_policy_apply_suggested(policy=policy) is None:
+                raise CommandError("no engine has measured prefill throughput yet")
+        self.stdout.write(f"{sm.served_model_name}: max_num_queued_reqs={policy.max_num_queued_reqs} "
+                          f"max_num_queued_tokens={policy.max_num_queued_tokens} "
+                          f"target_ttft_ms={policy.target_ttft_ms}")

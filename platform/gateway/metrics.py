@@ -1,0 +1,91 @@
+"""``GET /metrics``: Prometheus text format, operator credential (scope ``metrics`` or ``operator``) required.
+
+Every value comes from Redis, so all api processes answer the same numbers (DESIGN.md §3, §11):
+
+* ``admission_rejections_total{model,reason}`` (counter) — refusals per model and reason;
+* ``admission_queued_requests{model}`` / ``admission_queued_prompt_tokens{model}`` (gauges) — live
+  admission counters;
+* ``admission_max_num_queued_requests{model}`` / ``admission_max_num_queued_tokens{model}`` (gauges, only
+  for bounded limits);
+* ``engine_prefill_tokens_per_second{model}`` (gauge) — summed measured prefill throughput;
+* ``time_to_first_token_seconds{model}`` (histogram) — TTFT of admitted requests, shared across processes
+  (bucket counts kept in Redis by ``inference.admission``).
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from gateway import auth
+from gateway.errors import forbidden
+from gateway.generation import admission
+from gateway.http import GatewayConsumer
+from inference import admission as adm
+
+METRICS_SCOPES = ("metrics", "operator")
+
+
+class _Snapshot:
+    """A prometheus_client collector yielding families built beforehand (collect() is synchronous)."""
+
+    def __init__(self, families):
+        self.families = families
+
+    def collect(self):
+        return iter(self.families)
+
+
+async def collect_families(redis, prefix: str) -> list:
+    """Metric families of every model admission knows, read from Redis (async, a few round trips)."""
+    models = sorted(m.decode() if isinstance(m, bytes) else m for m in await redis.smembers(adm.models_key(prefix)))
+    rejections = CounterMetricFamily("admission_rejections", "Requests refused by admission control (HTTP 503)",
+                                     labels=["model", "reason"])
+    q_reqs = GaugeMetricFamily("admission_queued_requests", "Admitted, unfinished requests (n counts n)",
+                               labels=["model"])
+    q_toks = GaugeMetricFamily("admission_queued_prompt_tokens",
+                               "Prompt tokens of admitted requests without a first token yet", labels=["model"])
+    lim_reqs = GaugeMetricFamily("admission_max_num_queued_requests", "Published max_num_queued_reqs",
+                                 labels=["model"])
+    lim_toks = GaugeMetricFamily("admission_max_num_queued_tokens", "Published max_num_queued_tokens",
+                                 labels=["model"])
+    tps = GaugeMetricFamily("engine_prefill_tokens_per_second", "Measured prefill throughput of live replicas",
+                            labels=["model"])
+    ttft = HistogramMetricFamily("time_to_first_token_seconds", "Time to first token of admitted requests",
+                                 labels=["model"])
+    adm_client = admission()
+    for model in models:
+        snap = await adm_client.snapshot(model)
+        for reason in adm.REASONS:
+            rejections.add_metric([model, reason], snap["refused"][reason])
+        q_reqs.add_metric([model], snap["queued_reqs"])
+        q_toks.add_metric([model], snap["queued_tokens"])
+        if snap["max_num_queued_reqs"] is not None:
+            lim_reqs.add_metric([model], snap["max_num_queued_reqs"])
+        if snap["max_num_queued_tokens"] is not None:
+            lim_toks.add_metric([model], snap["max_num_queued_tokens"])
+        tps.add_metric([model], await adm.prefill_throughput_async(redis, prefix, model))
+        cumulative, buckets = 0, []
+        for bound, count in zip(list(adm.TTFT_BUCKETS_S) + [float("inf")], snap["ttft_buckets"]):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+        ttft.add_metric([model], buckets, snap["ttft_sum"])
+    return [rejections, q_reqs, q_toks, lim_reqs, lim_toks, tps, ttft]
+
+
+class MetricsConsumer(GatewayConsumer):
+    """Prometheus scrape endpoint (GET)."""
+
+    methods = ("GET",)
+
+    async def handle_request(self, body: bytes) -> None:
+        ctx = await auth.authenticate(self.scope["headers"])
+        if not any(s in ctx.scopes for s in METRICS_SCOPES):
+            raise forbidden("This API key does not have the 'metrics' (or 'operator') scope")
+        families = await collect_families(admission().redis, settings.LINK_PREFIX)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Snapshot(families))
+        text = generate_latest(registry)  # a handful of families: microseconds
+        await self.send_headers(status=200, headers=[(b"content-type", CONTENT_TYPE_LATEST.encode())])
+        await self.send_body(text)

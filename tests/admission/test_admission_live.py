@@ -1,0 +1,251 @@
+"""Admission end to end: real api processes (two), Celery worker, engine and Redis (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from inference import admission as adm
+
+MODEL = "tiny-qwen3"
+pytestmark = pytest.mark.timeout(120)
+
+
+def set_limits(live, reqs=None, tokens=None) -> None:
+    live.manage("admission_policy", MODEL, "--max-num-queued-reqs", "none" if reqs is None else str(reqs),
+                "--max-num-queued-tokens", "none" if tokens is None else str(tokens))
+
+
+def snap(live) -> dict:
+    return adm.model_snapshot(live.redis, live.prefix, MODEL)
+
+
+def counters(live) -> tuple[int, int]:
+    s = snap(live)
+    return s["queued_reqs"], s["queued_tokens"]
+
+
+def wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextlib.contextmanager
+def engine_paused(live, max_s: float = 2.2):
+    """SIGSTOP the engine: admitted requests get no first token. Its heartbeat (TTL 3 s) outlives the pause."""
+    pid = live.replicas()[0].pid
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert time.monotonic() - t0 < max_s, "pause too long for a reliable test (machine too slow)"
+
+
+def headers(key):
+    return {"Authorization": f"Bearer {key}"}
+
+
+def completion(live, base, prompt_len, n=1, max_tokens=4, stream=False, **extra):
+    body = {"model": MODEL, "prompt": [200 + i for i in range(prompt_len)], "max_tokens": max_tokens, "n": n,
+            "stream": stream, **extra}
+    return httpx.post(f"{base}/v1/completions", json=body, headers=headers(live.api_key), timeout=60)
+
+
+def in_background(fn, *args, **kwargs):
+    out = {}
+
+    def run():
+        try:
+            out["resp"] = fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            out["exc"] = exc
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def task_meta_count(live) -> int:
+    return sum(1 for _ in live.redis.scan_iter(match="celery-task-meta-*", count=1000))
+
+
+def test_boundaries_n_and_idle_rule_across_two_processes(live):
+    api1, api2 = live.base_url, live.extra["api2"]
+    set_limits(live, reqs=3)
+    with engine_paused(live):
+        a = in_background(completion, live, api1, 100, n=2)       # 2 requests, 200 tokens
+        wait_for(lambda: counters(live) == (2, 200), 1.5, "A admitted")
+        b = in_background(completion, live, api2, 50)             # 3 == limit: admitted
+        wait_for(lambda: counters(live) == (3, 250), 1.5, "B admitted")
+        refused = completion(live, api1, 1)                       # one more: refused
+    assert refused.status_code == 503, refused.text
+    err = refused.json()["error"]
+    assert err["type"] == "server_error" and err["code"] == "server_overloaded"
+    assert "max_num_queued_reqs is 3" in err["message"] and int(refused.headers["retry-after"]) >= 1
+    for t, out in (a, b):
+        t.join(30)
+        assert out["resp"].status_code == 200, out
+    wait_for(lambda: counters(live) == (0, 0), 2, "release on finish")
+
+    set_limits(live, tokens=250)
+    with engine_paused(live):
+        a = in_background(completion, live, api1, 100, n=2)
+        wait_for(lambda: counters(live) == (2, 200), 1.5, "A admitted")
+        over = completion(live, api2, 51)                         # 251 > 250: refused (own tokens count)
+        b = in_background(completion, live, api2, 50)             # 250 == limit: admitted
+        wait_for(lambda: counters(live) == (3, 250), 1.5, "B admitted")
+    assert over.status_code == 503 and "max_num_queued_tokens is 250" in over.json()["error"]["message"]
+    for t, out in (a, b):
+        t.join(30)
+        assert out["resp"].status_code == 200, out
+    wait_for(lambda: counters(live) == (0, 0), 2, "release on finish")
+
+    set_limits(live, tokens=10)
+    r = completion(live, api1, 300)                               # idle queue: a long prompt still runs
+    assert r.status_code == 200, r.text
+    s = snap(live)
+    assert s["refused"]["max_num_queued_reqs"] >= 1 and s["refused"]["max_num_queued_tokens"] >= 1
+    assert s["ttft_count"] >= 4
+
+
+def test_streaming_refusal_is_http_503_and_never_renders(live):
+    set_limits(live)
+    before = task_meta_count(live)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    ok = httpx.post(f"{live.base_url}/v1/chat/completions", json=chat, headers=headers(live.api_key), timeout=60)
+    assert ok.status_code == 200
+    assert wait_for(lambda: task_meta_count(live) > before, 5, "render task result")  # the counter works
+    set_limits(live, reqs=0)  # drain: refuse everything
+    before = task_meta_count(live)
+    for base in (live.base_url, live.extra["api2"]):
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json={**chat, "stream": True},
+                          headers=headers(live.api_key), timeout=30) as resp:
+            body = resp.read()
+            assert resp.status_code == 503
+            assert resp.headers["content-type"].startswith("application/json")
+            assert int(resp.headers["retry-after"]) >= 1
+            assert b"data:" not in body and b"max_num_queued_reqs" in body
+    time.sleep(1.0)
+    assert task_meta_count(live) == before, "a refused request reached a render worker"
+    set_limits(live)
+
+
+def test_releases_on_disconnect_and_engine_error(live):
+    set_limits(live)
+    # disconnect of a streaming client while it waits for its first token
+    with engine_paused(live):
+        with httpx.stream("POST", f"{live.base_url}/v1/completions", headers=headers(live.api_key), timeout=10,
+                          json={"model": MODEL, "prompt": list(range(300, 340)), "max_tokens": 50, "n": 3,
+                                "stream": True}) as resp:
+            assert resp.status_code == 200
+            wait_for(lambda: counters(live) == (3, 120), 1.5, "stream admitted")
+        wait_for(lambda: counters(live) == (0, 0), 1.0, "release on disconnect")
+    # disconnect of a non-streaming client (handler cancelled)
+    with engine_paused(live):
+        t, out = in_background(lambda: httpx.post(f"{live.base_url}/v1/completions", headers=headers(live.api_key),
+                                                  json={"model": MODEL, "prompt": [5] * 30, "max_tokens": 5},
+                                                  timeout=0.6))
+        wait_for(lambda: counters(live) == (1, 30), 1.0, "admitted")
+        t.join(2)
+        assert "exc" in out  # client timed out and closed the connection
+        wait_for(lambda: counters(live) == (0, 0), 1.0, "release on abort")
+    # engine error: the replica stops heart-beating while the request waits
+    pid = live.replicas()[0].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t, out = in_background(completion, live, live.base_url, 25)
+        wait_for(lambda: counters(live) == (1, 25), 1.5, "admitted")
+        t.join(15)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert out["resp"].status_code == 503 and out["resp"].json()["error"]["code"] in ("engine_error",
+                                                                                      "engine_unavailable")
+    assert counters(live) == (0, 0)
+    wait_for(lambda: live.replicas(), 10, "engine heartbeat back")
+
+
+def test_burst_of_200_never_over_admits(live):
+    limit = 8
+    set_limits(live, reqs=limit)
+    seen = []
+    stop = threading.Event()
+
+    def sample():
+        r = live.redis
+        while not stop.is_set():
+            seen.append(int(r.hget(adm.state_key(live.prefix, MODEL), "reqs") or 0))
+            time.sleep(0.002)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=400)) as client:
+            async def one(i):
+                base = live.base_url if i % 2 else live.extra["api2"]
+                r = await client.post(f"{base}/v1/completions", headers=headers(live.api_key),
+                                      json={"model": MODEL, "prompt": [7 + i % 50] * 20, "max_tokens": 8})
+                return r.status_code
+            return await asyncio.gather(*(one(i) for i in range(200)))
+    try:
+        codes = asyncio.run(burst())
+    finally:
+        stop.set()
+        sampler.join()
+    assert set(codes) <= {200, 503}, codes
+    assert codes.count(200) >= limit and codes.count(503) > 0
+    assert max(seen) <= limit, max(seen)
+    wait_for(lambda: counters(live) == (0, 0), 2, "all released")
+
+
+def test_limit_edit_applies_within_one_second_to_both_processes(live):
+    set_limits(live)
+    for value, want in ((0, 503), (None, 200)):
+        set_limits(live, reqs=value)
+        t0 = time.monotonic()
+        for base in (live.base_url, live.extra["api2"]):
+            assert completion(live, base, 3).status_code == want
+        assert time.monotonic() - t0 < 1.0
+
+
+def test_kill_9_of_api_process_recovers_within_10_s(live):
+    set_limits(live)
+    child, base3 = live.start_api("api3")
+    with engine_paused(live):
+        for _ in range(2):
+            in_background(completion, live, base3, 40, n=2, max_tokens=200)
+        wait_for(lambda: counters(live) == (4, 160), 1.5, "api3 holds reservations")
+        os.kill(child.proc.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    assert counters(live)[0] > 0
+    wait_for(lambda: counters(live) == (0, 0), 10, "counters recovered after kill -9")
+    assert time.monotonic() - t0 <= 10
+
+
+def test_metrics_endpoint(live):
+    r = httpx.get(f"{live.base_url}/metrics")
+    assert r.status_code == 401
+    r = httpx.get(f"{live.base_url}/metrics", headers=headers(live.api_key))
+    assert r.status_code == 403
+    s = snap(live)
+    texts = [httpx.get(f"{b}/metrics", headers=headers(live.extra["operator_key"])).text
+             for b in (live.base_url, live.extra["api2"])]
+    for text in texts:
+        line = (f'admission_rejections_total{{model="{MODEL}",reason="max_num_queued_reqs"}} '
+                f'{float(s["refused"]["max_num_queued_reqs"])}')
+        assert line in text, text
+        assert f'admission_queued_requests{{model="{MODEL}"}}' in text
+        assert f'time_to_first_token_seconds_count{{model="{MODEL}"}} {float(s["ttft_count"])}' in text
+        assert f'time_to_first_token_seconds_bucket{{le="+Inf",model="{MODEL}"}}' in text
