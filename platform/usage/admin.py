@@ -1,10 +1,11 @@
-"""Admin for usage: a read-only list of records with filters."""
+"""Admin for usage: a read-only list of records, and the operator usage dashboard (all tenants)."""
 
 from __future__ import annotations
 
 from django.contrib import admin
+from django.template.response import TemplateResponse
 
-from .models import UsageRecord
+from .models import UsageRecord, UsageRollup
 
 
 @admin.register(UsageRecord)
@@ -18,6 +19,30 @@ class UsageRecordAdmin(admin.ModelAdmin):
     list_select_related = ("tenant", "api_key")
     date_hierarchy = "created_at"
     show_full_result_count = False
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(UsageRollup)
+class UsageDashboardAdmin(admin.ModelAdmin):
+    """"Usage dashboard" in the admin index: charts over the rollups of every tenant, live over WebSocket."""
+
+    def changelist_view(self, request, extra_context=None):
+        from .web import operator_dashboard_context
+
+        context = {**self.admin_site.each_context(request), **operator_dashboard_context(request),
+                   "opts": self.model._meta}
+        return TemplateResponse(request, "admin/usage/dashboard.html", context)
+
+    def has_view_permission(self, request, obj=None):
+        return request.user.is_active and request.user.is_staff
 
     def has_add_permission(self, request):
         return False

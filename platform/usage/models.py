@@ -27,6 +27,8 @@ class UsageRecord(models.Model):
     n = models.PositiveSmallIntegerField(default=1)
     created_at = models.DateTimeField(help_text="request arrival")
     finished_at = models.DateTimeField()
+    rolled_up = models.BooleanField(
+        default=False, editable=False, help_text="added to the UsageRollup rows (in the same transaction)")
 
     class Meta:
         ordering = ["-created_at"]
@@ -35,6 +37,7 @@ class UsageRecord(models.Model):
             models.Index(fields=["tenant", "created_at"], name="usage_tenant_created_idx"),
             models.Index(fields=["served_model_name", "created_at"], name="usage_model_created_idx"),
             models.Index(fields=["created_at"], name="usage_created_idx"),
+            models.Index(fields=["id"], condition=models.Q(rolled_up=False), name="usage_not_rolled_idx"),
         ]
 
     def __str__(self) -> str:
@@ -44,3 +47,52 @@ class UsageRecord(models.Model):
     def total_tokens(self) -> int:
         """``prompt_tokens + completion_tokens``."""
         return self.prompt_tokens + self.completion_tokens
+
+
+GRANULARITIES = ("minute", "hour", "day")
+
+
+class UsageRollup(models.Model):
+    """Usage of one key and model in one minute, hour or day (``bucket_start``, UTC), summed from records.
+
+    ``api_key_id``/``tenant_id`` are plain ids (0 = none) so rows outlive deleted keys and the unique
+    constraint holds. Latency percentiles come from fixed log-spaced histograms (``usage.histogram``):
+    ``ttft_hist``/``e2e_hist`` are lists of counts, mergeable by addition across rows.
+    Status classes: ``status_429`` (key limits), ``status_503`` (capacity), ``errors`` (any other status
+    >= 400, or finish_reason ``error``), ``aborted`` (finish_reason ``abort``: client gone).
+    """
+
+    granularity = models.CharField(max_length=8, choices=[(g, g) for g in GRANULARITIES])
+    bucket_start = models.DateTimeField()
+    tenant_id = models.BigIntegerField(default=0)
+    api_key_id = models.BigIntegerField(default=0)
+    served_model_name = models.CharField(max_length=128, default="", blank=True)
+    requests = models.PositiveIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+    cached_tokens = models.PositiveBigIntegerField(default=0)
+    status_429 = models.PositiveIntegerField(default=0)
+    status_503 = models.PositiveIntegerField(default=0)
+    errors = models.PositiveIntegerField(default=0)
+    aborted = models.PositiveIntegerField(default=0)
+    ttft_count = models.PositiveIntegerField(default=0)
+    ttft_sum_ms = models.FloatField(default=0.0)
+    ttft_hist = models.JSONField(default=list)
+    e2e_sum_ms = models.FloatField(default=0.0)
+    e2e_hist = models.JSONField(default=list)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["granularity", "api_key_id", "tenant_id", "served_model_name", "bucket_start"],
+                                    name="usage_rollup_unique"),
+        ]
+        indexes = [
+            models.Index(fields=["granularity", "api_key_id", "bucket_start"], name="rollup_key_idx"),
+            models.Index(fields=["granularity", "tenant_id", "bucket_start"], name="rollup_tenant_idx"),
+            models.Index(fields=["granularity", "bucket_start"], name="rollup_time_idx"),
+        ]
+        verbose_name = "usage rollup"
+        verbose_name_plural = "usage dashboard"
+
+    def __str__(self) -> str:
+        return f"{self.granularity} {self.bucket_start:%Y-%m-%d %H:%M} key={self.api_key_id} {self.served_model_name}"

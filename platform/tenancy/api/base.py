@@ -1,0 +1,140 @@
+"""Shared pieces of the tenant REST API (``/api/v1/...``): authentication, tenant resolution, scopes,
+OpenAI-style error envelope.
+
+Credentials: an API key (``Authorization: Bearer sk-...``) carrying the route's scope, or a Django
+session of a user who owns the tenant (``Tenant.owner``; such users hold every tenant scope). A user
+owning several tenants picks one with ``?tenant=<id>`` (default: the lowest id).
+"""
+
+from __future__ import annotations
+
+from drf_spectacular.openapi import AutoSchema
+from drf_spectacular.utils import extend_schema
+from rest_framework import exceptions, status
+from rest_framework.authentication import SessionAuthentication
+from rest_framework.permissions import BasePermission
+from rest_framework.response import Response
+from rest_framework.views import APIView, exception_handler
+
+from tenancy.authentication import ApiKeyAuthentication
+from tenancy.models import Tenant
+
+_ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    405: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
+}
+
+
+def envelope_exception_handler(exc, context):
+    """DRF exception handler that answers in the OpenAI error envelope ``{"error": {message, type, param,
+    code}}``; validation errors name the first bad field in ``param``."""
+    response = exception_handler(exc, context)
+    if response is None:
+        return None
+    data = response.data
+    param = None
+    if isinstance(exc, exceptions.ValidationError) and isinstance(data, dict) and data:
+        param, detail = next(iter(data.items()))
+        detail = detail[0] if isinstance(detail, list) and detail else detail
+        message = f"{param}: {detail}" if param != "non_field_errors" else str(detail)
+        if param == "non_field_errors":
+            param = None
+    elif isinstance(data, dict) and "detail" in data:
+        message = str(data["detail"])
+    else:
+        message = str(data)
+    code = getattr(exc, "default_code", None)
+    if isinstance(exc, exceptions.APIException):
+        codes = exc.get_codes()
+        if isinstance(codes, str):
+            code = codes
+    response.data = {"error": {"message": message, "type": _ERROR_TYPES.get(response.status_code, "api_error"),
+                               "param": param, "code": code}}
+    return response
+
+
+class TenantPrincipal:
+    """Who is calling the tenant API: ``tenant`` plus the scopes the credential holds."""
+
+    def __init__(self, tenant: Tenant, scopes: frozenset[str], key_id: int | None):
+        self.tenant = tenant
+        self.scopes = scopes
+        self.key_id = key_id
+
+
+TENANT_USER_SCOPES = frozenset({"inference", "usage:read", "keys:write"})
+
+
+def tenant_principal(request) -> TenantPrincipal:
+    """The ``TenantPrincipal`` of an authenticated request; raises 403 when the credential has no tenant."""
+    auth = getattr(request, "auth", None)
+    if auth is not None and hasattr(auth, "tenant_id") and hasattr(auth, "scopes"):
+        tenant = Tenant.objects.filter(pk=auth.tenant_id, is_active=True).first()
+        if tenant is None:
+            raise exceptions.AuthenticationFailed("Invalid API key.")
+        return TenantPrincipal(tenant, frozenset(auth.scopes), auth.key_id)
+    user = request.user
+    tenants = Tenant.objects.filter(owner=user, is_active=True).order_by("pk")
+    wanted = request.query_params.get("tenant")
+    if wanted:
+        if not wanted.isdigit():
+            raise exceptions.ValidationError({"tenant": "must be an integer id"})
+        tenants = tenants.filter(pk=int(wanted))
+    tenant = tenants.first()
+    if tenant is None:
+        raise exceptions.PermissionDenied("This user owns no (such) active tenant.")
+    return TenantPrincipal(tenant, TENANT_USER_SCOPES, None)
+
+
+class HasTenantScope(BasePermission):
+    """Allows the request when its credential resolves to a tenant and holds the view's ``required_scope``."""
+
+    message = "This credential lacks the scope this route needs."
+
+    def has_permission(self, request, view) -> bool:
+        if not (request.user and request.user.is_authenticated):
+            return False
+        principal = tenant_principal(request)
+        request.tenant_principal = principal
+        scope = getattr(view, "required_scope", None)
+        if scope and scope not in principal.scopes:
+            self.message = f"This API key does not have the '{scope}' scope."
+            return False
+        return True
+
+
+class TenantAPIView(APIView):
+    """Base view of the tenant API: API key or session auth, tenant + scope check, error envelope."""
+
+    authentication_classes = [ApiKeyAuthentication, SessionAuthentication]
+    permission_classes = [HasTenantScope]
+    required_scope: str | None = None
+    schema = AutoSchema()
+
+    def get_exception_handler(self):
+        return envelope_exception_handler
+
+    def permission_denied(self, request, message=None, code=None):
+        if request.authenticators and not request.successful_authenticator:
+            raise exceptions.NotAuthenticated("Missing credentials: send 'Authorization: Bearer <API key>'.")
+        raise exceptions.PermissionDenied(detail=message, code=code)
+
+    @property
+    def principal(self) -> TenantPrincipal:
+        return self.request.tenant_principal
+
+
+def api_doc(**kwargs):
+    """``drf_spectacular.utils.extend_schema`` for a view method, built on drf-spectacular's ``AutoSchema``
+    whatever ``REST_FRAMEWORK["DEFAULT_SCHEMA_CLASS"]`` says."""
+
+    def decorator(method):
+        method.kwargs = {"schema": AutoSchema}
+        return extend_schema(**kwargs)(method)
+
+    return decorator
+
+
+def created(data) -> Response:
+    """201 response helper."""
+    return Response(data, status=status.HTTP_201_CREATED)

@@ -1,0 +1,62 @@
+"""Serializers of ``/api/v1/keys``: a key is shown by prefix and name, never by secret (except once)."""
+
+from __future__ import annotations
+
+from django.utils import timezone
+from rest_framework import serializers
+
+from tenancy.models import BUDGET_PERIOD_CHOICES, ApiKey
+from tenancy.services import SCOPES_TENANT
+
+
+class ApiKeySerializer(serializers.ModelSerializer):
+    """A key as listed: no secret, no hash."""
+
+    status = serializers.SerializerMethodField()
+
+    class Meta:
+        model = ApiKey
+        fields = ("id", "prefix", "name", "scopes", "allowed_models", "rpm_limit", "tpm_limit",
+                  "max_concurrent_requests", "token_budget", "budget_period", "expires_at", "revoked_at",
+                  "last_used_at", "replaced_by", "created_at", "status")
+        read_only_fields = fields
+
+    def get_status(self, obj: ApiKey) -> str:
+        """``active``, ``revoked`` or ``expired``."""
+        if obj.revoked_at is not None:
+            return "revoked"
+        if obj.expires_at is not None and obj.expires_at <= timezone.now():
+            return "expired"
+        return "active"
+
+
+class ApiKeyCreatedSerializer(ApiKeySerializer):
+    """A key just created or rotated: carries the plaintext ``key`` (shown this once only)."""
+
+    key = serializers.CharField(read_only=True, help_text="the secret; store it now, it is never shown again")
+
+    class Meta(ApiKeySerializer.Meta):
+        fields = (*ApiKeySerializer.Meta.fields, "key")
+        read_only_fields = fields
+
+
+class ApiKeyWriteSerializer(serializers.Serializer):
+    """Fields a tenant may set on create (``name`` required) or change on PATCH."""
+
+    name = serializers.CharField(max_length=128)
+    scopes = serializers.ListField(child=serializers.ChoiceField(choices=SCOPES_TENANT), required=False,
+                                   allow_empty=False, help_text="default ['inference']; operator scopes refused")
+    allowed_models = serializers.ListField(child=serializers.CharField(max_length=128), required=False,
+                                           help_text="served model names; empty = every model")
+    expires_at = serializers.DateTimeField(required=False, allow_null=True)
+    rpm_limit = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    tpm_limit = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    max_concurrent_requests = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    token_budget = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    budget_period = serializers.ChoiceField(choices=[c for c, _ in BUDGET_PERIOD_CHOICES], required=False)
+
+
+class RotateSerializer(serializers.Serializer):
+    """``grace_period_s``: how long the old secret keeps working (0 = revoked at once)."""
+
+    grace_period_s = serializers.IntegerField(required=False, default=0, min_value=0, max_value=30 * 86_400)

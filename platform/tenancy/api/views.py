@@ -1,0 +1,108 @@
+"""``/api/v1/keys``: a tenant's key lifecycle (scope ``keys:write`` or the tenant owner's session).
+
+=========================================  ==========================================================
+``GET    /api/v1/keys``                    list (prefix, name, settings; never a secret)
+``POST   /api/v1/keys``                    create; the response's ``key`` is the secret, shown once
+``GET    /api/v1/keys/{id}``               one key
+``PATCH  /api/v1/keys/{id}``               change name, scopes, allowed models, expiry, limits
+``DELETE /api/v1/keys/{id}``               revoke (also ``POST /api/v1/keys/{id}/revoke``)
+``POST   /api/v1/keys/{id}/rotate``        new secret; the old one works ``grace_period_s`` more seconds
+=========================================  ==========================================================
+
+Every change is in force in every api process within 1 s (``gateway.auth`` caches for at most 1 s).
+"""
+
+from __future__ import annotations
+
+from django.shortcuts import get_object_or_404
+from rest_framework import exceptions
+from rest_framework.response import Response
+
+from tenancy.models import ApiKey
+from tenancy.services import api_key_create, api_key_revoke, api_key_rotate, api_key_update
+
+from .base import TenantAPIView, api_doc, created
+from .serializers import ApiKeyCreatedSerializer, ApiKeySerializer, ApiKeyWriteSerializer, RotateSerializer
+
+
+def _created_payload(api_key: ApiKey, plaintext: str) -> dict:
+    data = dict(ApiKeyCreatedSerializer(api_key).data)
+    data["key"] = plaintext
+    return data
+
+
+class KeyListView(TenantAPIView):
+    """List or create the tenant's API keys."""
+
+    required_scope = "keys:write"
+
+    @api_doc(responses=ApiKeySerializer(many=True), summary="List the tenant's API keys")
+    def get(self, request):
+        keys = ApiKey.objects.filter(tenant=self.principal.tenant).select_related("tenant").order_by("-created_at")
+        return Response(ApiKeySerializer(keys, many=True).data)
+
+    @api_doc(request=ApiKeyWriteSerializer, responses={201: ApiKeyCreatedSerializer},
+                   summary="Create an API key (its secret is in the response, once)")
+    def post(self, request):
+        ser = ApiKeyWriteSerializer(data=request.data)
+        ser.is_valid(raise_exception=True)
+        data = dict(ser.validated_data)
+        limits = {k: data.pop(k) for k in list(data) if k not in ("name", "scopes", "allowed_models", "expires_at")}
+        api_key, plaintext = api_key_create(tenant=self.principal.tenant, name=data["name"],
+                                            scopes=data.get("scopes"), allowed_models=data.get("allowed_models"),
+                                            expires_at=data.get("expires_at"), limits=limits)
+        return created(_created_payload(api_key, plaintext))
+
+
+class KeyDetailView(TenantAPIView):
+    """One of the tenant's keys (another tenant's key id answers 404)."""
+
+    required_scope = "keys:write"
+
+    def _key(self, pk: int) -> ApiKey:
+        return get_object_or_404(ApiKey.objects.select_related("tenant"), pk=pk, tenant=self.principal.tenant)
+
+    @api_doc(responses=ApiKeySerializer, summary="Show one API key")
+    def get(self, request, pk: int):
+        return Response(ApiKeySerializer(self._key(pk)).data)
+
+    @api_doc(request=ApiKeyWriteSerializer, responses=ApiKeySerializer, summary="Change an API key")
+    def patch(self, request, pk: int):
+        api_key = self._key(pk)
+        if api_key.revoked_at is not None:
+            raise exceptions.ValidationError({"non_field_errors": ["a revoked key cannot be changed"]})
+        ser = ApiKeyWriteSerializer(data=request.data, partial=True)
+        ser.is_valid(raise_exception=True)
+        api_key_update(api_key=api_key, **ser.validated_data)
+        return Response(ApiKeySerializer(api_key).data)
+
+    @api_doc(request=None, responses=ApiKeySerializer, summary="Revoke an API key")
+    def delete(self, request, pk: int):
+        return Response(ApiKeySerializer(api_key_revoke(api_key=self._key(pk))).data)
+
+
+class KeyRevokeView(KeyDetailView):
+    """``POST .../revoke``: same as DELETE."""
+
+    http_method_names = ["post", "options"]
+
+    @api_doc(request=None, responses=ApiKeySerializer, summary="Revoke an API key")
+    def post(self, request, pk: int):
+        return Response(ApiKeySerializer(api_key_revoke(api_key=self._key(pk))).data)
+
+
+class KeyRotateView(KeyDetailView):
+    """``POST .../rotate``: a new secret; the old key expires after ``grace_period_s``."""
+
+    http_method_names = ["post", "options"]
+
+    @api_doc(request=RotateSerializer, responses={201: ApiKeyCreatedSerializer},
+                   summary="Rotate an API key (optional grace period for the old secret)")
+    def post(self, request, pk: int):
+        ser = RotateSerializer(data=request.data)
+        ser.is_valid(raise_exception=True)
+        try:
+            new, plaintext = api_key_rotate(api_key=self._key(pk), grace_s=ser.validated_data["grace_period_s"])
+        except ValueError as exc:
+            raise exceptions.ValidationError({"non_field_errors": [str(exc)]}) from exc
+        return created(_created_payload(new, plaintext))

@@ -1,0 +1,104 @@
+"""``GET /api/v1/usage``: a tenant's usage from the rollups (scope ``usage:read`` or the owner's session).
+
+Query parameters (all optional):
+
+================  ==============================================================================
+``range``         ``hour`` | ``day`` | ``30d``: sets start, end and granularity (minute/hour/day)
+``start``/``end`` ISO-8601 datetimes (UTC when no offset); default: the last 24 hours
+``granularity``   ``minute`` | ``hour`` | ``day`` (default ``hour``)
+``api_key_id``    one of the tenant's key ids (another tenant's id: 404); default all the tenant's keys
+``model``         served model name
+``group_by``      ``key`` | ``model``: per-group totals under ``groups``
+================  ==============================================================================
+
+A tenant only ever sees rows of its own ``tenant_id``: the filter is applied from the credential, not
+from a parameter.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta, timezone as dt_timezone
+
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, inline_serializer
+from rest_framework import exceptions, serializers
+from rest_framework.response import Response
+
+from tenancy.api.base import TenantAPIView, api_doc
+from tenancy.models import ApiKey
+from usage.models import GRANULARITIES
+from usage.selectors import RANGES, usage_range, usage_series
+
+_FIGURES = {name: serializers.FloatField(allow_null=True) for name in (
+    "requests", "prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens", "status_429", "status_503",
+    "errors", "aborted", "error_rate", "ttft_p50_ms", "ttft_p95_ms", "ttft_mean_ms", "e2e_p50_ms", "e2e_p95_ms",
+    "e2e_mean_ms")}
+_POINT = inline_serializer("UsagePoint", {"t": serializers.DateTimeField(), **_FIGURES})
+_TOTALS = inline_serializer("UsageTotals", dict(_FIGURES))
+_SERIES = inline_serializer("UsageSeries", {
+    "granularity": serializers.ChoiceField(choices=GRANULARITIES), "start": serializers.DateTimeField(),
+    "end": serializers.DateTimeField(), "points": _POINT, "totals": _TOTALS,
+    "groups": serializers.DictField(child=_TOTALS),
+})
+
+
+def _when(value: str, name: str):
+    parsed = parse_datetime(value)
+    if parsed is None:
+        raise exceptions.ValidationError({name: "not an ISO-8601 datetime"})
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt_timezone.utc)
+
+
+def series_params(params) -> dict:
+    """Parse the query parameters above into ``usage_series`` keyword arguments (400 on bad input)."""
+    granularity = params.get("granularity") or "hour"
+    if params.get("range"):
+        try:
+            start, end, granularity = usage_range(params["range"])
+        except ValueError as exc:
+            raise exceptions.ValidationError({"range": str(exc)}) from exc
+    else:
+        if granularity not in GRANULARITIES:
+            raise exceptions.ValidationError({"granularity": f"must be one of {list(GRANULARITIES)}"})
+        end = _when(params["end"], "end") if params.get("end") else timezone.now()
+        start = _when(params["start"], "start") if params.get("start") else end - timedelta(days=1)
+    group_by = params.get("group_by") or None
+    if group_by not in (None, "key", "model"):
+        raise exceptions.ValidationError({"group_by": "must be key or model"})
+    return {"granularity": granularity, "start": start, "end": end, "served_model_name": params.get("model") or None,
+            "group_by": group_by}
+
+
+class UsageView(TenantAPIView):
+    """The tenant's usage over time (points per bucket, totals, optional groups)."""
+
+    required_scope = "usage:read"
+
+    @api_doc(
+        summary="Usage of the tenant's keys over time (from minute/hour/day rollups)",
+        parameters=[
+            OpenApiParameter("range", OpenApiTypes.STR, enum=sorted(RANGES)),
+            OpenApiParameter("start", OpenApiTypes.DATETIME), OpenApiParameter("end", OpenApiTypes.DATETIME),
+            OpenApiParameter("granularity", OpenApiTypes.STR, enum=list(GRANULARITIES)),
+            OpenApiParameter("api_key_id", OpenApiTypes.INT), OpenApiParameter("model", OpenApiTypes.STR),
+            OpenApiParameter("group_by", OpenApiTypes.STR, enum=["key", "model"]),
+        ],
+        responses=_SERIES,
+    )
+    def get(self, request):
+        kwargs = series_params(request.query_params)
+        tenant = self.principal.tenant
+        key_ids = None
+        raw_key = request.query_params.get("api_key_id")
+        if raw_key:
+            if not raw_key.isdigit() or not ApiKey.objects.filter(pk=int(raw_key), tenant=tenant).exists():
+                raise exceptions.NotFound("No such API key for this tenant.")
+            key_ids = [int(raw_key)]
+        try:
+            data = usage_series(tenant_id=tenant.pk, api_key_ids=key_ids, **kwargs)
+        except ValueError as exc:
+            raise exceptions.ValidationError({"non_field_errors": [str(exc)]}) from exc
+        data["tenant_id"] = tenant.pk
+        return Response(data)

@@ -1,0 +1,99 @@
+"""WebSocket ``/ws/usage/``: pushes dashboard figures on connect and whenever new rollups exist.
+
+Auth: the Django session (``AuthMiddlewareStack``). A staff user may ask for ``"operator": true`` (all
+tenants); anyone else gets only the tenant they own. Client → server JSON: ``{"range": "hour"|"day"|"30d",
+"api_key_id": int|null, "operator": bool}`` (any time; answered at once). Server → client: the same
+payload as the page's JSON (``usage.web.dashboard_payload``), at most once per ``MIN_INTERVAL_S``
+after a ``usage.updated`` group message, and every ``REFRESH_S`` seconds as a fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from asgiref.sync import sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+
+from .live import LIVE_GROUP
+
+MIN_INTERVAL_S = 0.5
+REFRESH_S = 10.0
+
+
+def _resolve(user, want_operator: bool, key_id):
+    """``(tenant_id, key_id)`` this user may watch (``tenant_id`` None = all tenants), or None if nothing."""
+    from tenancy.models import ApiKey, Tenant
+
+    if want_operator and user.is_staff:
+        return None, key_id
+    tenant = Tenant.objects.filter(owner=user, is_active=True).order_by("pk").first()
+    if tenant is None:
+        return False
+    if key_id is not None and not ApiKey.objects.filter(pk=key_id, tenant=tenant).exists():
+        return False
+    return tenant.pk, key_id
+
+
+class UsageLiveConsumer(AsyncJsonWebsocketConsumer):
+    """One dashboard's live feed."""
+
+    async def connect(self):
+        user = self.scope.get("user")
+        if user is None or not user.is_authenticated:
+            await self.close(code=4401)
+            return
+        self.view = {"range": "hour", "api_key_id": None, "operator": False}
+        self.last_sent = 0.0
+        self.pending: asyncio.Task | None = None
+        await self.channel_layer.group_add(LIVE_GROUP, self.channel_name)
+        await self.accept()
+        self.ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    async def disconnect(self, code):
+        for task in (getattr(self, "ticker", None), getattr(self, "pending", None)):
+            if task is not None:
+                task.cancel()
+        if self.channel_layer is not None:
+            await self.channel_layer.group_discard(LIVE_GROUP, self.channel_name)
+
+    async def receive_json(self, content, **kwargs):
+        if not isinstance(content, dict):
+            return
+        rng = content.get("range", self.view["range"])
+        key = content.get("api_key_id")
+        self.view = {"range": rng if rng in ("hour", "day", "30d") else "hour",
+                     "api_key_id": key if isinstance(key, int) else None,
+                     "operator": bool(content.get("operator"))}
+        await self._push()
+
+    async def usage_updated(self, event):
+        wait = self.last_sent + MIN_INTERVAL_S - time.monotonic()
+        if wait <= 0:
+            await self._push()
+        elif self.pending is None or self.pending.done():
+            self.pending = asyncio.get_running_loop().create_task(self._push_later(wait))
+
+    async def _push_later(self, wait: float):
+        await asyncio.sleep(wait)
+        await self._push()
+
+    async def _tick(self):
+        while True:
+            await asyncio.sleep(REFRESH_S)
+            await self._push()
+
+    async def _push(self):
+        from .web import dashboard_payload
+
+        user = self.scope["user"]
+        view = dict(self.view)
+        resolved = await sync_to_async(_resolve, thread_sensitive=False)(user, view["operator"], view["api_key_id"])
+        if resolved is False:
+            await self.send_json({"error": "forbidden"})
+            return
+        tenant_id, key_id = resolved
+        data = await sync_to_async(dashboard_payload, thread_sensitive=False)(
+            range_name=view["range"], tenant_id=tenant_id, api_key_id=key_id)
+        self.last_sent = time.monotonic()
+        await self.send_json(data)

@@ -1,0 +1,148 @@
+"""Usage rollups: ``UsageRecord`` rows → ``UsageRollup`` rows per key, model and minute/hour/day.
+
+Incremental and exactly-once: each run takes up to ``max_records`` records with ``rolled_up = False``
+(PostgreSQL: ``FOR UPDATE SKIP LOCKED``, so concurrent runs take disjoint records; SQLite: the
+``BEGIN IMMEDIATE`` transaction serializes runs), adds them to the minute, hour and day rows (rows
+locked ``FOR UPDATE`` before they are read), and flips their ``rolled_up`` flag — all in ONE
+transaction. A run that dies leaves nothing half-done; a record is added to its rollups exactly once,
+however late it arrives (a record flushed late lands in its own, older bucket).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import IntegrityError, connection, transaction
+
+from .histogram import bucket_of, hist_add, hist_new
+from .models import GRANULARITIES, UsageRecord, UsageRollup
+
+_SUM_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "status_429", "status_503",
+               "errors", "aborted", "ttft_count", "ttft_sum_ms", "e2e_sum_ms")
+
+
+def bucket_floor(when: datetime, granularity: str) -> datetime:
+    """Start of the minute/hour/day (UTC) containing the aware datetime ``when``."""
+    if granularity == "minute":
+        return when.replace(second=0, microsecond=0)
+    if granularity == "hour":
+        return when.replace(minute=0, second=0, microsecond=0)
+    if granularity == "day":
+        return when.replace(hour=0, minute=0, second=0, microsecond=0)
+    raise ValueError(f"unknown granularity {granularity!r}")
+
+
+GRANULARITY_STEP = {"minute": timedelta(minutes=1), "hour": timedelta(hours=1), "day": timedelta(days=1)}
+
+
+def _new_delta() -> dict[str, Any]:
+    d: dict[str, Any] = {f: 0 for f in _SUM_FIELDS}
+    d["ttft_sum_ms"] = d["e2e_sum_ms"] = 0.0
+    d["ttft_hist"] = hist_new()
+    d["e2e_hist"] = hist_new()
+    return d
+
+
+def record_classify(status_code: int, finish_reason: str) -> dict[str, int]:
+    """The status counters one record adds: ``status_429``, ``status_503``, ``errors``, ``aborted``."""
+    return {
+        "status_429": int(status_code == 429),
+        "status_503": int(status_code == 503),
+        "errors": int((status_code >= 400 and status_code not in (429, 503)) or finish_reason == "error"),
+        "aborted": int(finish_reason == "abort"),
+    }
+
+
+def _deltas(records) -> dict[tuple, dict[str, Any]]:
+    out: dict[tuple, dict[str, Any]] = defaultdict(_new_delta)
+    for r in records:
+        (rid, tenant_id, key_id, model, created_at, prompt, completion, cached, status, finish, ttft, e2e) = r
+        cls = record_classify(status, finish or "")
+        for gran in GRANULARITIES:
+            d = out[(gran, bucket_floor(created_at, gran), key_id or 0, tenant_id or 0, model or "")]
+            d["requests"] += 1
+            d["prompt_tokens"] += prompt
+            d["completion_tokens"] += completion
+            d["cached_tokens"] += cached
+            for k, v in cls.items():
+                d[k] += v
+            if ttft is not None:
+                d["ttft_count"] += 1
+                d["ttft_sum_ms"] += ttft
+                d["ttft_hist"][bucket_of(ttft)] += 1
+            d["e2e_sum_ms"] += e2e or 0.0
+            d["e2e_hist"][bucket_of(e2e or 0.0)] += 1
+    return out
+
+
+def _apply(deltas: dict[tuple, dict[str, Any]]) -> None:
+    """Add ``deltas`` to their rollup rows (caller holds a transaction)."""
+    by_gran: dict[str, list[tuple]] = defaultdict(list)
+    for key in deltas:
+        by_gran[key[0]].append(key)
+    for gran, keys in by_gran.items():
+        starts = {k[1] for k in keys}
+        key_ids = {k[2] for k in keys}
+        qs = UsageRollup.objects.filter(granularity=gran, bucket_start__in=starts, api_key_id__in=key_ids)
+        if connection.features.has_select_for_update:
+            qs = qs.select_for_update()
+        existing = {(r.granularity, r.bucket_start, r.api_key_id, r.tenant_id, r.served_model_name): r for r in qs}
+        to_update, to_create = [], []
+        for key in keys:
+            d = deltas[key]
+            row = existing.get(key)
+            if row is None:
+                row = UsageRollup(granularity=gran, bucket_start=key[1], api_key_id=key[2], tenant_id=key[3],
+                                  served_model_name=key[4], ttft_hist=[], e2e_hist=[])
+                to_create.append(row)
+            else:
+                to_update.append(row)
+            for f in _SUM_FIELDS:
+                setattr(row, f, getattr(row, f) + d[f])
+            row.ttft_hist = hist_add(list(row.ttft_hist or []), d["ttft_hist"])
+            row.e2e_hist = hist_add(list(row.e2e_hist or []), d["e2e_hist"])
+        if to_update:
+            UsageRollup.objects.bulk_update(to_update, [*_SUM_FIELDS, "ttft_hist", "e2e_hist"], batch_size=500)
+        if to_create:
+            UsageRollup.objects.bulk_create(to_create, batch_size=500)
+
+
+def usage_rollup_run(*, max_records: int = 5000, attempts: int = 3) -> int:
+    """Add up to ``max_records`` not-yet-rolled-up records to the rollups; returns how many were added.
+
+    One transaction per call (see the module docstring). A unique-constraint race with a concurrent run
+    (both creating the same new row) rolls back and is retried up to ``attempts`` times.
+    """
+    fields = ("id", "tenant_id", "api_key_id", "served_model_name", "created_at", "prompt_tokens",
+              "completion_tokens", "cached_tokens", "status_code", "finish_reason", "ttft_ms", "e2e_latency_ms")
+    for attempt in range(attempts):
+        try:
+            with transaction.atomic():
+                qs = UsageRecord.objects.filter(rolled_up=False).order_by("id")
+                if connection.features.has_select_for_update_skip_locked:
+                    qs = qs.select_for_update(skip_locked=True)
+                records = list(qs.values_list(*fields)[:max_records])
+                if not records:
+                    return 0
+                _apply(_deltas(records))
+                ids = [r[0] for r in records]
+                for i in range(0, len(ids), 900):
+                    UsageRecord.objects.filter(id__in=ids[i:i + 900]).update(rolled_up=True)
+                return len(records)
+        except IntegrityError:
+            if attempt == attempts - 1:
+                raise
+    return 0
+
+
+def usage_rollup_all(*, max_records: int = 5000, max_rounds: int = 100) -> int:
+    """Run ``usage_rollup_run`` until no records are left or ``max_rounds`` ran; returns records added."""
+    total = 0
+    for _ in range(max_rounds):
+        n = usage_rollup_run(max_records=max_records)
+        total += n
+        if n < max_records:
+            break
+    return total

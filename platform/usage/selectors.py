@@ -1,0 +1,132 @@
+"""Usage reads for the REST API and the dashboards, from ``UsageRollup`` rows only (never the raw records).
+
+``usage_series`` returns one point per bucket of the chosen granularity (empty buckets included, so charts
+have a continuous time axis) plus totals over the range. Figures per point: requests, prompt/completion/
+cached tokens, 429 and 503 counts, errors, aborted, error rate, TTFT p50/p95 and mean, e2e p50/p95/mean.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import datetime, timedelta
+from typing import Any, Iterable
+
+from django.utils import timezone
+
+from .histogram import hist_add, hist_quantile
+from .models import GRANULARITIES, UsageRollup
+from .rollups import GRANULARITY_STEP, bucket_floor
+
+RANGES = {"hour": (timedelta(hours=1), "minute"), "day": (timedelta(days=1), "hour"),
+          "30d": (timedelta(days=30), "day")}
+MAX_POINTS = 2000
+
+_SUMS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "status_429", "status_503", "errors",
+         "aborted", "ttft_count", "ttft_sum_ms", "e2e_sum_ms")
+
+
+def _empty() -> dict[str, Any]:
+    acc: dict[str, Any] = {f: 0 for f in _SUMS}
+    acc["ttft_hist"], acc["e2e_hist"] = [], []
+    return acc
+
+
+def _finish(acc: dict[str, Any]) -> dict[str, Any]:
+    req = acc["requests"]
+    out = {f: acc[f] for f in ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "status_429",
+                               "status_503", "errors", "aborted")}
+    out["total_tokens"] = acc["prompt_tokens"] + acc["completion_tokens"]
+    out["error_rate"] = round(acc["errors"] / req, 6) if req else 0.0
+
+    def r(v):
+        return None if v is None else round(v, 3)
+
+    out["ttft_p50_ms"] = r(hist_quantile(acc["ttft_hist"], 0.5))
+    out["ttft_p95_ms"] = r(hist_quantile(acc["ttft_hist"], 0.95))
+    out["ttft_mean_ms"] = r(acc["ttft_sum_ms"] / acc["ttft_count"]) if acc["ttft_count"] else None
+    out["e2e_p50_ms"] = r(hist_quantile(acc["e2e_hist"], 0.5))
+    out["e2e_p95_ms"] = r(hist_quantile(acc["e2e_hist"], 0.95))
+    out["e2e_mean_ms"] = r(acc["e2e_sum_ms"] / req) if req else None
+    return out
+
+
+def usage_rollup_rows(*, granularity: str, start: datetime, end: datetime, tenant_id: int | None = None,
+                      api_key_ids: Iterable[int] | None = None, served_model_name: str | None = None):
+    """Rollup rows of ``granularity`` with ``start <= bucket_start < end``, filtered by tenant, keys, model.
+
+    ``tenant_id=None`` means every tenant (operators only); ``api_key_ids=None`` every key of the tenant.
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}")
+    qs = UsageRollup.objects.filter(granularity=granularity, bucket_start__gte=start, bucket_start__lt=end)
+    if tenant_id is not None:
+        qs = qs.filter(tenant_id=tenant_id)
+    if api_key_ids is not None:
+        qs = qs.filter(api_key_id__in=list(api_key_ids))
+    if served_model_name:
+        qs = qs.filter(served_model_name=served_model_name)
+    return qs
+
+
+def usage_series(*, granularity: str, start: datetime, end: datetime, tenant_id: int | None = None,
+                 api_key_ids: Iterable[int] | None = None, served_model_name: str | None = None,
+                 group_by: str | None = None) -> dict[str, Any]:
+    """Usage over ``[start, end)`` per ``granularity`` bucket: ``{"granularity", "start", "end", "points":
+    [{"t": iso, ...figures}], "totals": {...figures}, "groups": {...}}``.
+
+    ``start`` is floored to the granularity; at most ``MAX_POINTS`` buckets (``ValueError`` beyond).
+    ``group_by`` ``"key"`` or ``"model"`` adds per-group totals under ``groups``.
+    """
+    start = bucket_floor(start, granularity)
+    step = GRANULARITY_STEP[granularity]
+    if end <= start:
+        raise ValueError("end must be after start")
+    if (end - start) / step > MAX_POINTS:
+        raise ValueError(f"range too long for granularity {granularity} (more than {MAX_POINTS} points)")
+    rows = usage_rollup_rows(granularity=granularity, start=start, end=end, tenant_id=tenant_id,
+                             api_key_ids=api_key_ids, served_model_name=served_model_name)
+    buckets: dict[datetime, dict[str, Any]] = defaultdict(_empty)
+    total = _empty()
+    groups: dict[Any, dict[str, Any]] = defaultdict(_empty)
+    fields = ("bucket_start", "api_key_id", "served_model_name", *_SUMS, "ttft_hist", "e2e_hist")
+    for row in rows.values_list(*fields):
+        values = dict(zip(fields, row))
+        targets = [buckets[values["bucket_start"]], total]
+        if group_by == "key":
+            targets.append(groups[values["api_key_id"]])
+        elif group_by == "model":
+            targets.append(groups[values["served_model_name"]])
+        for acc in targets:
+            for f in _SUMS:
+                acc[f] += values[f]
+            hist_add(acc["ttft_hist"], values["ttft_hist"])
+            hist_add(acc["e2e_hist"], values["e2e_hist"])
+    points = []
+    t = start
+    for _ in range(MAX_POINTS + 1):
+        if t >= end:
+            break
+        point = _finish(buckets.get(t) or _empty())
+        point["t"] = t.isoformat().replace("+00:00", "Z")
+        points.append(point)
+        t += step
+    return {
+        "granularity": granularity,
+        "start": start.isoformat().replace("+00:00", "Z"),
+        "end": end.isoformat().replace("+00:00", "Z"),
+        "points": points,
+        "totals": _finish(total),
+        "groups": {str(k): _finish(v) for k, v in groups.items()} if group_by else {},
+    }
+
+
+def usage_range(range_name: str, now: datetime | None = None) -> tuple[datetime, datetime, str]:
+    """``(start, end, granularity)`` of a dashboard range: ``hour`` (per minute), ``day`` (per hour) or
+    ``30d`` (per day), ending after the current bucket. Raises ``ValueError`` for another name."""
+    if range_name not in RANGES:
+        raise ValueError(f"range must be one of {sorted(RANGES)}")
+    span, gran = RANGES[range_name]
+    now = now or timezone.now()
+    end = bucket_floor(now, gran) + GRANULARITY_STEP[gran]
+    return end - span, end, gran
+
