@@ -1,0 +1,140 @@
+"""Admission-control benchmark (issue 3): TTFT of accepted requests under overload, with and without a limit.
+
+Starts the real platform (tests/live_platform.py: Redis from REDIS_URL or embedded, Celery worker+beat, one
+engine replica of the tiny demo model, uvicorn), then:
+
+1. measures capacity in the same run: a closed loop of ``--concurrency`` clients sending equal prompts
+   (``--prompt-len`` token ids, ``max_tokens=1``, so a request is prefill + one token) for
+   ``--calib-s`` seconds; capacity = completed prompt tokens per second end to end (the engine's own
+   ``prefill_tokens_per_s`` heartbeat is printed too; on this CPU box the api/worker side, not the
+   engine, bounds the end-to-end rate, so the end-to-end figure is the honest one to size with);
+2. offers open-loop load (uniform arrivals) at 1.4× capacity for ``--duration`` seconds with the queue
+   unbounded, then with ``max_num_queued_tokens = target_TTFT × capacity``, then at 0.64× with the limit.
+
+TTFT here is the latency of a ``max_tokens=1`` request (first token = last token). Printed per run:
+accepted, refused, worst and p99 TTFT of accepted requests, p99 latency of a 503.
+
+    REDIS_URL=redis://127.0.0.1:6379/12 .venv/bin/python bench/admission.py [--target-ttft-s 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "platform")]
+
+from tests.live_platform import DEMO_MODEL, start_platform  # noqa: E402
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+async def one(client: httpx.AsyncClient, base: str, key: str, prompt: list[int]) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    r = await client.post(f"{base}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                          json={"model": DEMO_MODEL, "prompt": prompt, "max_tokens": 1})
+    return r.status_code, time.perf_counter() - t0
+
+
+def prompt_for(i: int, length: int) -> list[int]:
+    # distinct first token per request so the engine's prefix cache cannot skip the prefill
+    return [1000 + (i % 50000)] + [200 + (j * 7 + i) % 5000 for j in range(length - 1)]
+
+
+async def calibrate(base, key, length, concurrency, seconds) -> float:
+    done = 0
+    stop_at = time.perf_counter() + seconds
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency * 2)) as client:
+        async def worker(w):
+            nonlocal done
+            i = w
+            while time.perf_counter() < stop_at:
+                status, _ = await one(client, base, key, prompt_for(i, length))
+                i += concurrency
+                if status == 200:
+                    done += 1
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))  # warm-up
+        done = 0
+        stop_at = time.perf_counter() + seconds
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        elapsed = time.perf_counter() - t0
+    return done * length / elapsed
+
+
+async def offer(base, key, length, rate_rps, duration_s) -> dict:
+    results: list[tuple[int, float]] = []
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=2000)) as client:
+        tasks = []
+        t0 = time.perf_counter()
+        total = int(rate_rps * duration_s)
+        for i in range(total):
+            delay = t0 + i / rate_rps - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(client, base, key, prompt_for(i, length))))
+        results = await asyncio.gather(*tasks)
+    ok = [lat for status, lat in results if status == 200]
+    refused = [lat for status, lat in results if status == 503]
+    other = [status for status, _ in results if status not in (200, 503)]
+    return {"offered": len(results), "accepted": len(ok), "refused": len(refused), "other": len(other),
+            "worst": max(ok, default=float("nan")), "p99": pct(ok, 0.99), "p99_503_ms": pct(refused, 0.99) * 1000}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--target-ttft-s", type=float, default=2.0)
+    ap.add_argument("--duration", type=float, default=30.0)
+    ap.add_argument("--calib-s", type=float, default=6.0)
+    ap.add_argument("--concurrency", type=int, default=16)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        live = start_platform(Path(tmp), max_model_len=max(512, args.prompt_len + 8))
+        try:
+            base, key = live.base_url, live.api_key
+            tps = asyncio.run(calibrate(base, key, args.prompt_len, args.concurrency, args.calib_s))
+            engine_tps = sum(s.prefill_tokens_per_s for s in live.replicas())
+            cap_rps = tps / args.prompt_len
+            limit = max(1, int(args.target_ttft_s * tps))
+            print(f"capacity (end to end): {tps:.0f} prompt tokens/s = {cap_rps:.1f} req/s of {args.prompt_len} "
+                  f"tokens; engine-reported prefill {engine_tps:.0f} tokens/s")
+            print(f"target TTFT {args.target_ttft_s:.2f} s -> max_num_queued_tokens = {limit}")
+            rows = []
+            for label, factor, lim in (("1.4x unbounded", 1.4, None), ("1.4x limited", 1.4, limit),
+                                       ("0.64x limited", 0.64, limit)):
+                live.manage("admission_policy", DEMO_MODEL, "--max-num-queued-reqs", "none",
+                            "--max-num-queued-tokens", "none" if lim is None else str(lim))
+                time.sleep(1.0)
+                res = asyncio.run(offer(base, key, args.prompt_len, factor * cap_rps, args.duration))
+                rows.append((label, res))
+                time.sleep(2.0)
+            print()
+            print(f"{'run':<16} {'offered':>7} {'accepted':>8} {'refused':>7} {'other':>5} {'worst TTFT s':>12} "
+                  f"{'p99 TTFT s':>10} {'p99 503 ms':>10}")
+            for label, r in rows:
+                print(f"{label:<16} {r['offered']:>7} {r['accepted']:>8} {r['refused']:>7} {r['other']:>5} "
+                      f"{r['worst']:>12.2f} {r['p99']:>10.2f} {r['p99_503_ms']:>10.1f}")
+            lim_p99 = rows[1][1]["p99"]
+            print(f"\nlimited p99 TTFT / target = {lim_p99 / args.target_ttft_s:.2f} (goal <= 1.25); "
+                  f"unbounded worst / target = {rows[0][1]['worst'] / args.target_ttft_s:.1f} (goal: several); "
+                  f"refusals at 0.64x = {rows[2][1]['refused']} (goal 0)")
+        finally:
+            live.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
