@@ -5,7 +5,8 @@
 ``{"request_id"?, "token_ids": [int, ...], "sampling_params": {...}, "model", "stream"?, "stream_options"?}``.
 The same checks as chat/completions run before any byte is sent (ids in the vocabulary, prompt length vs
 ``max_model_len``, ``max_tokens`` vs the room left, sampling ranges); ``max_tokens`` omitted → the room
-left. ``n`` children get seeds ``seed + i``; stop strings are applied (the output ids then end with the
+left. Admission counts it like chat (exact ``n × len(token_ids)``; 503 + ``Retry-After`` when full).
+``n`` children get seeds ``seed + i``; stop strings are applied (the output ids then end with the
 token that completed the stop string).
 
 Non-streaming response::
@@ -39,6 +40,9 @@ from gateway.errors import ApiError, bad_request
 from gateway.generation import (
     GenerationRun,
     UsageRecorder,
+    admission_precheck,
+    admission_release,
+    admission_reserve,
     client_request_id,
     eos_ids_of,
     link,
@@ -111,8 +115,11 @@ class GenerateConsumer(GatewayConsumer):
         run: GenerationRun | None = None
         key = _abort_key(ctx.tenant_id, external_id)
         members: list[bytes] = []
+        reservation = None
         try:
             model = await resolve_model(ctx, req.model)
+            reservation = await admission_precheck(model, recorder.request_id, sp.n or 1, len(req.token_ids),
+                                                   exact=True)
             tokenizer = await load_tokenizer(model)
             defaults = generation_defaults(model["model_dir"])
             defaults = GenerationDefaults(eos_token_ids=tuple(sp.eos_token_ids)
@@ -126,9 +133,11 @@ class GenerateConsumer(GatewayConsumer):
             except RequestValidationError as exc:
                 param = exc.param if exc.param in (None, "token_ids") else f"sampling_params.{exc.param}"
                 raise bad_request(exc.message, param) from None
+            await admission_reserve(reservation, processed)
             run = GenerationRun(model=model, processed=processed, tokenizer=tokenizer, stop=sp.stop or [],
                                 include_stop_str_in_output=bool(sp.include_stop_str_in_output),
-                                skip_special_tokens=sp.skip_special_tokens is not False, arrival_time=arrival)
+                                skip_special_tokens=sp.skip_special_tokens is not False, arrival_time=arrival,
+                                reservation=reservation)
             members = [msgpack.packb([model["served_model_name"], r.request_id]) for r in processed.requests]
             r = link().redis
             await r.sadd(key, *members)
@@ -155,6 +164,7 @@ class GenerateConsumer(GatewayConsumer):
                     pass
             if run is not None:
                 await run.close()
+            await admission_release(reservation)
             await recorder.emit()
 
     def _envelope(self, run, external_id, created, choices, usage=None) -> dict:

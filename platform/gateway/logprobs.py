@@ -56,5 +56,7 @@ def completion_logprobs(tokenizer, token_ids: list[int], entries: list[Any], tex
             tops.append(None)
             continue
         token_lps.append(_finite(entry[0]))
-        tops.append({token_text(tokenizer, int(i)): _finite(lp) for i, lp in (entry[1] or [])})
+        top = {token_text(tokenizer, int(i)): _finite(lp) for i, lp in (entry[1] or [])}
+        top.setdefault(text, _finite(entry[0]))  # OpenAI: the sampled token is always listed (k + 1 at most)
+        tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}

@@ -1,0 +1,56 @@
+"""Session fixture for the frontend suite: one live platform (tests/live_platform.py) with
+
+* ``tiny-qwen3`` and its engine (the generation features),
+* one tokenize-only served model per real tokenizer (``tok-<name>``: the demo model dir with
+  ``--tokenizer-dir .cache/tokenizers/<name>``; no engine needed for /tokenize),
+* ``tiny-qwen3-trusted``: same model, ``--allow-request-chat-template true``,
+* a second api process with ``RENDER_ROUTE=inline`` (``live.extra["inline_url"]``).
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.live_platform import MODEL_DIR, REPO, start_platform
+
+TOKENIZER_NAMES = ("qwen3", "llama3_1", "gemma3", "deepseek_v3", "gptoss", "llama2")
+
+
+@pytest.fixture(scope="session")
+def live(tmp_path_factory):
+    platform = start_platform(tmp_path_factory.mktemp("live"))
+    try:
+        for name in TOKENIZER_NAMES:
+            platform.manage("register_model", f"tok-{name}", str(MODEL_DIR), "--tokenizer-dir",
+                            str(REPO / ".cache" / "tokenizers" / name), "--max-model-len", "32768")
+        platform.manage("register_model", "tiny-qwen3-trusted", str(MODEL_DIR), "--max-model-len", "512",
+                        "--allow-request-chat-template", "true")
+        env = platform.sup.env
+        env["RENDER_ROUTE"] = "inline"
+        try:
+            _, url = platform.start_api(name="api-inline")
+        finally:
+            env.pop("RENDER_ROUTE", None)
+        platform.extra["inline_url"] = url
+        yield platform
+    finally:
+        platform.stop()
+
+
+def _client(url, key):
+    return httpx.Client(base_url=url, timeout=120, headers={"Authorization": f"Bearer {key}"})
+
+
+@pytest.fixture(scope="session")
+def http(live):
+    """httpx client on the default (Celery route) api process."""
+    with _client(live.base_url, live.api_key) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def http_inline(live):
+    """httpx client on the ``RENDER_ROUTE=inline`` api process."""
+    with _client(live.extra["inline_url"], live.api_key) as c:
+        yield c

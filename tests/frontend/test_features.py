@@ -1,0 +1,316 @@
+"""Issue 4 fields and endpoints against the live platform (real Redis, Celery worker, engine, uvicorn)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+M = "tiny-qwen3"
+IM_START = 151644  # "<|im_start|>": a special token that is not an EOS id of the demo model
+MSGS = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+def sse(text: str) -> list[dict]:
+    data = [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+    assert data and data[-1] == "[DONE]", text[-300:]
+    return [json.loads(d) for d in data[:-1]]
+
+
+def err_of(resp, status=400):
+    assert resp.status_code == status, resp.text
+    return resp.json()["error"]
+
+
+def chat(http, **body):
+    resp = http.post("/v1/chat/completions", json={"model": M, "messages": MSGS, **body})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def greedy_ids(http, n_tokens=12, **extra):
+    out = chat(http, max_tokens=n_tokens, temperature=0, ignore_eos=True, return_token_ids=True, **extra)
+    return out["choices"][0]["token_ids"], out["choices"][0]["message"]["content"]
+
+
+# ------------------------------------------------------------------ /tokenize, /detokenize, routes
+CHAT_BODIES = [
+    {"messages": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "héllo 👋🏽 中文"}]},
+    {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"enable_thinking": False}},
+    {"messages": [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue is"}],
+     "add_generation_prompt": False, "continue_final_message": True},
+]
+
+
+def test_tokenize_celery_and_inline_routes_agree(http, http_inline):
+    for body in CHAT_BODIES + [{"prompt": "plain prompt ✓ with emoji 🚀"}, {"prompt": "x", "add_special_tokens": False}]:
+        a = http.post("/tokenize", json={"model": M, **body, "return_token_strs": True})
+        b = http_inline.post("/tokenize", json={"model": M, **body, "return_token_strs": True})
+        assert a.status_code == b.status_code == 200, (a.text, b.text)
+        assert a.content == b.content
+        out = a.json()
+        assert out["count"] == len(out["tokens"]) == len(out["token_strs"]) and out["max_model_len"] == 512
+        da = http.post("/detokenize", json={"model": M, "tokens": out["tokens"]})
+        db = http_inline.post("/detokenize", json={"model": M, "tokens": out["tokens"]})
+        assert da.status_code == 200 and da.content == db.content
+    # errors are the same on both routes too
+    bad = {"model": M, "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": 1}}
+    assert http.post("/tokenize", json=bad).content == http_inline.post("/tokenize", json=bad).content
+    assert http.post("/detokenize", json={"model": M, "tokens": [10**9]}).content == \
+        http_inline.post("/detokenize", json={"model": M, "tokens": [10**9]}).content
+
+
+def test_tokenize_chat_equals_chat_prompt_tokens(http):
+    out = http.post("/tokenize", json={"model": M, "messages": MSGS}).json()
+    assert chat(http, max_tokens=1)["usage"]["prompt_tokens"] == out["count"]
+    text = http.post("/detokenize", json={"model": M, "tokens": out["tokens"]}).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_tokenize_and_detokenize_validation(http, live):
+    with httpx.Client(base_url=live.base_url) as anon:
+        assert anon.post("/tokenize", json={"model": M, "prompt": "x"}).status_code == 401
+        assert anon.post("/detokenize", json={"model": M, "tokens": [1]}).status_code == 401
+    assert err_of(http.post("/detokenize", json={"model": M, "tokens": ["1"]}))["param"].startswith("tokens")
+    assert "151669" in err_of(http.post("/detokenize", json={"model": M, "tokens": [5, 151669]}))["message"]
+    assert err_of(http.post("/tokenize", json={"model": "nope", "prompt": "x"}), 404)
+    assert err_of(http.post("/tokenize", json={"model": M, "prompt": 5}))["param"] == "prompt"
+    e = err_of(http.post("/tokenize", json={"model": M, "messages": MSGS, "chat_template": "{{ 1 }}"}))
+    assert e["param"] == "chat_template"
+
+
+# ------------------------------------------------------------------ sampling fields
+def test_logit_bias_forces_and_forbids(http):
+    ids, _ = greedy_ids(http, 6, logit_bias={"11": 100})
+    assert ids == [11] * 6
+    base, _ = greedy_ids(http, 1)
+    banned, _ = greedy_ids(http, 1, logit_bias={str(base[0]): -100})
+    assert banned[0] != base[0]
+
+
+def test_min_tokens_masks_stop_ids(http):
+    base, _ = greedy_ids(http, 8)
+    out = chat(http, max_tokens=8, temperature=0, stop_token_ids=[base[0]], return_token_ids=True)
+    assert out["choices"][0]["finish_reason"] == "stop" and len(out["choices"][0]["token_ids"]) == 1
+    out = chat(http, max_tokens=8, temperature=0, stop_token_ids=[base[0]], min_tokens=3, return_token_ids=True)
+    assert len(out["choices"][0]["token_ids"]) >= 3
+    assert err_of(http.post("/v1/chat/completions", json={"model": M, "messages": MSGS, "max_tokens": 2,
+                                                            "min_tokens": 3}))["param"] == "min_tokens"
+
+
+def test_penalties_and_min_p_change_greedy_output(http):
+    base, _ = greedy_ids(http, 24)
+    for extra in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repetition_penalty": 5.0}):
+        ids, _ = greedy_ids(http, 24, **extra)
+        if len(set(base)) < len(base):  # the greedy output repeats itself: a penalty must change it
+            assert ids != base, extra
+    # min_p 1.0 keeps only the most likely token: sampling at temperature 1 equals greedy
+    out = chat(http, max_tokens=12, temperature=1.0, min_p=1.0, ignore_eos=True, seed=3, return_token_ids=True)
+    assert out["choices"][0]["token_ids"] == greedy_ids(http, 12)[0]
+    assert err_of(http.post("/v1/chat/completions", json={"model": M, "messages": MSGS, "min_p": 1.5}))["param"] == "min_p"
+
+
+def test_stop_strings_include_and_limits(http):
+    _, text = greedy_ids(http, 24)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    if not stop.strip():
+        pytest.skip("greedy text has no usable stop substring")
+    cut = text.index(stop)
+    a = chat(http, max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])["choices"][0]
+    assert a["message"]["content"] == text[:cut] and a["finish_reason"] == "stop" and a["stop_reason"] == stop
+    b = chat(http, max_tokens=24, temperature=0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+    assert b["choices"][0]["message"]["content"] == text[:cut] + stop
+    assert err_of(http.post("/v1/chat/completions", json={"model": M, "messages": MSGS, "stop": list("abcde")}))["param"] == "stop"
+    assert err_of(http.post("/v1/chat/completions", json={"model": M, "messages": MSGS, "stop": [""]}))["param"] == "stop"
+
+
+def test_skip_special_tokens(http):
+    body = dict(max_tokens=3, temperature=0, ignore_eos=True, logit_bias={str(IM_START): 100})
+    shown = chat(http, skip_special_tokens=False, **body)["choices"][0]["message"]["content"]
+    hidden = chat(http, **body)["choices"][0]["message"]["content"]
+    assert shown == "<|im_start|>" * 3 and hidden == ""
+
+
+# ------------------------------------------------------------------ logprobs and echo
+def test_chat_logprobs(http):
+    out = chat(http, max_tokens=4, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=20, return_token_ids=True)
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4
+    for entry in content:
+        assert len(entry["top_logprobs"]) == 20
+        assert entry["logprob"] == pytest.approx(entry["top_logprobs"][0]["logprob"], abs=1e-4)  # greedy = top 1
+        assert bytes(entry["bytes"]).decode("utf-8", "replace") == entry["token"]
+    joined = "".join(e["token"] for e in content)
+    assert joined == out["choices"][0]["message"]["content"] or "\ufffd" in joined
+    out = chat(http, max_tokens=2, logprobs=True)
+    assert all(e["top_logprobs"] == [] for e in out["choices"][0]["logprobs"]["content"])
+    stream = http.post("/v1/chat/completions", json={"model": M, "messages": MSGS, "max_tokens": 3, "stream": True,
+                                                      "ignore_eos": True, "logprobs": True, "top_logprobs": 2})
+    entries = [e for c in sse(stream.text) for ch in c["choices"] if ch.get("logprobs") for e in ch["logprobs"]["content"]]
+    assert len(entries) == 3 and all(len(e["top_logprobs"]) == 2 for e in entries)
+
+
+def test_completion_logprobs_and_echo(http):
+    body = {"model": M, "prompt": "The sea is", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    out = http.post("/v1/completions", json={**body, "logprobs": 2}).json()["choices"][0]
+    lp = out["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 3
+    assert all(1 <= len(t) <= 3 for t in lp["top_logprobs"])
+    assert "".join(lp["tokens"]) == out["text"]
+    assert lp["text_offset"][0] == 0
+    echo = http.post("/v1/completions", json={**body, "echo": True, "logprobs": 1}).json()["choices"][0]
+    assert echo["text"] == "The sea is" + out["text"]
+    assert echo["logprobs"]["text_offset"][0] == len("The sea is")
+    stream = http.post("/v1/completions", json={**body, "echo": True, "stream": True})
+    assert "".join(ch["text"] for c in sse(stream.text) for ch in c["choices"]) == echo["text"]
+    assert err_of(http.post("/v1/completions", json={**body, "logprobs": 6}))["param"] == "logprobs"
+
+
+# ------------------------------------------------------------------ n > 1
+def test_n_streaming_shape_and_usage(http):
+    resp = http.post("/v1/chat/completions", json={"model": M, "messages": MSGS, "n": 3, "max_tokens": 5, "seed": 7,
+                                                    "ignore_eos": True, "stream": True,
+                                                    "stream_options": {"include_usage": True}})
+    chunks = sse(resp.text)
+    roles = [ch["index"] for c in chunks for ch in c["choices"] if ch["delta"].get("role") == "assistant"]
+    finishes = [ch["index"] for c in chunks for ch in c["choices"] if ch["finish_reason"] is not None]
+    assert sorted(roles) == [0, 1, 2] and sorted(finishes) == [0, 1, 2]
+    assert all(len(c["choices"]) <= 1 for c in chunks)
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and usage["completion_tokens"] == 15
+    single = chat(http, max_tokens=5, ignore_eos=True)
+    assert usage["prompt_tokens"] == single["usage"]["prompt_tokens"]
+    # seeds seed + i: child 1 of seed 7 == child 0 of seed 8
+    a = chat(http, n=2, seed=7, max_tokens=8, ignore_eos=True, return_token_ids=True)
+    b = chat(http, n=1, seed=8, max_tokens=8, ignore_eos=True, return_token_ids=True)
+    assert a["choices"][1]["token_ids"] == b["choices"][0]["token_ids"]
+    assert a["usage"]["completion_tokens"] == 16
+    e = err_of(http.post("/v1/chat/completions", json={"model": M, "messages": MSGS, "n": 2, "temperature": 0}))
+    assert e["param"] == "n"
+
+
+# ------------------------------------------------------------------ tools, documents, templates
+def test_tools_validation_and_rendering(http):
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+    base = {"model": M, "messages": MSGS, "max_tokens": 2}
+    assert err_of(http.post("/v1/chat/completions", json={**base, "tool_choice": "auto"}))["param"] == "tool_choice"
+    assert err_of(http.post("/v1/chat/completions", json={**base, "tools": [tool], "tool_choice": {
+        "type": "function", "function": {"name": "other"}}}))["param"] == "tool_choice"
+    assert err_of(http.post("/v1/chat/completions", json={**base, "tools": [tool], "tool_choice": "sometimes"}))["param"] == "tool_choice"
+    assert err_of(http.post("/v1/chat/completions", json={**base, "tools": []}))["param"] == "tools"
+    assert err_of(http.post("/v1/chat/completions", json={**base, "tools": [tool, tool]}))["param"] == "tools"
+    for choice in ("auto", "none", None):
+        assert http.post("/v1/chat/completions", json={**base, "tools": [tool], "tool_choice": choice}).status_code == 200
+    ids = http.post("/tokenize", json={"model": M, "messages": MSGS, "tools": [tool]}).json()["tokens"]
+    text = http.post("/detokenize", json={"model": M, "tokens": ids}).json()["prompt"]
+    assert "<tools>" in text and "get_weather" in text
+
+
+def test_chat_template_kwargs_reach_template(http):
+    def text(kwargs):
+        ids = http.post("/tokenize", json={"model": M, "messages": MSGS, "chat_template_kwargs": kwargs}).json()["tokens"]
+        return http.post("/detokenize", json={"model": M, "tokens": ids}).json()["prompt"]
+    assert text({"enable_thinking": False}).endswith("<think>\n\n</think>\n\n")
+    assert "<think>" not in text({"enable_thinking": True})
+
+
+def test_request_chat_template_only_where_allowed(http):
+    tpl = ("{% for d in documents %}[{{ d.text }}]{% endfor %}{{ greeting }}"
+           "{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}")
+    body = {"messages": MSGS, "chat_template": tpl, "documents": [{"text": "DOC-A"}],
+            "chat_template_kwargs": {"greeting": "HELLO"}}
+    e = err_of(http.post("/tokenize", json={"model": M, **body}))
+    assert e["param"] == "chat_template"
+    err_of(http.post("/v1/chat/completions", json={"model": M, **body, "max_tokens": 2}))
+    resp = http.post("/tokenize", json={"model": "tiny-qwen3-trusted", **body})
+    assert resp.status_code == 200, resp.text
+    text = http.post("/detokenize", json={"model": M, "tokens": resp.json()["tokens"]}).json()["prompt"]
+    assert text == "[DOC-A]HELLOuser:Tell me about the sea.;"
+    # a request template that tries to escape the sandbox: 400, nothing done
+    evil = {"messages": MSGS, "chat_template": "{{ messages.__class__.__mro__[1].__subclasses__() }}"}
+    e = err_of(http.post("/tokenize", json={"model": "tiny-qwen3-trusted", **evil}))
+    assert "__subclasses__" not in e["message"] or "security" in e["message"].lower() or "unsafe" in e["message"].lower()
+
+
+# ------------------------------------------------------------------ request ids
+def test_x_request_id(http):
+    resp = http.post("/v1/chat/completions", json={"model": M, "messages": MSGS, "max_tokens": 1},
+                     headers={"X-Request-Id": "my-id-42"})
+    assert resp.headers["x-request-id"] == "my-id-42" and resp.json()["id"] == "chatcmpl-my-id-42"
+    resp = http.post("/v1/completions", json={"model": M, "prompt": "a", "max_tokens": 1},
+                     headers={"X-Request-Id": "cid"})
+    assert resp.headers["x-request-id"] == "cid" and resp.json()["id"] == "cmpl-cid"
+    resp = http.post("/v1/chat/completions", json={"model": M, "messages": MSGS, "max_tokens": 1})
+    assert len(resp.headers["x-request-id"]) == 16
+    e = err_of(http.post("/v1/chat/completions", json={"model": M, "messages": MSGS, "max_tokens": 1},
+                         headers={"X-Request-Id": "a" * 129}))
+    assert "128" in e["message"]
+
+
+# ------------------------------------------------------------------ render split, generate, abort
+def test_render_then_generate_equals_chat(http):
+    body = {"model": M, "messages": MSGS, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    rendered = http.post("/v1/chat/completions/render", json=body)
+    assert rendered.status_code == 200, rendered.text
+    r = rendered.json()
+    assert set(r) >= {"request_id", "token_ids", "sampling_params", "model"}
+    assert r["request_id"].startswith("chatcmpl-") and r["model"] == M
+    assert r["sampling_params"]["max_tokens"] == 10 and r["sampling_params"]["temperature"] == 0.0
+    assert r["token_ids"] == http.post("/tokenize", json={"model": M, "messages": MSGS}).json()["tokens"]
+    omitted = http.post("/v1/chat/completions/render", json={"model": M, "messages": MSGS}).json()
+    assert omitted["sampling_params"]["max_tokens"] == 64  # generation_config max_new_tokens caps the room left
+    ref = chat(http, max_tokens=10, temperature=0, ignore_eos=True, return_token_ids=True)["choices"][0]["token_ids"]
+    gen = http.post("/inference/v1/generate", json=r)
+    assert gen.status_code == 200, gen.text
+    g = gen.json()
+    assert g["request_id"] == r["request_id"] and g["choices"][0]["token_ids"] == ref
+    assert g["choices"][0]["finish_reason"] == "length" and g["usage"]["completion_tokens"] == 10
+    stream = http.post("/inference/v1/generate", json={**r, "stream": True, "stream_options": {"include_usage": True}})
+    events = sse(stream.text)
+    assert [t for e in events for ch in e["choices"] for t in ch["token_ids"]] == ref
+    assert events[-1]["usage"]["completion_tokens"] == 10
+    comp = http.post("/v1/completions/render", json={"model": M, "prompt": "Hello", "seed": 5, "n": 2}).json()
+    assert isinstance(comp, list) and comp[0]["sampling_params"]["max_tokens"] == 16 and comp[0]["sampling_params"]["n"] == 2
+    g = http.post("/inference/v1/generate", json=comp[0]).json()
+    assert len(g["choices"]) == 2
+
+
+def test_generate_validation(http):
+    base = {"model": M, "token_ids": [1, 2, 3]}
+    assert err_of(http.post("/inference/v1/generate", json={**base, "token_ids": []}))["param"] == "token_ids"
+    assert "151669" in err_of(http.post("/inference/v1/generate", json={**base, "token_ids": [151669]}))["message"]
+    assert err_of(http.post("/inference/v1/generate", json={**base, "sampling_params": {"max_tokens": 600}}))[
+        "param"] == "sampling_params.max_tokens"
+    assert err_of(http.post("/inference/v1/generate", json={**base, "sampling_params": {"temperature": "1"}}))[
+        "param"] == "sampling_params.temperature"
+    assert err_of(http.post("/inference/v1/generate", json={**base, "sampling_params": {"logit_bias": {"999999": 1}}}))[
+        "param"] == "sampling_params.logit_bias"
+    assert err_of(http.post("/inference/v1/abort_requests", json={}))["param"] == "request_ids"
+
+
+def test_abort_requests(http, live):
+    rid = f"gen-abort-{time.monotonic_ns()}"
+    body = {"model": M, "request_id": rid, "token_ids": [1, 2, 3], "stream": True,
+            "sampling_params": {"max_tokens": 400, "ignore_eos": True}}
+    result = {}
+
+    def run():
+        with httpx.Client(base_url=live.base_url, timeout=120,
+                          headers={"Authorization": f"Bearer {live.api_key}"}) as c:
+            result["resp"] = c.post("/inference/v1/generate", json=body)
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(1.0)
+    other = http.post("/inference/v1/abort_requests", json={"request_ids": ["unknown-id"]})
+    assert other.status_code == 200
+    resp = http.post("/inference/v1/abort_requests", json={"request_ids": [rid]})
+    assert resp.status_code == 200 and resp.json() == {}
+    t.join(60)
+    events = sse(result["resp"].text)
+    finishes = [ch["finish_reason"] for e in events for ch in e["choices"] if ch["finish_reason"]]
+    produced = sum(len(ch["token_ids"]) for e in events for ch in e["choices"])
+    assert finishes == ["abort"] and produced < 400
