@@ -3,7 +3,8 @@
 Options: ``--device cpu|cuda`` (default cpu), ``--dtype float32|bfloat16|float16`` (default float32 on
 CPU, bfloat16 on CUDA), ``--max-num-seqs 32``, ``--max-model-len N`` (default: the model's
 ``max_position_embeddings``), ``--max-prefill-tokens 4096``, ``--link-prefix llmp``, ``--engine-id ID``
-(default random), ``--num-threads N`` (CPU intra-op threads; default all cores), ``--log-level``.
+(default random), ``--num-threads N`` (CPU intra-op threads; default all cores), ``--log-level``,
+``--task generate|embed`` (default generate; ``embed`` runs the pooling mode of ``inference.engine.pooling``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--link-prefix", default="llmp")
     ap.add_argument("--engine-id", default=None)
     ap.add_argument("--num-threads", type=int, default=None)
+    ap.add_argument("--task", choices=["generate", "embed"], default="generate",
+                    help="generate (causal LM) or embed (pooling mode, encoder models)")
     ap.add_argument("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "INFO"))
     return ap.parse_args(argv)
 
@@ -50,10 +53,17 @@ def main(argv: list[str] | None = None) -> int:
     from .core import EngineCore, install_signal_handlers
     from .runner import ModelRunner
 
-    runner = ModelRunner(args.model_dir, device=args.device, dtype=dtype, max_model_len=args.max_model_len)
-    core = EngineCore(args.model, runner, args.redis_url, link_prefix=args.link_prefix,
-                      engine_id=args.engine_id, max_num_seqs=args.max_num_seqs,
-                      max_prefill_tokens=args.max_prefill_tokens)
+    if args.task == "embed":
+        from .pooling import PoolingEngineCore, PoolingRunner
+
+        runner = PoolingRunner(args.model_dir, device=args.device, dtype=dtype, max_model_len=args.max_model_len)
+        core_cls = PoolingEngineCore
+    else:
+        runner = ModelRunner(args.model_dir, device=args.device, dtype=dtype, max_model_len=args.max_model_len)
+        core_cls = EngineCore
+    core = core_cls(args.model, runner, args.redis_url, link_prefix=args.link_prefix,
+                    engine_id=args.engine_id, max_num_seqs=args.max_num_seqs,
+                    max_prefill_tokens=args.max_prefill_tokens)
     install_signal_handlers(core)
     core.run()
     return 0

@@ -169,6 +169,8 @@ class EngineCore:
         seq = Sequence(request=req, queued_ts=now(), rng=make_rng(req.sampling_params.seed))
         base = dict(request_id=req.request_id, queued_ts=seq.queued_ts, engine_id=self.engine_id)
         try:
+            if req.pooling and not hasattr(self.runner, "embed"):
+                raise RequestError("this engine serves a generative model; it cannot compute embeddings")
             self.runner.prepare(seq)
         except RequestError as exc:
             self._emit(req.client_id, EngineCoreOutput(finish_reason=FINISH_ERROR, error=str(exc), **base))

@@ -123,6 +123,15 @@ class EngineCoreRequest:
     client_id: str
     arrival_time: float
     priority: int = 0
+    # Optional additions (issue 6), defaults keep old senders valid:
+    # ``pooling``: an encode (embedding) request: the engine answers with one output carrying ``pooled``
+    # and ``finish_reason == "stop"``; ``sampling_params`` are ignored then (a pooling-mode engine refuses
+    # requests without it, a generate engine refuses requests with it).
+    # ``mm_cache_keys``: one key per image of the prompt, in prompt order, naming the processed features in
+    # the shared multimodal cache (``inference.media.cache``); the engine reads the features from there, so
+    # the pixels never cross the link.
+    pooling: bool = False
+    mm_cache_keys: list[str] = field(default_factory=list)
 
     def to_wire(self) -> bytes:
         """Serialise to msgpack bytes."""
@@ -164,6 +173,9 @@ class EngineCoreOutput:
     scheduled_ts: float | None = None
     first_token_ts: float | None = None
     engine_id: str | None = None
+    # Optional addition (issue 6): the pooled vector of a ``pooling`` request, float32 little-endian bytes
+    # (``dim × 4`` bytes; ``numpy.frombuffer(pooled, "<f4")``), on its (single, finished) output.
+    pooled: bytes | None = None
 
 
 @dataclass

@@ -6,6 +6,7 @@ from django.urls import path, re_path
 
 from gateway.chat import ChatCompletionsConsumer
 from gateway.completions import CompletionsConsumer
+from gateway.embeddings import EmbeddingsConsumer
 from gateway.generate import AbortRequestsConsumer, GenerateConsumer
 from gateway.health import HealthConsumer, NotFoundConsumer
 from gateway.metrics import MetricsConsumer
@@ -24,6 +25,7 @@ http_urlpatterns = [
     path("inference/v1/generate", GenerateConsumer.as_asgi()),
     path("inference/v1/abort_requests", AbortRequestsConsumer.as_asgi()),
     path("v1/completions", CompletionsConsumer.as_asgi()),
+    path("v1/embeddings", EmbeddingsConsumer.as_asgi()),
     path("v1/models", ModelsConsumer.as_asgi()),
     re_path(r"^v1/models/(?P<model>[^/]+)$", ModelsConsumer.as_asgi()),
     re_path(r"", NotFoundConsumer.as_asgi()),  # anything else under GATEWAY_PREFIXES: JSON 404

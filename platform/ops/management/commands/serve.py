@@ -86,13 +86,13 @@ class Command(BaseCommand):
                              "--without-gossip", "--without-mingle", "-l", "INFO"])
         sup.start("beat", [py, "-m", "celery", "-A", "config", "beat", "-l", "WARNING",
                            "--schedule", str(var_dir / "celerybeat-schedule")])
-        models = [] if opts["no_engine"] else [m for m in served_models_enabled() if m.task == "generate"]
+        models = [] if opts["no_engine"] else [m for m in served_models_enabled() if m.task in ("generate", "embed")]
         for m in models:
             sup.start(f"engine-{m.served_model_name}", [
                 py, "-m", "inference.engine", "--model", m.served_model_name, "--model-dir", m.model_dir,
                 "--redis-url", redis_url, "--device", m.device, "--dtype", m.dtype if m.dtype != "auto" else "float32",
                 "--max-num-seqs", str(m.max_num_seqs), "--max-model-len", str(m.max_model_len),
-                "--link-prefix", settings.LINK_PREFIX])
+                "--link-prefix", settings.LINK_PREFIX, "--task", m.task])
         sup.start("api", [py, "-m", "uvicorn", "config.asgi:application", "--host", opts["host"],
                           "--port", str(opts["port"]), "--workers", str(opts["api_workers"]),
                           "--no-access-log", "--timeout-graceful-shutdown", "5"])

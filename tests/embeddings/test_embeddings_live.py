@@ -1,0 +1,159 @@
+"""``POST /v1/embeddings`` end to end: real api, Redis, Celery and a pooling-mode engine replica."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import json
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from tests.embeddings.conftest import EMBED_MODEL
+from tests.embeddings.reference import DirectMiniLM, minilm_dir
+
+
+def post(live, path: str, body: dict, key: str | None = None, timeout: float = 60):
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(live.base_url + path, data=data, method="POST", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {key or live.api_key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.fixture(scope="module")
+def direct():
+    return DirectMiniLM(minilm_dir())
+
+
+def vecs(body) -> np.ndarray:
+    return np.array([d["embedding"] for d in sorted(body["data"], key=lambda d: d["index"])], dtype=np.float32)
+
+
+def test_matches_transformers_and_semantics(live_embed, direct):
+    texts = ["a cat", "a kitten", "a carburetor"]
+    status, body = post(live_embed, "/v1/embeddings", {"model": EMBED_MODEL, "input": texts})
+    assert status == 200, body
+    got = vecs(body)
+    ref = direct.embed(texts).numpy()
+    assert got.shape == (3, 384)
+    assert float(np.abs(got - ref).max()) <= 1e-5
+    assert [d["index"] for d in body["data"]] == [0, 1, 2]
+    assert body["object"] == "list" and body["model"] == EMBED_MODEL
+    n_tokens = sum(len(direct.tok(t)["input_ids"]) for t in texts)
+    assert body["usage"] == {"prompt_tokens": n_tokens, "total_tokens": n_tokens}
+    cat, kitten, carb = got
+    assert float(cat @ kitten) > float(cat @ carb) + 0.1
+
+
+def test_input_forms_and_base64(live_embed, direct):
+    ids = direct.tok("a kitten")["input_ids"]
+    ref = direct.embed(["a kitten"]).numpy()[0]
+    for inp in ("a kitten", ["a kitten"], ids, [ids]):
+        status, body = post(live_embed, "/v1/embeddings", {"model": EMBED_MODEL, "input": inp})
+        assert status == 200, (inp, body)
+        assert len(body["data"]) == 1
+        assert float(np.abs(vecs(body)[0] - ref).max()) <= 1e-5
+    status, body = post(live_embed, "/v1/embeddings", {"model": EMBED_MODEL, "input": "a kitten",
+                                                       "encoding_format": "base64"})
+    assert status == 200
+    v = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
+    assert float(np.abs(v - ref).max()) <= 1e-5
+
+
+def test_openai_sdk(live_embed, direct):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=live_embed.base_url + "/v1", api_key=live_embed.api_key)
+    res = client.embeddings.create(model=EMBED_MODEL, input=["a cat", "a kitten"])  # SDK asks base64
+    got = np.array([d.embedding for d in res.data], dtype=np.float32)
+    assert float(np.abs(got - direct.embed(["a cat", "a kitten"]).numpy()).max()) <= 1e-5
+    assert res.usage.prompt_tokens > 0
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": ""}, "input"),
+    ({"input": []}, "input"),
+    ({"input": ["ok", ""]}, "input[1]"),
+    ({"input": [[1, 2], []]}, "input[1]"),
+    ({"input": ["ok", [1, 2]]}, "input"),
+    ({"input": [-1]}, "input"),
+    ({"input": None}, "input"),
+    ({"input": "x", "dimensions": 128}, "dimensions"),
+    ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": "x", "truncate_prompt_tokens": 1000}, "truncate_prompt_tokens"),
+    ({"input": [999999]}, "input"),
+])
+def test_bad_requests_are_400(live_embed, body, param):
+    status, out = post(live_embed, "/v1/embeddings", {"model": EMBED_MODEL, **body})
+    assert status == 400, out
+    assert out["error"]["type"] == "invalid_request_error"
+    assert out["error"]["param"] == param, out
+
+
+def test_too_long_is_400_unless_truncated(live_embed, direct):
+    text = "word " * 400  # > 256 tokens
+    status, out = post(live_embed, "/v1/embeddings", {"model": EMBED_MODEL, "input": text})
+    assert status == 400 and "truncate_prompt_tokens" in out["error"]["message"]
+    status, out = post(live_embed, "/v1/embeddings", {"model": EMBED_MODEL, "input": text,
+                                                      "truncate_prompt_tokens": -1})
+    assert status == 200, out
+    assert out["usage"]["prompt_tokens"] == 256
+    ref = direct.embed([text], max_length=256).numpy()[0]
+    assert float(np.abs(vecs(out)[0] - ref).max()) <= 1e-5
+    status, out = post(live_embed, "/v1/embeddings", {"model": EMBED_MODEL, "input": text,
+                                                      "truncate_prompt_tokens": 10})
+    assert status == 200 and out["usage"]["prompt_tokens"] == 10
+    assert float(np.abs(vecs(out)[0] - direct.embed([text], max_length=10).numpy()[0]).max()) <= 1e-5
+
+
+def test_auth_model_task_and_models_list(live_embed):
+    status, out = post(live_embed, "/v1/embeddings", {"model": EMBED_MODEL, "input": "x"}, key="wrong")
+    assert status == 401
+    status, out = post(live_embed, "/v1/embeddings", {"model": "tiny-qwen3", "input": "x"})
+    assert status == 400 and out["error"]["param"] == "model"
+    status, out = post(live_embed, "/v1/embeddings", {"model": "nope", "input": "x"})
+    assert status == 404
+    req = urllib.request.Request(live_embed.base_url + "/v1/models",
+                                 headers={"Authorization": f"Bearer {live_embed.api_key}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        ids = [m["id"] for m in json.loads(resp.read())["data"]]
+    assert EMBED_MODEL in ids
+
+
+def test_concurrent_requests_are_batched_and_correct(live_embed, direct):
+    texts = [f"sentence number {i} about cats" for i in range(24)]
+    ref = direct.embed(texts).numpy()
+
+    def one(i):
+        return post(live_embed, "/v1/embeddings", {"model": EMBED_MODEL, "input": texts[i]})
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(len(texts))))
+    for i, (status, body) in enumerate(results):
+        assert status == 200
+        assert float(np.abs(vecs(body)[0] - ref[i]).max()) <= 1e-5
+
+
+def test_usage_recorded(live_embed):
+    key = live_embed.new_key()
+    status, body = post(live_embed, "/v1/embeddings", {"model": EMBED_MODEL, "input": ["a cat", "a dog"]}, key=key)
+    assert status == 200
+    expected = body["usage"]["prompt_tokens"]
+    script = ("from usage.models import UsageRecord as U; "
+              "print([(r.endpoint, r.prompt_tokens, r.completion_tokens, r.status_code) for r in "
+              f"U.objects.filter(served_model_name='{EMBED_MODEL}', api_key__prefix='{key[:11]}')])")
+    deadline = time.monotonic() + 20
+    out = ""
+    while time.monotonic() < deadline:
+        out = live_embed.manage("shell", "-c", script)
+        if "embeddings" in out:
+            break
+        time.sleep(0.5)
+    assert f"('embeddings', {expected}, 0, 200)" in out, out
