@@ -40,6 +40,7 @@ class GatewayConsumer(AsyncHttpConsumer):
         self._size = 0
         self._task: asyncio.Task | None = None
         self._started = False
+        self._response_complete = False
         self.extra_headers: list[tuple[bytes, bytes]] = []
 
     # ------------------------------------------------------------------ ASGI plumbing
@@ -61,14 +62,23 @@ class GatewayConsumer(AsyncHttpConsumer):
             self._task = asyncio.get_running_loop().create_task(self._run(body))
 
     async def http_disconnect(self, message):
-        """Client went away (or the response is complete): cancel the handler if it still runs."""
+        """The connection ended. Before the response was complete the client went away: cancel the handler
+        (its ``finally`` blocks abort engine work and record usage). After it completed, let the handler
+        finish its post-response work (usage event, releases) undisturbed."""
         if self._task is not None and not self._task.done():
-            self._task.cancel()
+            if not self._response_complete:
+                self._task.cancel()
             try:
                 await self._task
             except (asyncio.CancelledError, Exception):
                 pass
         raise StopConsumer()
+
+    async def send_body(self, body, *, more_body=False):
+        """Send a body chunk; remembers when the response is complete."""
+        if not more_body:
+            self._response_complete = True
+        await super().send_body(body, more_body=more_body)
 
     async def _reject_too_large(self) -> None:
         await self.send_error(ApiError(413, f"Request body too large: the limit is {MAX_BODY_BYTES} bytes",
