@@ -1,0 +1,158 @@
+"""Frontend cost: ``POST /tokenize`` (chat body) on this platform vs vLLM's CPU server, in one run.
+
+What it measures: validate + chat template + tokenize + JSON, no engine work. Both servers serve the
+same Qwen3 tokenizer (the demo model ``.cache/models/tiny-qwen3``). Bodies: a chat of about 1,000 and one
+of about 8,000 tokens (multi-turn, checked with our own /tokenize). Concurrency 1 and 32. Our side runs
+twice: the default rendering route (``RENDER_ROUTE=celery``: Celery ``render`` queue, 2 prefork workers)
+and the in-process route (``RENDER_ROUTE=inline``: thread pool in the api process). One uvicorn process
+per side; vLLM runs its single api server.
+
+Usage::
+
+    .venv/bin/python bench/frontend.py [--requests 200] [--vllm-python .peer/vllm/bin/python]
+
+Needs Redis (``REDIS_URL``, e.g. redis://127.0.0.1:6379/13) or starts the embedded one, and vLLM installed
+as in ../shared/reference/peer_vllm.md (``.peer/vllm``). Prints p50/p99 latency (ms), requests/s and the
+ratios ours/vLLM (latency: lower is better, so a ratio < 1 means we are faster; throughput: > 1 means we
+are faster). Both servers are checked to return identical token ids first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "platform")]
+
+from tests.live_platform import MODEL_DIR, free_port, start_platform  # noqa: E402
+
+PARA = ("The sea was calm that morning, and the fishermen set out before dawn with their nets and their "
+        "stories. Gulls circled above the harbour while the lighthouse keeper wrote in his log. ")
+
+
+def chat_body(target_tokens: int) -> dict:
+    """A multi-turn conversation of roughly ``target_tokens`` tokens (about 36 per paragraph)."""
+    paras = max(1, target_tokens // 37)
+    msgs = [{"role": "system", "content": "You are a helpful assistant who writes about the sea."}]
+    per_turn = 6
+    for i in range(0, paras, per_turn):
+        msgs.append({"role": "user", "content": f"Part {i}: " + PARA * min(per_turn, paras - i)})
+        msgs.append({"role": "assistant", "content": "Noted. " + PARA[:80]})
+    msgs.append({"role": "user", "content": "Summarise everything above."})
+    return {"messages": msgs, "add_generation_prompt": True}
+
+
+async def run_load(url: str, headers: dict, body: dict, concurrency: int, total: int) -> dict:
+    """``total`` requests with ``concurrency`` in flight; returns latencies (s) and wall time."""
+    lat: list[float] = []
+    errors = 0
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=120, limits=limits, headers=headers) as client:
+        for _ in range(min(4, total)):  # warm-up (tokenizer load, connections)
+            await client.post(url, json=body)
+        queue = list(range(total))
+
+        async def worker():
+            nonlocal errors
+            while queue:
+                queue.pop()
+                t0 = time.perf_counter()
+                resp = await client.post(url, json=body)
+                lat.append(time.perf_counter() - t0)
+                if resp.status_code != 200:
+                    errors += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    lat.sort()
+    return {"p50": statistics.median(lat) * 1000, "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000,
+            "rps": total / wall, "errors": errors}
+
+
+def start_vllm(python: str, port: int, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
+                             "--served-model-name", "tiny-qwen3", "--host", "127.0.0.1", "--port", str(port),
+                             "--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager"],
+                            env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited; see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"vLLM did not become healthy; see {log}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=200, help="requests per cell (concurrency 1 uses a quarter)")
+    ap.add_argument("--vllm-python", default=str(REPO / ".peer" / "vllm" / "bin" / "python"))
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-frontend-"))
+    live = start_platform(tmp, max_model_len=4096, engine=False)
+    vllm = None
+    try:
+        env = live.sup.env
+        env["RENDER_ROUTE"] = "inline"
+        try:
+            _, inline_url = live.start_api(name="api-inline")
+        finally:
+            env.pop("RENDER_ROUTE", None)
+        vport = free_port()
+        vllm = start_vllm(args.vllm_python, vport, tmp / "vllm.log")
+        targets = {
+            "ours/celery": (live.base_url, {"Authorization": f"Bearer {live.api_key}"}),
+            "ours/inline": (inline_url, {"Authorization": f"Bearer {live.api_key}"}),
+            "vllm": (f"http://127.0.0.1:{vport}", {}),
+        }
+        bodies = {}
+        for size in (1000, 8000):
+            body = {"model": "tiny-qwen3", **chat_body(size)}
+            ids = {name: httpx.post(url + "/tokenize", json=body, headers=h, timeout=60).json()["tokens"]
+                   for name, (url, h) in targets.items()}
+            assert ids["ours/celery"] == ids["ours/inline"] == ids["vllm"], "token ids differ between servers"
+            bodies[size] = (body, len(ids["vllm"]))
+        rows = []
+        for size, (body, ntok) in bodies.items():
+            for conc in (1, 32):
+                total = args.requests if conc > 1 else max(20, args.requests // 4)
+                res = {name: asyncio.run(run_load(url + "/tokenize", h, body, conc, total))
+                       for name, (url, h) in targets.items()}
+                rows.append((ntok, conc, res))
+        print(f"\n/tokenize chat body, Qwen3 tokenizer; {os.cpu_count()} CPUs shared by both servers\n")
+        print(f"{'tokens':>6} {'conc':>4} {'server':<12} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'err':>4}"
+              f" {'p50/vLLM':>9} {'rps/vLLM':>9}")
+        for ntok, conc, res in rows:
+            v = res["vllm"]
+            for name, r in res.items():
+                print(f"{ntok:>6} {conc:>4} {name:<12} {r['p50']:>8.1f} {r['p99']:>8.1f} {r['rps']:>8.1f} "
+                      f"{r['errors']:>4} {r['p50'] / v['p50']:>9.2f} {r['rps'] / v['rps']:>9.2f}")
+    finally:
+        if vllm is not None:
+            vllm.terminate()
+            try:
+                vllm.wait(30)
+            except subprocess.TimeoutExpired:
+                vllm.kill()
+        live.stop()
+
+
+if __name__ == "__main__":
+    main()
