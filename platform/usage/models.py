@@ -59,7 +59,7 @@ class UsageRollup(models.Model):
     constraint holds. Latency percentiles come from fixed log-spaced histograms (``usage.histogram``):
     ``ttft_hist``/``e2e_hist`` are lists of counts, mergeable by addition across rows.
     Status classes: ``status_429`` (key limits), ``status_503`` (capacity), ``errors`` (any other status
-    >= 400, or finish_reason ``error``), ``aborted`` (finish_reason ``abort``: client gone).
+    >= 400 but 499, or finish_reason ``error``), ``aborted`` (finish_reason ``abort``: client gone).
     """
 
     granularity = models.CharField(max_length=8, choices=[(g, g) for g in GRANULARITIES])

@@ -46,11 +46,12 @@ def _new_delta() -> dict[str, Any]:
 
 
 def record_classify(status_code: int, finish_reason: str) -> dict[str, int]:
-    """The status counters one record adds: ``status_429``, ``status_503``, ``errors``, ``aborted``."""
+    """The status counters one record adds: ``status_429``, ``status_503``, ``errors`` (other statuses >= 400
+    except 499 = client gone, or ``finish_reason == "error"``), ``aborted`` (``finish_reason == "abort"``)."""
     return {
         "status_429": int(status_code == 429),
         "status_503": int(status_code == 503),
-        "errors": int((status_code >= 400 and status_code not in (429, 503)) or finish_reason == "error"),
+        "errors": int((status_code >= 400 and status_code not in (429, 499, 503)) or finish_reason == "error"),
         "aborted": int(finish_reason == "abort"),
     }
 
