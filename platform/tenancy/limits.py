@@ -93,6 +93,11 @@ class RateLimitExceeded(Exception):
         self.reason = reason
         self.code = code
 
+    @property
+    def str_headers(self) -> list[tuple[str, str]]:
+        """``headers`` as ``(str, str)`` pairs (the form ``gateway.errors.ApiError.headers`` takes)."""
+        return [(k.decode(), v.decode()) for k, v in self.headers]
+
 
 @dataclass(frozen=True, slots=True)
 class RateState:
@@ -361,6 +366,13 @@ def limits_headers(requests: RateState | None, tokens: RateState | None) -> list
         out.append((f"x-ratelimit-remaining-{suffix}".encode(), str(state.remaining).encode()))
         out.append((f"x-ratelimit-reset-{suffix}".encode(), openai_duration(state.reset_s).encode()))
     return out
+
+
+def limits_reservation(prompt_tokens: int, max_completion_tokens: int, n: int = 1) -> int:
+    """Tokens to reserve at admission: ``prompt_tokens + n * max_completion_tokens`` (the prompt is counted
+    once, as OpenAI bills it; ``max_completion_tokens`` is the request's ``max_tokens`` or, when absent,
+    ``max_model_len - prompt_tokens``)."""
+    return max(0, int(prompt_tokens)) + max(1, int(n)) * max(0, int(max_completion_tokens))
 
 
 def grant_headers(grant: LimitGrant) -> list[tuple[bytes, bytes]]:

@@ -178,5 +178,13 @@ def test_openai_duration_format():
     assert openai_duration(59.2) == "1m0s"
 
 
+def test_reservation_and_str_headers():
+    from tenancy.limits import limits_reservation
+
+    assert limits_reservation(100, 50, 3) == 250 and limits_reservation(10, 0) == 10
+    err = RateLimitExceeded("m", 3, [(b"retry-after", b"3")])
+    assert err.str_headers == [("retry-after", "3")]
+
+
 def test_grant_is_a_plain_dataclass():
     assert LimitGrant(grant_id="x", key_id=1, tenant_id=1, reserved_tokens=0, lease_ttl_s=1).is_noop
