@@ -59,7 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         runner = PoolingRunner(args.model_dir, device=args.device, dtype=dtype, max_model_len=args.max_model_len)
         core_cls = PoolingEngineCore
     else:
-        runner = ModelRunner(args.model_dir, device=args.device, dtype=dtype, max_model_len=args.max_model_len)
+        from .vl_runner import VLModelRunner, is_vision_language
+
+        if is_vision_language(args.model_dir):  # images: features come from the shared mm cache
+            runner = VLModelRunner(args.model_dir, device=args.device, dtype=dtype,
+                                   max_model_len=args.max_model_len, redis_url=args.redis_url,
+                                   link_prefix=args.link_prefix)
+        else:
+            runner = ModelRunner(args.model_dir, device=args.device, dtype=dtype, max_model_len=args.max_model_len)
         core_cls = EngineCore
     core = core_cls(args.model, runner, args.redis_url, link_prefix=args.link_prefix,
                     engine_id=args.engine_id, max_num_seqs=args.max_num_seqs,

@@ -183,8 +183,9 @@ def _plain(value: Any, where: str) -> Any:
     raise InvalidMessagesError(f"{where} contains a value of unsupported type {type(value).__name__}", param=where)
 
 
-def _text_of_parts(parts: list, idx: int) -> list[str]:
-    texts: list[str] = []
+def _text_of_parts(parts: list, idx: int) -> list[str | None]:
+    """Texts of the parts; ``None`` marks a ``{"type": "image"}`` slot (multimodal prompts)."""
+    texts: list[str | None] = []
     for j, part in enumerate(parts):
         if isinstance(part, str):
             texts.append(part)
@@ -192,6 +193,9 @@ def _text_of_parts(parts: list, idx: int) -> list[str]:
         if not isinstance(part, dict):
             raise InvalidMessagesError(f"messages[{idx}].content[{j}] must be an object")
         ptype = part.get("type", "text")
+        if ptype == "image":  # an image slot left by inference.renderer.multimodal.extract_images
+            texts.append(None)
+            continue
         if ptype in _TEXT_PART_TYPES:
             text = part.get("refusal") if ptype == "refusal" and "text" not in part else part.get("text")
             if not isinstance(text, str):
@@ -245,8 +249,11 @@ def normalize_messages(messages: Any, *, content_format: str, template_has_devel
             raise InvalidMessagesError(f"messages[{i}].content must be a string, a list of parts or null")
         if content_format == "openai" and role != "tool":
             parts = [content] if texts is None else texts
-            msg["content"] = [{"type": "text", "text": t} for t in parts]
+            msg["content"] = [{"type": "image"} if t is None else {"type": "text", "text": t} for t in parts]
         else:
+            if texts is not None and None in texts:
+                raise InvalidMessagesError(f"messages[{i}] has an image part but this model's chat template "
+                                           "does not iterate over content parts")
             msg["content"] = content if texts is None else "\n".join(texts)
 
         if "tool_calls" in msg:

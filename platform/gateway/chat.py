@@ -27,6 +27,7 @@ from gateway.generation import (
 )
 from gateway.http import GatewayConsumer
 from gateway.logprobs import chat_logprobs
+from gateway.media import attach_media, render_chat_media
 from inference.input_processor import generation_defaults, new_internal_id, process_inputs
 from inference.protocol.openai import (
     ChatCompletionRequest,
@@ -75,7 +76,7 @@ class ChatCompletionsConsumer(GatewayConsumer):
             model = await resolve_model(ctx, req.model)
             reservation = await admission_precheck(model, recorder.request_id, req.n or 1, len(body))
             tokenizer = await load_tokenizer(model)
-            rendered = await call_render("inference.render_chat", render_payload(model, req))
+            rendered = await render_chat_media(model, render_payload(model, req))  # images: + queue mm
             try:
                 processed = process_inputs(
                     req, external_id=external_id, prompt_token_ids=rendered["prompt_token_ids"],
@@ -86,6 +87,7 @@ class ChatCompletionsConsumer(GatewayConsumer):
             except RequestValidationError as exc:
                 raise to_request_error(exc) from None
             await admission_reserve(reservation, processed)
+            attach_media(processed, rendered)
             run = GenerationRun(model=model, processed=processed, tokenizer=tokenizer, stop=req.stop,
                                 include_stop_str_in_output=bool(req.include_stop_str_in_output),
                                 skip_special_tokens=req.skip_special_tokens is not False, arrival_time=arrival,

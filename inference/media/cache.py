@@ -1,0 +1,127 @@
+"""Shared, bounded cache of processed image features in Redis (issue 6; vLLM's processor cache, §5.2).
+
+Key: ``mm_cache_key(image_bytes, processor_settings)`` = SHA-256 over the processor settings (canonical
+JSON) and the image bytes, so the same image sent twice, by any process, is processed once, and a change of
+processor settings never returns stale features.
+
+Layout (all under ``{prefix}:mm:``):
+
+* ``feat:{key}``  msgpack ``{"pixel_values": bytes (float32 LE), "shape": [n, d], "grid_thw": [[t, h, w]],
+  "num_tokens": int}``;
+* ``lru``  sorted set key → last use (Unix seconds), ``sizes`` hash key → bytes, ``bytes`` total.
+
+Bounded: ``put`` evicts least recently used entries until the total is at most ``max_bytes``
+(``MM_CACHE_MAX_BYTES``, default 512 MiB), in one Lua script so concurrent writers from many processes
+cannot overshoot or double count. ``get`` refreshes the entry's recency. The engine reads features by key,
+so pixels cross Redis once (worker → cache → engine), never through the engine link.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+DEFAULT_MAX_BYTES = int(os.environ.get("MM_CACHE_MAX_BYTES", str(512 * 1024 * 1024)))
+
+_PUT_LUA = """
+-- KEYS: feat key, lru, sizes, total ; ARGV: value, key id, now, max_bytes, feat prefix
+local size = string.len(ARGV[1])
+local old = tonumber(redis.call('HGET', KEYS[3], ARGV[2]) or '0')
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[3], ARGV[2], size)
+redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
+local total = redis.call('INCRBY', KEYS[4], size - old)
+local maxb = tonumber(ARGV[4])
+local evicted = 0
+while total > maxb do
+  local victim = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+  if not victim or victim == ARGV[2] then break end
+  local vs = tonumber(redis.call('HGET', KEYS[3], victim) or '0')
+  redis.call('DEL', ARGV[5] .. victim)
+  redis.call('ZREM', KEYS[2], victim)
+  redis.call('HDEL', KEYS[3], victim)
+  total = redis.call('INCRBY', KEYS[4], -vs)
+  evicted = evicted + 1
+end
+return evicted
+"""
+
+
+def mm_cache_key(image_bytes: bytes, processor_settings: dict) -> str:
+    """SHA-256 hex of the canonical JSON of ``processor_settings`` and the image bytes."""
+    h = hashlib.sha256()
+    h.update(json.dumps(processor_settings, sort_keys=True, default=str).encode())
+    h.update(b"\0")
+    h.update(image_bytes)
+    return h.hexdigest()
+
+
+@dataclass
+class ImageFeatures:
+    """Processed features of one image: ``pixel_values`` float32 ``[n_patches, patch_dim]``,
+    ``grid_thw`` ``[t, h, w]`` (patches), ``num_tokens`` image tokens in the prompt (after the merge)."""
+
+    pixel_values: np.ndarray
+    grid_thw: list[int]
+    num_tokens: int
+
+    def to_bytes(self) -> bytes:
+        """msgpack encoding (see module docstring)."""
+        pv = np.ascontiguousarray(self.pixel_values, dtype="<f4")
+        return msgpack.packb({"pixel_values": pv.tobytes(), "shape": list(pv.shape),
+                              "grid_thw": [int(x) for x in self.grid_thw], "num_tokens": int(self.num_tokens)},
+                             use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> "ImageFeatures":
+        """Inverse of ``to_bytes``."""
+        d = msgpack.unpackb(raw, raw=False)
+        pv = np.frombuffer(d["pixel_values"], dtype="<f4").reshape(d["shape"])
+        return cls(pixel_values=pv, grid_thw=list(d["grid_thw"]), num_tokens=int(d["num_tokens"]))
+
+
+class FeatureCache:
+    """The shared cache over a synchronous ``redis.Redis`` client (workers and engines are synchronous)."""
+
+    def __init__(self, client, prefix: str, max_bytes: int = DEFAULT_MAX_BYTES):
+        self.r = client
+        self.prefix = prefix
+        self.max_bytes = int(max_bytes)
+        self._put = client.register_script(_PUT_LUA)
+
+    def _feat(self, key: str) -> str:
+        return f"{self.prefix}:mm:feat:{key}"
+
+    def get(self, key: str) -> ImageFeatures | None:
+        """The features under ``key`` (refreshing their recency), or ``None``."""
+        raw = self.r.get(self._feat(key))
+        if raw is None:
+            return None
+        self.r.zadd(f"{self.prefix}:mm:lru", {key: time.time()}, xx=True)
+        return ImageFeatures.from_bytes(raw)
+
+    def get_meta(self, key: str) -> dict | None:
+        """``{"num_tokens", "grid_thw"}`` of a cached entry without materialising the pixels, or ``None``."""
+        raw = self.r.get(self._feat(key))
+        if raw is None:
+            return None
+        self.r.zadd(f"{self.prefix}:mm:lru", {key: time.time()}, xx=True)
+        d = msgpack.unpackb(raw, raw=False)
+        return {"num_tokens": int(d["num_tokens"]), "grid_thw": list(d["grid_thw"])}
+
+    def put(self, key: str, feats: ImageFeatures) -> int:
+        """Store ``feats`` under ``key``; evict least recently used entries over ``max_bytes``. Returns the
+        number of evicted entries."""
+        p = self.prefix
+        return int(self._put(keys=[self._feat(key), f"{p}:mm:lru", f"{p}:mm:sizes", f"{p}:mm:bytes"],
+                             args=[feats.to_bytes(), key, time.time(), self.max_bytes, f"{p}:mm:feat:"]))
+
+    def total_bytes(self) -> int:
+        """Bytes currently accounted in the cache."""
+        return int(self.r.get(f"{self.prefix}:mm:bytes") or 0)

@@ -1,0 +1,64 @@
+"""Celery tasks of queue ``mm``: multimodal preprocessing (issue 6, DESIGN.md §1 and §4).
+
+Runs on its own queue so text rendering (queue ``render``) never waits behind an image; start workers with
+``celery -A config worker -Q mm -c 1`` (concurrency 1 per worker, as many workers as wanted). The app must
+import this module and route ``inference.mm_*`` to ``mm``: in ``config/settings.py``
+``CELERY_IMPORTS = ["inference.mm_tasks"]`` and ``CELERY_TASK_ROUTES["inference.mm_*"] = {"queue": "mm"}``
+(callers also pass ``queue="mm"`` explicitly, so routing is belt and braces). A worker can also load it with
+``-I inference.mm_tasks``.
+
+Result: ``{"ok": True, "items": [{"key", "num_tokens", "cached"}]}`` or ``{"ok": False, "error": {"type",
+"message", "param", "code"}}`` (``ImageError`` → HTTP 400; ``InternalError`` → 500; time limit →
+``ImageTimeoutError`` → 400).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import redis
+from celery import shared_task
+from celery.exceptions import SoftTimeLimitExceeded
+
+from inference.media.image import ImageError
+from inference.renderer.multimodal import preprocess_images
+
+logger = logging.getLogger(__name__)
+
+MM_TIME_LIMIT_S = float(os.environ.get("MM_TIME_LIMIT_S", "30"))
+MM_QUEUE = "mm"
+_clients: dict[str, redis.Redis] = {}
+
+
+def _redis(url: str) -> redis.Redis:
+    client = _clients.get(url)
+    if client is None:
+        client = _clients[url] = redis.Redis.from_url(url)
+    return client
+
+
+def run_mm_preprocess(payload: dict) -> dict[str, Any]:
+    """payload ``{"redis_url", "prefix", "model_dir", "items": [{"part", "url"}], "allowed_domains"?:
+    [str], "max_bytes"?: int}`` → result dict (module docstring). Never raises for client errors."""
+    try:
+        items = preprocess_images(_redis(payload["redis_url"]), payload["prefix"], payload["model_dir"],
+                                  payload["items"], payload.get("allowed_domains"), payload.get("max_bytes"))
+        return {"ok": True, "items": items}
+    except ImageError as exc:
+        return {"ok": False, "error": exc.to_dict()}
+    except SoftTimeLimitExceeded:
+        return {"ok": False, "error": {"type": "ImageTimeoutError", "param": "messages", "code": "image_timeout",
+                                       "message": f"image preprocessing took longer than {MM_TIME_LIMIT_S:g} s"}}
+    except Exception as exc:  # noqa: BLE001
+        logger.exception("mm preprocessing failed unexpectedly")
+        return {"ok": False, "error": {"type": "InternalError", "message": f"{type(exc).__name__}: {exc}",
+                                       "param": None, "code": "mm_internal_error"}}
+
+
+@shared_task(name="inference.mm_preprocess", soft_time_limit=MM_TIME_LIMIT_S, time_limit=MM_TIME_LIMIT_S + 5,
+             queue=MM_QUEUE)
+def mm_preprocess_task(payload: dict) -> dict:
+    """Celery task: fetch/decode/process the images of one request (see ``run_mm_preprocess``)."""
+    return run_mm_preprocess(payload)

@@ -1,0 +1,199 @@
+"""Multimodal chat input (issue 6): image parts out of the messages, preprocessing with the model's own
+Hugging Face image processor, the shared feature cache, and placeholder expansion.
+
+Flow (the api process runs ``extract_images`` and ``expand_image_tokens``; a Celery ``mm`` worker runs
+``preprocess_images``, see ``inference.mm_tasks``):
+
+1. ``extract_images(messages)``: every ``{"type": "image_url", "image_url": {"url": ...}}`` part (also a
+   bare string ``image_url``) becomes ``{"type": "image"}`` for the chat template (Qwen-VL templates emit
+   ``<|vision_start|><|image_pad|><|vision_end|>`` for it) and is returned as an ``ImageItem`` naming its
+   part (``messages[i].content[j]``).
+2. ``preprocess_images``: per item, bytes from the ``data:`` URL or a guarded fetch
+   (``inference.media.guard``), key = hash(bytes + processor settings), cache hit → its token count; miss
+   → decode (``inference.media.image``), run the processor, store the features. A fetched URL's key is
+   remembered for ``MM_URL_CACHE_TTL_S`` (default 300 s; keyed by URL and fetch policy), so the same URL
+   sent twice is fetched once.
+3. ``expand_image_tokens(ids, image_token_id, counts)``: the k-th single image placeholder in the
+   rendered prompt becomes ``counts[k]`` copies, so the engine receives exactly as many image tokens as the
+   processor produced features for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from inference.media.cache import FeatureCache, ImageFeatures, mm_cache_key
+from inference.media.guard import FetchPolicy, fetch_url
+from inference.media.image import ImageError, decode_image, parse_data_url
+
+URL_CACHE_TTL_S = int(os.environ.get("MM_URL_CACHE_TTL_S", "300"))
+MAX_IMAGES_PER_REQUEST = int(os.environ.get("MM_MAX_IMAGES_PER_REQUEST", "16"))
+
+
+@dataclass
+class ImageItem:
+    """One image part: ``part`` names it (``messages[0].content[1]``), ``url`` is ``data:`` or http(s)."""
+
+    part: str
+    url: str
+
+
+def extract_images(messages: list[dict]) -> tuple[list[dict], list[ImageItem]]:
+    """Copy of ``messages`` with image parts replaced by ``{"type": "image"}``, and the image items in
+    prompt order. Raises ``ImageError`` for a malformed image part or more than
+    ``MAX_IMAGES_PER_REQUEST`` images."""
+    out_msgs, items = [], []
+    for i, msg in enumerate(messages):
+        content = msg.get("content")
+        if not isinstance(content, list):
+            out_msgs.append(msg)
+            continue
+        new_content = []
+        for j, part in enumerate(content):
+            name = f"messages[{i}].content[{j}]"
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                spec = part.get("image_url")
+                url = spec.get("url") if isinstance(spec, dict) else spec
+                if not isinstance(url, str) or not url:
+                    raise ImageError(f"{name}: image_url.url must be a non-empty string", name)
+                items.append(ImageItem(part=name, url=url))
+                new_content.append({"type": "image"})
+            else:
+                new_content.append(part)
+        out_msgs.append({**msg, "content": new_content})
+    if len(items) > MAX_IMAGES_PER_REQUEST:
+        raise ImageError(f"at most {MAX_IMAGES_PER_REQUEST} images per request", "messages")
+    return out_msgs, items
+
+
+def has_images(messages: list[dict]) -> bool:
+    """True when any message has an ``image_url`` content part."""
+    return any(isinstance(m.get("content"), list) and any(
+        isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"]) for m in messages)
+
+
+def vision_config(model_dir: str) -> dict | None:
+    """``{"image_token_id", "merge_size"}`` of a vision-language model directory, or ``None`` when the
+    model has no vision tower (``config.json`` without ``vision_config``)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if "vision_config" not in cfg or cfg.get("image_token_id") is None:
+        return None
+    return {"image_token_id": int(cfg["image_token_id"]),
+            "merge_size": int(cfg["vision_config"].get("spatial_merge_size", 2))}
+
+
+def expand_image_tokens(ids: list[int], image_token_id: int, counts: list[int]) -> list[int]:
+    """Replace the k-th ``image_token_id`` of ``ids`` by ``counts[k]`` copies. Raises ``ImageError`` when
+    the number of placeholders differs from ``len(counts)`` (a template that drops or repeats images)."""
+    out: list[int] = []
+    k = 0
+    for t in ids:
+        if t == image_token_id:
+            if k >= len(counts):
+                raise ImageError("the chat template produced more image placeholders than images", "messages")
+            out.extend([image_token_id] * counts[k])
+            k += 1
+        else:
+            out.append(t)
+    if k != len(counts):
+        raise ImageError(f"the chat template placed {k} image placeholder(s) for {len(counts)} image(s)",
+                         "messages")
+    return out
+
+
+_proc_lock = threading.Lock()
+_processors: dict[str, Any] = {}
+
+
+def get_image_processor(model_dir: str):
+    """The model's own HF image processor (``AutoImageProcessor``, local directory only), once per process."""
+    with _proc_lock:
+        proc = _processors.get(model_dir)
+        if proc is None:
+            from transformers import AutoImageProcessor
+
+            proc = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
+            _processors[model_dir] = proc
+        return proc
+
+
+def processor_settings(model_dir: str) -> dict:
+    """What the features depend on: the processor class and its full configuration."""
+    proc = get_image_processor(model_dir)
+    return {"class": type(proc).__name__, "config": proc.to_dict()}
+
+
+def process_image(model_dir: str, data: bytes, part: str) -> ImageFeatures:
+    """Decode ``data`` and run the model's image processor. Raises ``ImageError`` naming ``part``."""
+    img = decode_image(data, part)
+    proc = get_image_processor(model_dir)
+    try:
+        out = proc(images=[img], return_tensors="np")
+    except (ValueError, TypeError) as exc:
+        raise ImageError(f"{part}: the image processor refused the image ({exc})", part) from None
+    grid = [int(x) for x in out["image_grid_thw"][0]]
+    merge = int(getattr(proc, "merge_size", 2) or 2)
+    return ImageFeatures(pixel_values=out["pixel_values"], grid_thw=grid,
+                         num_tokens=grid[0] * grid[1] * grid[2] // (merge * merge))
+
+
+def _url_cache_key(prefix: str, url: str, policy: FetchPolicy, settings_hash: str) -> str:
+    h = hashlib.sha256(json.dumps([url, [str(n) for n in policy.allow_nets], policy.allowed_domains,
+                                   settings_hash]).encode()).hexdigest()
+    return f"{prefix}:mm:url:{h}"
+
+
+def preprocess_images(redis_client, prefix: str, model_dir: str, urls: list[dict],
+                      allowed_domains: list[str] | None = None, max_bytes: int | None = None) -> list[dict]:
+    """Preprocess the images of one request (blocking; runs on an ``mm`` worker).
+
+    ``urls``: ``[{"part": str, "url": str}]`` in prompt order. Returns ``[{"key": str, "num_tokens": int,
+    "cached": bool}]``. Processor runs are counted in ``{prefix}:mm:processor_calls``. Raises ``ImageError``
+    (400) for the first bad item.
+    """
+    cache = FeatureCache(redis_client, prefix)
+    settings = processor_settings(model_dir)
+    settings_hash = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
+    policy = FetchPolicy(allowed_domains=list(allowed_domains or []))
+    if max_bytes:
+        policy.max_bytes = int(max_bytes)
+    results = []
+    for item in urls:
+        part, url = item["part"], item["url"]
+        key = None
+        url_key = None
+        if not url.startswith("data:"):
+            url_key = _url_cache_key(prefix, url, policy, settings_hash)
+            cached = redis_client.get(url_key)
+            if cached is not None:
+                meta = cache.get_meta(cached.decode())
+                if meta is not None:
+                    results.append({"key": cached.decode(), "num_tokens": meta["num_tokens"], "cached": True})
+                    continue
+        if url.startswith("data:"):
+            data = parse_data_url(url, part, policy.max_bytes)
+        elif url.split(":", 1)[0].lower() in ("http", "https"):
+            data = fetch_url(url, part, policy)
+        else:
+            raise ImageError(f"{part}: image URLs must be data:, http: or https:", part, "image_url_blocked")
+        key = mm_cache_key(data, settings)
+        meta = cache.get_meta(key)
+        if meta is not None:
+            results.append({"key": key, "num_tokens": meta["num_tokens"], "cached": True})
+        else:
+            feats = process_image(model_dir, data, part)
+            redis_client.incr(f"{prefix}:mm:processor_calls")
+            cache.put(key, feats)
+            results.append({"key": key, "num_tokens": feats.num_tokens, "cached": False})
+        if url_key is not None:
+            redis_client.set(url_key, key, ex=URL_CACHE_TTL_S)
+    return results

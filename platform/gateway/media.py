@@ -1,0 +1,90 @@
+"""Images in chat requests, gateway side (issue 6): the template render (queue ``render``) and the image
+preprocessing (queue ``mm``) run concurrently, then the prompt's image placeholders are expanded to the
+exact token counts and the engine requests get the feature-cache keys.
+
+Per-model media domain allowlists come from ``MM_ALLOWED_MEDIA_DOMAINS`` (JSON object
+``{"served_model_name": ["example.com", "*.cdn.example"]}``), applied by the fetcher to every redirect hop;
+operator network allowlist: ``MM_FETCH_ALLOW_NETS`` (read by the ``mm`` workers, see
+``inference.media.guard``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+from django.conf import settings
+
+from gateway.errors import ApiError, bad_request, unavailable
+from gateway.generation import call_render
+from inference.media.image import ImageError
+from inference.mm_tasks import MM_QUEUE
+from inference.render_client import CeleryResultWaiter, RenderUnavailableError
+from inference.renderer.multimodal import expand_image_tokens, extract_images, has_images, vision_config
+
+MM_WAIT_TIMEOUT_S = float(os.environ.get("MM_WAIT_TIMEOUT_S", "60"))
+
+
+def allowed_domains_for(model_name: str) -> list[str]:
+    """The per-model media domain allowlist (empty = any public host)."""
+    try:
+        table = json.loads(os.environ.get("MM_ALLOWED_MEDIA_DOMAINS") or "{}")
+    except ValueError:
+        return []
+    value = table.get(model_name) or []
+    return [str(v) for v in value] if isinstance(value, list) else []
+
+
+async def call_mm(model: dict, items: list[dict]) -> list[dict]:
+    """Preprocess ``items`` (``[{"part", "url"}]``) on the ``mm`` queue; returns ``[{"key", "num_tokens",
+    "cached"}]``. Client errors → 400 naming the part; no worker in time → 503; worker bug → 500."""
+    from config.celery import app
+
+    payload = {"redis_url": settings.REDIS_URL, "prefix": settings.LINK_PREFIX, "model_dir": model["model_dir"],
+               "items": items, "allowed_domains": allowed_domains_for(model["served_model_name"])}
+    waiter = CeleryResultWaiter.for_current_loop(settings.REDIS_URL)
+    try:
+        result = await waiter.call(app, "inference.mm_preprocess", [payload], queue=MM_QUEUE,
+                                   timeout=MM_WAIT_TIMEOUT_S)
+    except RenderUnavailableError:
+        raise unavailable("no multimodal worker answered in time; retry shortly", 2, "mm_unavailable") from None
+    if not result.get("ok"):
+        err = result.get("error") or {}
+        if err.get("type") == "InternalError":
+            raise ApiError(500, "Image preprocessing failed unexpectedly", "server_error", None, "mm_internal_error")
+        raise bad_request(err.get("message") or "bad image", err.get("param"), err.get("code") or "invalid_image")
+    return result["items"]
+
+
+async def render_chat_media(model: dict, payload: dict) -> dict:
+    """``call_render("inference.render_chat", payload)``, plus images when the messages have any: returns
+    the render result with ``prompt_token_ids`` expanded and ``mm_cache_keys`` (one per image, in order)."""
+    if not has_images(payload["messages"]):
+        return await call_render("inference.render_chat", payload)
+    vc = vision_config(model["model_dir"])
+    if vc is None:
+        raise bad_request(f"The model '{model['served_model_name']}' does not accept images", "messages",
+                          "images_not_supported")
+    try:
+        messages, items = extract_images(payload["messages"])
+    except ImageError as exc:
+        raise bad_request(exc.message, exc.param, exc.code) from None
+    rendered, mm_items = await asyncio.gather(
+        call_render("inference.render_chat", {**payload, "messages": messages}),
+        call_mm(model, [{"part": it.part, "url": it.url} for it in items]))
+    try:
+        ids = expand_image_tokens(rendered["prompt_token_ids"], vc["image_token_id"],
+                                  [int(it["num_tokens"]) for it in mm_items])
+    except ImageError as exc:
+        raise bad_request(exc.message, exc.param, exc.code) from None
+    return {**rendered, "prompt_token_ids": ids, "mm_cache_keys": [it["key"] for it in mm_items],
+            "mm_num_tokens": [int(it["num_tokens"]) for it in mm_items]}
+
+
+def attach_media(processed, rendered: dict) -> None:
+    """Give every engine request of ``processed`` the image feature keys of ``rendered`` (no-op without)."""
+    keys = list(rendered.get("mm_cache_keys") or [])
+    if keys:
+        for r in processed.requests:
+            r.mm_cache_keys = keys

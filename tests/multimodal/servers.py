@@ -1,0 +1,83 @@
+"""Local HTTP servers on loopback only (127.0.0.x / ::1) for the fetch tests: image, redirect, huge, stall."""
+
+from __future__ import annotations
+
+import http.server
+import socket
+import threading
+import time
+
+
+class _V6Server(http.server.ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
+def serve(host: str, routes: dict):
+    """Start a threaded server on ``host`` (loopback) with ``routes`` path → callable(handler); returns
+    (server, port). Callables write the whole response."""
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            fn = routes.get(self.path.split("?")[0])
+            if fn is None:
+                self.send_response(404)
+                self.end_headers()
+                return
+            try:
+                fn(self)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+        def log_message(self, *a):
+            pass
+
+    assert host in ("127.0.0.1", "127.0.0.2", "::1"), "tests only ever listen on loopback"
+    cls = _V6Server if ":" in host else http.server.ThreadingHTTPServer
+    srv = cls((host, 0), H)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, srv.server_address[1]
+
+
+def send_bytes(data: bytes, ctype: str = "image/png"):
+    def fn(h):
+        h.send_response(200)
+        h.send_header("Content-Type", ctype)
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
+    return fn
+
+
+def redirect_to(url: str):
+    def fn(h):
+        h.send_response(302)
+        h.send_header("Location", url)
+        h.send_header("Content-Length", "0")
+        h.end_headers()
+    return fn
+
+
+def huge(n: int, with_length: bool):
+    def fn(h):
+        h.send_response(200)
+        if with_length:
+            h.send_header("Content-Length", str(n))
+        h.end_headers()
+        chunk = b"\0" * 65536
+        sent = 0
+        while sent < n:
+            h.wfile.write(chunk)
+            sent += len(chunk)
+    return fn
+
+
+def stall(seconds: float):
+    def fn(h):
+        h.send_response(200)
+        h.send_header("Content-Length", "100000")
+        h.end_headers()
+        h.wfile.write(b"\x89PNG")
+        h.wfile.flush()
+        time.sleep(seconds)
+    return fn

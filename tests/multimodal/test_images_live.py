@@ -1,0 +1,143 @@
+"""Images in chat, end to end: data: URLs and loopback http URLs through the ``mm`` queue, the shared
+feature cache and the demo Qwen2-VL engine. Only loopback is ever contacted."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.multimodal.conftest import VL_MODEL
+from tests.multimodal.imgs import bomb_png, data_url, image_bytes
+from tests.multimodal.servers import send_bytes, serve, stall
+
+
+def post(live, path: str, body: dict, timeout: float = 60):
+    req = urllib.request.Request(live.base_url + path, data=json.dumps(body).encode(), method="POST", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {live.api_key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def chat(live, url: str, text: str = "What is in the picture?", model: str = VL_MODEL, **kw):
+    return post(live, "/v1/chat/completions", {"model": model, "max_tokens": 4, "temperature": 0, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}],
+        **kw})
+
+
+def processor_calls(live) -> int:
+    return int(live.redis.get(f"{live.prefix}:mm:processor_calls") or 0)
+
+
+def text_tokens(live) -> int:
+    status, body = post(live, "/v1/chat/completions", {"model": VL_MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "What is in the picture?"}]}]})
+    assert status == 200, body
+    return body["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("fmt,mime", [("PNG", "image/png"), ("JPEG", "image/jpeg"), ("WEBP", "image/webp"),
+                                      ("GIF", "image/gif")])
+def test_image_chat_formats(live_vl, fmt, mime):
+    status, body = chat(live_vl, data_url(image_bytes(fmt, seed=hash(fmt) % 1000), mime), return_token_ids=True)
+    assert status == 200, body
+    assert len(body["choices"][0]["token_ids"]) >= 1
+    ids = body["prompt_token_ids"]
+    n_image = ids.count(151655)
+    # 90x60 -> resized to a multiple of 28 within [4, 64]*28^2 pixels: 84x56 -> grid 6x4 patches -> 6 tokens
+    assert n_image == 6
+    assert body["usage"]["prompt_tokens"] == len(ids) == text_tokens(live_vl) + 2 + n_image  # + start/end
+
+
+def test_same_image_processed_once_and_second_faster(live_vl):
+    url = data_url(image_bytes("PNG", size=(600, 400), seed=7))
+    before = processor_calls(live_vl)
+    t0 = time.perf_counter()
+    s1, b1 = chat(live_vl, url)
+    t1 = time.perf_counter()
+    s2, b2 = chat(live_vl, url)
+    t2 = time.perf_counter()
+    assert s1 == s2 == 200
+    assert processor_calls(live_vl) - before == 1
+    assert b1["choices"][0]["message"]["content"] == b2["choices"][0]["message"]["content"]
+    assert b1["usage"]["prompt_tokens"] == b2["usage"]["prompt_tokens"]
+    print(f"first {t1 - t0:.3f}s second {t2 - t1:.3f}s")
+
+
+def test_http_url_allowlisted_loopback_fetched_once(live_vl):
+    data = image_bytes("PNG", seed=11)
+    hits = {"n": 0}
+    inner = send_bytes(data)
+
+    def counting(h):
+        hits["n"] += 1
+        inner(h)
+
+    srv, port = serve("127.0.0.1", {"/img.png": counting})
+    try:
+        url = f"http://127.0.0.1:{port}/img.png"
+        s1, b1 = chat(live_vl, url)
+        s2, b2 = chat(live_vl, url)
+        assert s1 == s2 == 200, (b1, b2)
+        assert hits["n"] == 1
+    finally:
+        srv.shutdown()
+
+
+def test_non_allowlisted_loopback_refused(live_vl):
+    srv, port = serve("::1", {"/img.png": send_bytes(image_bytes())})
+    try:
+        status, body = chat(live_vl, f"http://[::1]:{port}/img.png")
+        assert status == 400, body
+        assert body["error"]["param"] == "messages[0].content[1]"
+        assert "loopback" in body["error"]["message"]
+    finally:
+        srv.shutdown()
+
+
+@pytest.mark.parametrize("url,code", [
+    (data_url(b"not an image at all"), "unsupported_image"),
+    (data_url(image_bytes("PNG")[:200]), "invalid_image"),
+    (data_url(bomb_png()), "image_too_large"),
+    (data_url(image_bytes("BMP"), "image/bmp"), "unsupported_image"),
+    ("data:image/png;base64,@@@notbase64", "invalid_image"),
+    ("data:text/plain;base64,aGVsbG8=", "invalid_image"),
+    ("file:///etc/passwd", "image_url_blocked"),
+])
+def test_bad_images_are_400_naming_the_part(live_vl, url, code):
+    status, body = chat(live_vl, url)
+    assert status == 400, body
+    assert body["error"]["param"] == "messages[0].content[1]", body
+    assert body["error"]["code"] == code, body
+
+
+def test_text_model_refuses_images(live_vl):
+    status, body = chat(live_vl, data_url(image_bytes()), model="tiny-qwen3")
+    assert status == 400 and body["error"]["param"] == "messages"
+
+
+def test_text_requests_answered_while_mm_queue_busy(live_vl):
+    srv, port = serve("127.0.0.1", {"/slow.png": stall(5)})
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            busy = [pool.submit(chat, live_vl, f"http://127.0.0.1:{port}/slow.png?{i}") for i in range(2)]
+            time.sleep(0.5)  # the mm worker (concurrency 1) is now stuck on the stalling fetch
+            t0 = time.perf_counter()
+            status, body = post(live_vl, "/v1/chat/completions", {"model": VL_MODEL, "max_tokens": 2,
+                                "messages": [{"role": "user", "content": "hello"}]})
+            took = time.perf_counter() - t0
+            assert status == 200, body
+            assert not busy[1].done()
+            assert took < 1.5, took
+            results = [f.result(timeout=30) for f in busy]
+        for status, body in results:
+            assert status == 400 and body["error"]["code"] == "image_fetch_timeout", body
+    finally:
+        srv.shutdown()
