@@ -20,6 +20,8 @@ from typing import Any
 
 import redis
 from celery import shared_task
+
+from inference.tasks import reply_if_requested
 from celery.exceptions import SoftTimeLimitExceeded
 
 from inference.media.image import ImageError
@@ -61,4 +63,4 @@ def run_mm_preprocess(payload: dict) -> dict[str, Any]:
              queue=MM_QUEUE)
 def mm_preprocess_task(payload: dict) -> dict:
     """Celery task: fetch/decode/process the images of one request (see ``run_mm_preprocess``)."""
-    return run_mm_preprocess(payload)
+    return reply_if_requested(payload, run_mm_preprocess(payload))

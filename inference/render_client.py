@@ -1,11 +1,12 @@
 """Await Celery render/tokenize tasks from an asyncio loop without holding a thread per waiting request.
 
-Celery's own ``AsyncResult.get`` blocks a thread while it waits. Its Redis result backend, though, publishes
-every stored result on the Pub/Sub channel named like the result key (``celery-task-meta-<task id>``), so
-one ``redis.asyncio`` Pub/Sub connection per process can wait for any number of results: subscribe to the
-task's channel first, then publish the task, then await the message (DESIGN.md §2: "awaiting a Celery result
-must not hold a thread per waiting request"). Publishing itself runs on a small thread pool because kombu's
-producer is synchronous.
+Celery's ``AsyncResult.get`` blocks a thread while it waits, and its Redis result backend costs a result
+write, a Pub/Sub subscription per task in the sending process and a result key per request. Instead, each
+api process (event loop) subscribes once to its own reply channel; a task is sent with ``ignore_result`` and
+the channel name plus a reply id in its payload, and the worker publishes the task's return value there
+(``inference.tasks.reply_if_requested``). One Pub/Sub connection per process serves any number of waiting requests
+(DESIGN.md §2: "awaiting a Celery result must not hold a thread per waiting request"). Publishing the task
+itself runs on a small thread pool because kombu's producer is synchronous.
 
 This is the one piece here that a library should have provided; Celery has no asyncio result API.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
@@ -23,33 +25,32 @@ import redis.asyncio as aioredis
 
 log = logging.getLogger(__name__)
 
-RESULT_KEY_PREFIX = "celery-task-meta-"
-
 
 class RenderUnavailableError(RuntimeError):
     """No render worker answered in time (maps to HTTP 503)."""
 
 
-class CeleryResultWaiter:
-    """One Pub/Sub connection per event loop that resolves futures keyed by Celery task id."""
+class RenderReplyWaiter:
+    """One reply channel and Pub/Sub connection per event loop; resolves futures keyed by reply id."""
 
-    _instances: ClassVar[dict[int, "CeleryResultWaiter"]] = {}
+    _instances: ClassVar[dict[int, "RenderReplyWaiter"]] = {}
     _publish_pool: ClassVar[ThreadPoolExecutor | None] = None
 
-    def __init__(self, redis_url: str):
+    def __init__(self, redis_url: str, prefix: str):
         self._redis = aioredis.Redis.from_url(redis_url)
         self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        self.channel = f"{prefix}:render:reply:{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self._futures: dict[str, asyncio.Future] = {}
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
 
     @classmethod
-    def for_current_loop(cls, redis_url: str) -> "CeleryResultWaiter":
+    def for_current_loop(cls, redis_url: str, prefix: str) -> "RenderReplyWaiter":
         """The waiter bound to the running loop (created on first use)."""
         loop = asyncio.get_running_loop()
         waiter = cls._instances.get(id(loop))
         if waiter is None:
-            waiter = cls(redis_url)
+            waiter = cls(redis_url, prefix)
             cls._instances[id(loop)] = waiter
         return waiter
 
@@ -59,59 +60,48 @@ class CeleryResultWaiter:
             cls._publish_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="celery-publish")
         return cls._publish_pool
 
+    async def _ensure_listening(self) -> None:
+        if self._task is not None and not self._task.done():
+            return
+        async with self._lock:
+            if self._task is not None and not self._task.done():
+                return
+            await self._pubsub.subscribe(self.channel)
+            self._task = asyncio.get_running_loop().create_task(self._listen(), name="render-replies")
+
     async def _listen(self) -> None:
         while True:
             try:
-                if not self._pubsub.subscribed:
-                    await asyncio.sleep(0.01)
-                    continue
                 msg = await self._pubsub.get_message(timeout=1.0)
                 if msg is None or msg.get("type") != "message":
                     continue
-                channel = msg["channel"].decode()
-                task_id = channel[len(RESULT_KEY_PREFIX):]
-                fut = self._futures.get(task_id)
+                reply = json.loads(msg["data"])
+                fut = self._futures.get(reply.get("id"))
                 if fut is not None and not fut.done():
-                    fut.set_result(json.loads(msg["data"]))
+                    fut.set_result(reply.get("result"))
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - keep listening after a hiccup
-                log.exception("celery result listener error")
+            except Exception:  # noqa: BLE001 - keep listening after a hiccup (redis-py resubscribes)
+                log.exception("render reply listener error")
                 await asyncio.sleep(0.1)
 
-    async def call(self, app, task_name: str, args: list[Any], *, queue: str, timeout: float) -> Any:
-        """Publish ``task_name(*args)`` to ``queue`` and await its return value.
+    async def call(self, app, task_name: str, payload: dict[str, Any], *, queue: str, timeout: float) -> Any:
+        """Send ``task_name(payload)`` to ``queue`` and await the value the worker publishes back.
 
-        Raises ``RenderUnavailableError`` when no result arrives within ``timeout`` seconds and
-        ``RuntimeError`` when the task itself raised (tasks here return structured errors instead).
+        Raises ``RenderUnavailableError`` when no reply arrives within ``timeout`` seconds (workers down,
+        overloaded, or a task killed by its hard time limit).
         """
-        task_id = uuid.uuid4().hex
-        channel = RESULT_KEY_PREFIX + task_id
+        await self._ensure_listening()
+        reply_id = uuid.uuid4().hex
         fut = asyncio.get_running_loop().create_future()
-        self._futures[task_id] = fut
+        self._futures[reply_id] = fut
+        body = {**payload, "reply_to": self.channel, "reply_id": reply_id}
         try:
-            async with self._lock:
-                await self._pubsub.subscribe(channel)
-            if self._task is None or self._task.done():
-                self._task = asyncio.get_running_loop().create_task(self._listen())
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._pool(), lambda: app.send_task(
-                task_name, args=args, queue=queue, task_id=task_id))
+            await asyncio.get_running_loop().run_in_executor(self._pool(), lambda: app.send_task(
+                task_name, args=[body], queue=queue, ignore_result=True))
             try:
-                meta = await asyncio.wait_for(fut, timeout)
+                return await asyncio.wait_for(fut, timeout)
             except asyncio.TimeoutError:
-                raw = await self._redis.get(channel)  # a result stored while we were subscribing
-                if raw is None:
-                    raise RenderUnavailableError(
-                        f"No render worker answered within {timeout:.0f} s") from None
-                meta = json.loads(raw)
+                raise RenderUnavailableError(f"No render worker answered within {timeout:.0f} s") from None
         finally:
-            self._futures.pop(task_id, None)
-            try:
-                async with self._lock:
-                    await self._pubsub.unsubscribe(channel)
-            except Exception:  # noqa: BLE001
-                pass
-        if meta.get("status") != "SUCCESS":
-            raise RuntimeError(f"render task failed: {meta.get('result')}")
-        return meta.get("result")
+            self._futures.pop(reply_id, None)

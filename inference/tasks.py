@@ -22,6 +22,9 @@ import logging
 import os
 from typing import Any
 
+import json
+
+import redis
 from celery import shared_task
 from celery.exceptions import SoftTimeLimitExceeded
 
@@ -110,6 +113,36 @@ def run_detokenize(payload: dict) -> dict:
         return _error(exc)
 
 
+_reply_client: redis.Redis | None = None
+
+
+def reply_if_requested(payload: Any, result: dict) -> dict:
+    """Publish ``result`` on the caller's reply channel when the payload names one, then return it.
+
+    The api process subscribes once to its own channel (``inference.render_client``) and sends tasks with
+    ``ignore_result``, so no Celery result is stored and no per-request subscription is made. Redis is
+    ``REDIS_URL`` (every platform process gets it), else the Celery app's result backend URL.
+    """
+    global _reply_client
+    if isinstance(payload, dict) and payload.get("reply_to") and payload.get("reply_id"):
+        if _reply_client is None:
+            from celery import current_app
+
+            _reply_client = redis.Redis.from_url(os.environ.get("REDIS_URL") or current_app.conf.result_backend)
+        channel = payload["reply_to"]
+        prefix = channel.split(":render:reply:")[0]
+        pipe = _reply_client.pipeline(transaction=False)
+        pipe.incr(render_tasks_counter_key(prefix))  # shared count of rendered tasks (metrics, tests)
+        pipe.publish(channel, json.dumps({"id": payload["reply_id"], "result": result}))
+        pipe.execute()
+    return result
+
+
+def render_tasks_counter_key(prefix: str) -> str:
+    """Redis counter of render/tokenize/mm tasks answered by any worker under link prefix ``prefix``."""
+    return f"{prefix}:metrics:render_tasks_total"
+
+
 @shared_task(
     name="inference.render_chat",
     soft_time_limit=RENDER_TIME_LIMIT_S,
@@ -118,7 +151,7 @@ def run_detokenize(payload: dict) -> dict:
 )
 def render_chat_task(payload: dict) -> dict:
     """Celery task: render + tokenize a chat (see ``run_render_chat``)."""
-    return run_render_chat(payload)
+    return reply_if_requested(payload, run_render_chat(payload))
 
 
 @shared_task(
@@ -128,7 +161,7 @@ def render_chat_task(payload: dict) -> dict:
 )
 def tokenize_prompt_task(payload: dict) -> dict:
     """Celery task: tokenize a plain prompt (see ``run_tokenize_prompt``)."""
-    return run_tokenize_prompt(payload)
+    return reply_if_requested(payload, run_tokenize_prompt(payload))
 
 
 @shared_task(
@@ -138,4 +171,4 @@ def tokenize_prompt_task(payload: dict) -> dict:
 )
 def detokenize_task(payload: dict) -> dict:
     """Celery task: ids -> text (see ``run_detokenize``)."""
-    return run_detokenize(payload)
+    return reply_if_requested(payload, run_detokenize(payload))

@@ -124,7 +124,8 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def start_platform(tmp_dir: Path, *, max_model_len: int = 512, engine: bool = True) -> LivePlatform:
+def start_platform(tmp_dir: Path, *, max_model_len: int = 512, engine: bool = True,
+                   mm_worker: bool = True) -> LivePlatform:
     """Start Redis (unless ``REDIS_URL``), migrate, register the demo model, create a key, start the rest."""
     ensure_demo_assets()
     var_dir = tmp_dir / "var"
@@ -161,6 +162,10 @@ def start_platform(tmp_dir: Path, *, max_model_len: int = 512, engine: bool = Tr
         sup.start("worker", [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "render,usage", "-c",
                              "2", "--pool", "prefork", "-n", f"w-{prefix}@%h", "--without-gossip", "--without-mingle",
                              "-l", "WARNING"])
+        if mm_worker:
+            sup.start("worker-mm", [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "mm", "-c", "1",
+                                    "--pool", "prefork", "-n", f"mm-{prefix}@%h", "--without-gossip",
+                                    "--without-mingle", "-l", "WARNING"])
         sup.start("beat", [sys.executable, "-m", "celery", "-A", "config", "beat", "-l", "WARNING", "--schedule",
                            str(var_dir / "beat-schedule")])
         if engine:

@@ -25,7 +25,7 @@ from inference.input_processor import ProcessedInput, model_vocab_size
 from inference.output_processor import IncrementalDetokenizer, StopChecker
 from inference.protocol.engine import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, EngineCoreOutput
 from inference.protocol.openai import MAX_REQUEST_ID_LEN, RequestValidationError
-from inference.render_client import CeleryResultWaiter, RenderUnavailableError
+from inference.render_client import RenderReplyWaiter, RenderUnavailableError
 from inference.renderer.tokenizer_cache import get_tokenizer
 from usage.events import usage_event_emit
 
@@ -131,9 +131,9 @@ async def call_render(task: str, payload: dict[str, Any]) -> dict[str, Any]:
         result = await call_inline(task, payload)
     else:
         timeout = float(getattr(settings, "RENDER_WAIT_TIMEOUT_S", 30.0))
-        waiter = CeleryResultWaiter.for_current_loop(settings.REDIS_URL)
+        waiter = RenderReplyWaiter.for_current_loop(settings.REDIS_URL, settings.LINK_PREFIX)
         try:
-            result = await waiter.call(app, task, [payload], queue=RENDER_QUEUE, timeout=timeout)
+            result = await waiter.call(app, task, payload, queue=RENDER_QUEUE, timeout=timeout)
         except RenderUnavailableError as exc:
             raise unavailable(f"{exc}; the render workers are busy or down, retry shortly", 2,
                               "render_unavailable") from None

@@ -20,7 +20,7 @@ from gateway.errors import ApiError, bad_request, unavailable
 from gateway.generation import call_render
 from inference.media.image import ImageError
 from inference.mm_tasks import MM_QUEUE
-from inference.render_client import CeleryResultWaiter, RenderUnavailableError
+from inference.render_client import RenderReplyWaiter, RenderUnavailableError
 from inference.renderer.multimodal import expand_image_tokens, extract_images, has_images, vision_config
 
 MM_WAIT_TIMEOUT_S = float(os.environ.get("MM_WAIT_TIMEOUT_S", "60"))
@@ -43,9 +43,9 @@ async def call_mm(model: dict, items: list[dict]) -> list[dict]:
 
     payload = {"redis_url": settings.REDIS_URL, "prefix": settings.LINK_PREFIX, "model_dir": model["model_dir"],
                "items": items, "allowed_domains": allowed_domains_for(model["served_model_name"])}
-    waiter = CeleryResultWaiter.for_current_loop(settings.REDIS_URL)
+    waiter = RenderReplyWaiter.for_current_loop(settings.REDIS_URL, settings.LINK_PREFIX)
     try:
-        result = await waiter.call(app, "inference.mm_preprocess", [payload], queue=MM_QUEUE,
+        result = await waiter.call(app, "inference.mm_preprocess", payload, queue=MM_QUEUE,
                                    timeout=MM_WAIT_TIMEOUT_S)
     except RenderUnavailableError:
         raise unavailable("no multimodal worker answered in time; retry shortly", 2, "mm_unavailable") from None

@@ -79,7 +79,10 @@ def in_background(fn, *args, **kwargs):
 
 
 def task_meta_count(live) -> int:
-    return sum(1 for _ in live.redis.scan_iter(match="celery-task-meta-*", count=1000))
+    """Render tasks answered by the Celery workers so far (their shared Redis counter)."""
+    from inference.tasks import render_tasks_counter_key
+
+    return int(live.redis.get(render_tasks_counter_key(live.prefix)) or 0)
 
 
 def test_boundaries_n_and_idle_rule_across_two_processes(live):

@@ -28,7 +28,8 @@ def ensure_vl_model() -> Path:
 @pytest.fixture(scope="session")
 def live_vl(tmp_path_factory):
     ensure_vl_model()
-    live = start_platform(tmp_path_factory.mktemp("live-vl"), engine=False, max_model_len=1024)
+    live = start_platform(tmp_path_factory.mktemp("live-vl"), engine=False, max_model_len=1024,
+                          mm_worker=False)  # its own mm worker below may fetch from loopback
     try:
         live.manage("register_model", VL_MODEL, str(VL_DIR), "--max-model-len", "1024")
         env = dict(live.env, MM_FETCH_ALLOW_NETS="127.0.0.1/32", MM_FETCH_TIMEOUT_S="3")

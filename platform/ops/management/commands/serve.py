@@ -84,6 +84,10 @@ class Command(BaseCommand):
         sup.start("worker", [py, "-m", "celery", "-A", "config", "worker", "-Q", "render,usage",
                              "-c", str(opts["render_concurrency"]), "--pool", "prefork", "-n", "worker@%h",
                              "--without-gossip", "--without-mingle", "-l", "INFO"])
+        # images are preprocessed on their own queue, one at a time per worker, so text never waits on them
+        sup.start("worker-mm", [py, "-m", "celery", "-A", "config", "worker", "-Q", "mm", "-c", "1",
+                                "--pool", "prefork", "-n", "mm@%h", "--without-gossip", "--without-mingle",
+                                "-l", "WARNING"])
         sup.start("beat", [py, "-m", "celery", "-A", "config", "beat", "-l", "WARNING",
                            "--schedule", str(var_dir / "celerybeat-schedule")])
         models = [] if opts["no_engine"] else [m for m in served_models_enabled() if m.task in ("generate", "embed")]
