@@ -1,6 +1,6 @@
 """ASGI entry point: Channels ``ProtocolTypeRouter``.
 
-HTTP requests under the gateway prefixes (``/v1/``, ``/health``, ``/tokenize``, ...) go to the gateway's
+WebSockets (live usage dashboards) go to ``usage.routing``. HTTP requests under the gateway prefixes (``/v1/``, ``/health``, ``/tokenize``, ...) go to the gateway's
 Channels consumers; everything else (admin, REST control API, dashboards) goes to Django's ASGI handler.
 """
 
@@ -14,6 +14,7 @@ django_asgi_app = get_asgi_application()
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
 from gateway.routing import GATEWAY_PREFIXES, http_urlpatterns  # noqa: E402
+from usage.routing import websocket_application  # noqa: E402  (live dashboard updates)
 
 _gateway = URLRouter(http_urlpatterns)
 
@@ -25,4 +26,4 @@ async def http_router(scope, receive, send):
     return await django_asgi_app(scope, receive, send)
 
 
-application = ProtocolTypeRouter({"http": http_router})
+application = ProtocolTypeRouter({"http": http_router, "websocket": websocket_application})

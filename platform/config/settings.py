@@ -191,6 +191,7 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 # Served by WhiteNoise straight from the apps' static folders: no collectstatic step on a fresh machine.
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # WhiteNoise warns about a missing STATIC_ROOT
 WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = False
 

@@ -13,6 +13,8 @@ from gateway.generation import (
     admission_precheck,
     admission_release,
     admission_reserve,
+    key_limits_acquire,
+    key_limits_settle,
     call_render,
     chat_template_for,
     client_request_id,
@@ -72,6 +74,7 @@ class ChatCompletionsConsumer(GatewayConsumer):
         recorder = UsageRecorder("chat.completions", new_internal_id(external_id), arrival, ctx, req.model, n=req.n or 1)
         run: GenerationRun | None = None
         reservation = None
+        grant = None
         try:
             model = await resolve_model(ctx, req.model)
             reservation = await admission_precheck(model, recorder.request_id, req.n or 1, len(body))
@@ -86,6 +89,8 @@ class ChatCompletionsConsumer(GatewayConsumer):
                     logprobs=(req.top_logprobs or 0) if req.logprobs else None)
             except RequestValidationError as exc:
                 raise to_request_error(exc) from None
+            grant = await key_limits_acquire(self, ctx, prompt_tokens=len(processed.prompt_token_ids),
+                                             max_tokens=processed.max_tokens, n=len(processed.requests))
             await admission_reserve(reservation, processed)
             attach_media(processed, rendered)
             run = GenerationRun(model=model, processed=processed, tokenizer=tokenizer, stop=req.stop,
@@ -110,6 +115,7 @@ class ChatCompletionsConsumer(GatewayConsumer):
             if run is not None:
                 await run.close()
             await admission_release(reservation)
+            await key_limits_settle(grant, run)
             await recorder.emit()
 
     async def _complete(self, req, run: GenerationRun, external_id: str, created: int, tokenizer) -> None:

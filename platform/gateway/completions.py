@@ -13,6 +13,8 @@ from gateway.generation import (
     admission_precheck,
     admission_release,
     admission_reserve,
+    key_limits_acquire,
+    key_limits_settle,
     call_render,
     client_request_id,
     link,
@@ -58,6 +60,7 @@ class CompletionsConsumer(GatewayConsumer):
         recorder = UsageRecorder("completions", new_internal_id(external_id), arrival, ctx, req.model, n=req.n or 1)
         run: GenerationRun | None = None
         reservation = None
+        grant = None
         try:
             model = await resolve_model(ctx, req.model)
             reservation = await admission_precheck(  # token-id prompts: exact; text: its UTF-8 bytes bound
@@ -74,6 +77,8 @@ class CompletionsConsumer(GatewayConsumer):
                     arrival_time=arrival, eos_token_ids=eos_ids_of(tokenizer), logprobs=req.logprobs)
             except RequestValidationError as exc:
                 raise to_request_error(exc) from None
+            grant = await key_limits_acquire(self, ctx, prompt_tokens=len(processed.prompt_token_ids),
+                                             max_tokens=processed.max_tokens, n=len(processed.requests))
             await admission_reserve(reservation, processed)
             echo_text = ""
             if req.echo:
@@ -100,6 +105,7 @@ class CompletionsConsumer(GatewayConsumer):
             if run is not None:
                 await run.close()
             await admission_release(reservation)
+            await key_limits_settle(grant, run)
             await recorder.emit()
 
     async def _complete(self, req, run: GenerationRun, external_id, created, tokenizer, echo_text) -> None:

@@ -45,6 +45,8 @@ from gateway.generation import (
     admission,
     admission_precheck,
     admission_release,
+    key_limits_acquire,
+    key_limits_settle,
     client_request_id,
     link,
     load_tokenizer,
@@ -268,6 +270,7 @@ class EmbeddingsConsumer(GatewayConsumer):
                                  n=len(inputs))
         run = EmbeddingRun()
         reservation = None
+        grant = None
         try:
             model = await resolve_model(ctx, req.model)
             if model.get("task") != "embed":
@@ -301,6 +304,7 @@ class EmbeddingsConsumer(GatewayConsumer):
                 raise bad_request(str(exc), getattr(exc, "param", "input")) from None
             total = sum(len(t) for t in token_ids)
             run.prompt_tokens = total
+            grant = await key_limits_acquire(self, ctx, prompt_tokens=total, max_tokens=0, n=1)
             try:  # n inputs × their mean length (rounded up) ≥ the real total
                 await admission().reserve(reservation.model, reservation.request_id, len(token_ids),
                                           math.ceil(total / len(token_ids)), reservation=reservation)
@@ -330,4 +334,5 @@ class EmbeddingsConsumer(GatewayConsumer):
             raise
         finally:
             await admission_release(reservation)
+            await key_limits_settle(grant, None, run.prompt_tokens if run is not None else 0)
             await recorder.emit()

@@ -43,6 +43,8 @@ from gateway.generation import (
     admission_precheck,
     admission_release,
     admission_reserve,
+    key_limits_acquire,
+    key_limits_settle,
     client_request_id,
     eos_ids_of,
     link,
@@ -116,6 +118,7 @@ class GenerateConsumer(GatewayConsumer):
         key = _abort_key(ctx.tenant_id, external_id)
         members: list[bytes] = []
         reservation = None
+        grant = None
         try:
             model = await resolve_model(ctx, req.model)
             reservation = await admission_precheck(model, recorder.request_id, sp.n or 1, len(req.token_ids),
@@ -133,6 +136,8 @@ class GenerateConsumer(GatewayConsumer):
             except RequestValidationError as exc:
                 param = exc.param if exc.param in (None, "token_ids") else f"sampling_params.{exc.param}"
                 raise bad_request(exc.message, param) from None
+            grant = await key_limits_acquire(self, ctx, prompt_tokens=len(processed.prompt_token_ids),
+                                             max_tokens=processed.max_tokens, n=len(processed.requests))
             await admission_reserve(reservation, processed)
             run = GenerationRun(model=model, processed=processed, tokenizer=tokenizer, stop=sp.stop or [],
                                 include_stop_str_in_output=bool(sp.include_stop_str_in_output),
@@ -165,6 +170,7 @@ class GenerateConsumer(GatewayConsumer):
             if run is not None:
                 await run.close()
             await admission_release(reservation)
+            await key_limits_settle(grant, run)
             await recorder.emit()
 
     def _envelope(self, run, external_id, created, choices, usage=None) -> dict:

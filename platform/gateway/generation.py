@@ -27,6 +27,13 @@ from inference.protocol.engine import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH,
 from inference.protocol.openai import MAX_REQUEST_ID_LEN, RequestValidationError
 from inference.render_client import RenderReplyWaiter, RenderUnavailableError
 from inference.renderer.tokenizer_cache import get_tokenizer
+from tenancy.limits import (
+    RateLimitExceeded,
+    grant_headers,
+    limits_acquire,
+    limits_reservation,
+    limits_settle,
+)
 from usage.events import usage_event_emit
 
 log = logging.getLogger(__name__)
@@ -340,6 +347,34 @@ class GenerationRun:
             if c.finish_reason == FINISH_ERROR:
                 return c.error or "The engine failed while generating"
         return None
+
+
+async def key_limits_acquire(consumer, ctx, *, prompt_tokens: int, max_tokens: int, n: int):
+    """Reserve the request against its key's and tenant's RPM/TPM/concurrency/budget (Redis, atomic, shared by
+    every api process) and add the ``x-ratelimit-*`` headers to ``consumer``'s response. The reservation is
+    ``prompt_tokens + n × max_tokens``; ``key_limits_settle`` settles it on the real count.
+
+    Raises ``ApiError`` 429 (``rate_limit_error``, with ``Retry-After`` and the ``x-ratelimit-*`` headers) when
+    over a limit. 429 is only ever about this key or tenant; platform capacity is 503 (DESIGN.md §3).
+    """
+    try:
+        grant = await limits_acquire(link().redis, settings.LINK_PREFIX, ctx,
+                                     max_tokens_reserved=limits_reservation(prompt_tokens, max_tokens, n))
+    except RateLimitExceeded as exc:
+        raise ApiError(429, exc.message, "rate_limit_error", None, exc.code, list(exc.str_headers)) from None
+    consumer.extra_headers.extend(grant_headers(grant))
+    return grant
+
+
+async def key_limits_settle(grant, run: "GenerationRun | None", prompt_tokens: int = 0) -> None:
+    """Settle a reservation from ``key_limits_acquire`` on the tokens really used (idempotent, never raises)."""
+    if grant is None:
+        return
+    actual = (run.prompt_tokens + run.completion_tokens) if run is not None else prompt_tokens
+    try:
+        await asyncio.shield(limits_settle(link().redis, settings.LINK_PREFIX, grant, actual_tokens=actual))
+    except Exception:  # noqa: BLE001 - the concurrency lease expires by itself if this fails
+        log.exception("rate-limit settle failed")
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
