@@ -265,6 +265,10 @@ def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
             if not _is_byte_level(tok_json):
                 raw = json.dumps(_llama_rewrite(tok_json, config))
         tok = tokenizers.Tokenizer.from_str(raw)
+        # transformers ignores the padding/truncation a tokenizer.json may carry (all-MiniLM's pads to 128):
+        # a prompt is encoded exactly, never padded or cut here (lengths are checked by the caller).
+        tok.no_padding()
+        tok.no_truncation()
         model_type = type(tok.model).__name__
         del raw
     except Exception as exc:  # tokenizers raises plain Exception

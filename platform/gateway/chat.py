@@ -15,7 +15,6 @@ from gateway.generation import (
     admission_reserve,
     key_limits_acquire,
     key_limits_settle,
-    call_render,
     chat_template_for,
     client_request_id,
     link,

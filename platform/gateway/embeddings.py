@@ -120,28 +120,6 @@ def normalize_input(value: Any) -> list[str | list[int]]:
     return out
 
 
-_plain: dict[int, Any] = {}
-
-
-def plain_tokenizer(tokenizer):
-    """A copy of ``tokenizer.tokenizer`` (a ``tokenizers.Tokenizer``) without the padding and truncation
-    that some ``tokenizer.json`` files enable (all-MiniLM-L6-v2's pads every input to 128): transformers
-    ignores those settings when it loads the file, so must we. Cached per loaded tokenizer."""
-    key = id(tokenizer)
-    hit = _plain.get(key)
-    if hit is not None and hit[0] is tokenizer:
-        return hit[1]
-    import tokenizers
-
-    tok = tokenizers.Tokenizer.from_str(tokenizer.tokenizer.to_str())
-    tok.no_padding()
-    tok.no_truncation()
-    if len(_plain) > 64:
-        _plain.clear()
-    _plain[key] = (tokenizer, tok)
-    return tok
-
-
 def tokenize_inputs(tokenizer, inputs: list[str | list[int]], *, add_special_tokens: bool,
                     truncate: int | None, max_model_len: int) -> list[list[int]]:
     """Token ids per input (blocking: call off the event loop).
@@ -149,7 +127,7 @@ def tokenize_inputs(tokenizer, inputs: list[str | list[int]], *, add_special_tok
     ``truncate``: keep at most this many tokens (already resolved, ``None`` = no truncation: an input over
     ``max_model_len`` raises ``RequestValidationError`` naming it). Token ids must be in the vocabulary.
     """
-    tok = plain_tokenizer(tokenizer)
+    tok = tokenizer.tokenizer  # loaded without padding/truncation (inference.renderer.tokenizer_cache)
     n_special = tok.num_special_tokens_to_add(False) if add_special_tokens else 0
     texts = [(i, v) for i, v in enumerate(inputs) if isinstance(v, str)]
     encoded: dict[int, list[int]] = {}

@@ -330,7 +330,7 @@ def test_c28_unused_and_unknown_fields(http):
 
 # ------------------------------------------------------------------------------------------------ C29
 def test_c29_error_envelope(http, live):
-    err = assert_envelope(chat(http, {"messages": [{"role": "user", "content": "Say hello."}], "temperature": "hot"}),
+    assert_envelope(chat(http, {"messages": [{"role": "user", "content": "Say hello."}], "temperature": "hot"}),
                           400, "temperature", "invalid_request_error")
     client = openai.OpenAI(base_url=live.base_url + "/v1", api_key=live.api_key, max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:

@@ -36,13 +36,14 @@ def test_celery_app_config():
     from config import celery_app
 
     conf = celery_app.conf
-    assert conf.worker_prefetch_multiplier == 1
+    assert conf.worker_prefetch_multiplier == 8  # render tasks are small and many (settings.py)
     assert conf.beat_schedule["usage-flush-usage-events"]["task"] == "usage.flush_usage_events"
     assert conf.beat_schedule["usage-flush-usage-events"]["schedule"] == 1.0
     router = celery_app.amqp.router
     assert router.route({}, "inference.render_chat")["queue"].name == "render"
     assert router.route({}, "inference.tokenize_prompt")["queue"].name == "render"
     assert router.route({}, "inference.detokenize")["queue"].name == "render"
+    assert router.route({}, "inference.mm_preprocess")["queue"].name == "mm"
     assert router.route({}, "usage.flush_usage_events")["queue"].name == "usage"
     from usage.tasks import flush_usage_events
 

@@ -6,7 +6,6 @@ Real processes: Redis, a Celery worker on queue ``render``, the engine worker, u
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
@@ -142,7 +141,7 @@ async def test_async_client_16_concurrent_streams(aclient, model_name):
             model=model_name, messages=[{"role": "user", "content": f"Story number {i}"}], max_tokens=16 + i,
             temperature=0.7, seed=i, stream=True, stream_options={"include_usage": True},
             extra_body={"ignore_eos": True})
-        n_text, usage = 0, None
+        usage = None
         async for chunk in stream:
             if chunk.usage:
                 usage = chunk.usage
