@@ -223,6 +223,9 @@ CACHES = {
 CELERY_BROKER_URL = _celery_redis_url(REDIS_URL)
 CELERY_RESULT_BACKEND = _celery_redis_url(REDIS_URL)
 CELERY_RESULT_EXPIRES = 3600
+# Queues live under the platform's own prefix, so deployments (or test platforms) sharing one Redis never
+# consume each other's tasks.
+CELERY_BROKER_TRANSPORT_OPTIONS = {"global_keyprefix": f"{LINK_PREFIX}:celery:"}
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
