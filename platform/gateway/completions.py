@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from gateway import auth
 from gateway.errors import ApiError
 from gateway.generation import (
     GenerationRun,
-    UsageRecorder,
     admission_precheck,
-    admission_release,
     admission_reserve,
     key_limits_acquire,
-    key_limits_settle,
     call_render,
     client_request_id,
     link,
     eos_ids_of,
     load_tokenizer,
     public_finish_reason,
+    request_scope,
     resolve_model,
     to_request_error,
     usage_dict,
@@ -57,14 +54,11 @@ class CompletionsConsumer(GatewayConsumer):
         base_id = client_request_id(self.header(b"x-request-id"), req.request_id)
         external_id = "cmpl-" + base_id
         self.extra_headers.append((b"x-request-id", base_id.encode()))  # the client's id, echoed as sent
-        recorder = UsageRecorder("completions", new_internal_id(external_id), arrival, ctx, req.model, n=req.n or 1)
-        run: GenerationRun | None = None
-        reservation = None
-        grant = None
-        try:
+        async with request_scope("completions", new_internal_id(external_id), arrival, ctx, req.model,
+                                 req.n or 1) as scope:
             model = await resolve_model(ctx, req.model)
-            reservation = await admission_precheck(  # token-id prompts: exact; text: its UTF-8 bytes bound
-                model, recorder.request_id, req.n or 1,
+            scope.reservation = await admission_precheck(  # token-id prompts: exact; text: UTF-8 bytes bound
+                model, scope.recorder.request_id, req.n or 1,
                 len(req.prompt) if isinstance(req.prompt, list) else len(req.prompt.encode()),
                 exact=isinstance(req.prompt, list))
             tokenizer = await load_tokenizer(model)
@@ -77,36 +71,22 @@ class CompletionsConsumer(GatewayConsumer):
                     arrival_time=arrival, eos_token_ids=eos_ids_of(tokenizer), logprobs=req.logprobs)
             except RequestValidationError as exc:
                 raise to_request_error(exc) from None
-            grant = await key_limits_acquire(self, ctx, prompt_tokens=len(processed.prompt_token_ids),
-                                             max_tokens=processed.max_tokens, n=len(processed.requests))
-            await admission_reserve(reservation, processed)
+            scope.grant = await key_limits_acquire(self, ctx, prompt_tokens=len(processed.prompt_token_ids),
+                                                   max_tokens=processed.max_tokens, n=len(processed.requests))
+            await admission_reserve(scope.reservation, processed)
             echo_text = ""
             if req.echo:
                 echo_text = prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids, False)
-            run = GenerationRun(model=model, processed=processed, tokenizer=tokenizer, stop=req.stop,
-                                include_stop_str_in_output=bool(req.include_stop_str_in_output),
-                                skip_special_tokens=req.skip_special_tokens is not False, arrival_time=arrival,
-                                reservation=reservation)
+            run = scope.run = GenerationRun(
+                model=model, processed=processed, tokenizer=tokenizer, stop=req.stop,
+                include_stop_str_in_output=bool(req.include_stop_str_in_output),
+                skip_special_tokens=req.skip_special_tokens is not False, arrival_time=arrival,
+                reservation=scope.reservation)
             await run.start()
-            recorder.run = run
             if req.stream:
                 await self._stream(req, run, external_id, int(arrival), tokenizer, echo_text)
             else:
                 await self._complete(req, run, external_id, int(arrival), tokenizer, echo_text)
-            recorder.finish_reason = run.choices[0].finish_reason if run.choices else None
-        except ApiError as err:
-            recorder.status_code = err.status
-            raise
-        except asyncio.CancelledError:
-            recorder.status_code = 499
-            recorder.finish_reason = "abort"
-            raise
-        finally:
-            if run is not None:
-                await run.close()
-            await admission_release(reservation)
-            await key_limits_settle(grant, run)
-            await recorder.emit()
 
     async def _complete(self, req, run: GenerationRun, external_id, created, tokenizer, echo_text) -> None:
         async for _ in run.deltas():

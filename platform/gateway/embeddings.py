@@ -41,16 +41,14 @@ from pydantic import BaseModel, ConfigDict
 from gateway import auth
 from gateway.errors import ApiError, bad_request, unavailable
 from gateway.generation import (
-    UsageRecorder,
     admission,
     admission_precheck,
-    admission_release,
     key_limits_acquire,
-    key_limits_settle,
     client_request_id,
     link,
     load_tokenizer,
     overloaded,
+    request_scope,
     resolve_model,
     to_request_error,
 )
@@ -244,12 +242,9 @@ class EmbeddingsConsumer(GatewayConsumer):
         base_id = client_request_id(self.header(b"x-request-id"), req.request_id)
         external_id = "embd-" + base_id
         self.extra_headers.append((b"x-request-id", base_id.encode()))
-        recorder = UsageRecorder("embeddings", new_internal_id(external_id), arrival, ctx, req.model,
-                                 n=len(inputs))
-        run = EmbeddingRun()
-        reservation = None
-        grant = None
-        try:
+        async with request_scope("embeddings", new_internal_id(external_id), arrival, ctx, req.model,
+                                 len(inputs)) as scope:
+            run = scope.run = EmbeddingRun()
             model = await resolve_model(ctx, req.model)
             if model.get("task") != "embed":
                 raise bad_request(f"The model '{model['served_model_name']}' does not support embeddings "
@@ -269,8 +264,8 @@ class EmbeddingsConsumer(GatewayConsumer):
                 raise bad_request(f"This model does not support 'dimensions' other than its own size ({native}); "
                                   "it has no Matryoshka representation", "dimensions")
             size = max(len(v.encode()) if isinstance(v, str) else len(v) for v in inputs)
-            reservation = await admission_precheck(model, recorder.request_id, len(inputs), size,
-                                                   exact=all(isinstance(v, list) for v in inputs))
+            scope.reservation = await admission_precheck(model, scope.recorder.request_id, len(inputs), size,
+                                                         exact=all(isinstance(v, list) for v in inputs))
             tokenizer = await load_tokenizer(model)
             try:
                 token_ids = await asyncio.to_thread(
@@ -282,16 +277,15 @@ class EmbeddingsConsumer(GatewayConsumer):
                 raise bad_request(str(exc), getattr(exc, "param", "input")) from None
             total = sum(len(t) for t in token_ids)
             run.prompt_tokens = total
-            grant = await key_limits_acquire(self, ctx, prompt_tokens=total, max_tokens=0, n=1)
+            scope.grant = await key_limits_acquire(self, ctx, prompt_tokens=total, max_tokens=0, n=1)
             try:  # n inputs × their mean length (rounded up) ≥ the real total
-                await admission().reserve(reservation.model, reservation.request_id, len(token_ids),
-                                          math.ceil(total / len(token_ids)), reservation=reservation)
+                await admission().reserve(scope.reservation.model, scope.reservation.request_id, len(token_ids),
+                                          math.ceil(total / len(token_ids)), reservation=scope.reservation)
             except AdmissionRefused as exc:
                 raise overloaded(exc) from None
             vectors = await run_pooling(model, external_id, token_ids, arrival)
             run.first_token_time = run.finished_time = time.time()
-            recorder.run = run
-            recorder.finish_reason = FINISH_STOP
+            scope.recorder.finish_reason = FINISH_STOP
             await self.send_json(200, {
                 "object": "list",
                 "data": [{"object": "embedding", "index": i, "embedding": encode_vector(v, req.encoding_format)}
@@ -301,16 +295,3 @@ class EmbeddingsConsumer(GatewayConsumer):
                 "id": external_id,
                 "created": int(arrival),
             })
-        except ApiError as err:
-            recorder.status_code = err.status
-            recorder.run = run
-            raise
-        except asyncio.CancelledError:
-            recorder.status_code = 499
-            recorder.finish_reason = "abort"
-            recorder.run = run
-            raise
-        finally:
-            await admission_release(reservation)
-            await key_limits_settle(grant, None, run.prompt_tokens if run is not None else 0)
-            await recorder.emit()

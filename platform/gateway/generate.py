@@ -39,16 +39,14 @@ from gateway import auth
 from gateway.errors import ApiError, bad_request
 from gateway.generation import (
     GenerationRun,
-    UsageRecorder,
     admission_precheck,
-    admission_release,
     admission_reserve,
     key_limits_acquire,
-    key_limits_settle,
     client_request_id,
     eos_ids_of,
     link,
     load_tokenizer,
+    request_scope,
     resolve_model,
     usage_dict,
     vocab_size_of,
@@ -113,65 +111,50 @@ class GenerateConsumer(GatewayConsumer):
         external_id = req.request_id or "generate-tokens-" + client_request_id(self.header(b"x-request-id"), None)
         self.extra_headers.append((b"x-request-id", external_id.encode()))
         sp = req.sampling_params
-        recorder = UsageRecorder("generate", new_internal_id(external_id), arrival, ctx, req.model, n=sp.n or 1)
-        run: GenerationRun | None = None
-        key = _abort_key(ctx.tenant_id, external_id)
         members: list[bytes] = []
-        reservation = None
-        grant = None
-        try:
-            model = await resolve_model(ctx, req.model)
-            reservation = await admission_precheck(model, recorder.request_id, sp.n or 1, len(req.token_ids),
-                                                   exact=True)
-            tokenizer = await load_tokenizer(model)
-            defaults = generation_defaults(model["model_dir"])
-            defaults = GenerationDefaults(eos_token_ids=tuple(sp.eos_token_ids)
-                                          if sp.eos_token_ids is not None else defaults.eos_token_ids)
+        key = _abort_key(ctx.tenant_id, external_id)
+        async with request_scope("generate", new_internal_id(external_id), arrival, ctx, req.model,
+                                 sp.n or 1) as scope:
             try:
-                processed = process_inputs(
-                    _ParamsView(sp), external_id=external_id, prompt_token_ids=list(req.token_ids),
-                    prompt_param="token_ids", max_model_len=model["max_model_len"],
-                    vocab_size=vocab_size_of(tokenizer, model), defaults=defaults, client_id=link().client_id,
-                    arrival_time=arrival, eos_token_ids=eos_ids_of(tokenizer), logprobs=sp.logprobs)
-            except RequestValidationError as exc:
-                param = exc.param if exc.param in (None, "token_ids") else f"sampling_params.{exc.param}"
-                raise bad_request(exc.message, param) from None
-            grant = await key_limits_acquire(self, ctx, prompt_tokens=len(processed.prompt_token_ids),
-                                             max_tokens=processed.max_tokens, n=len(processed.requests))
-            await admission_reserve(reservation, processed)
-            run = GenerationRun(model=model, processed=processed, tokenizer=tokenizer, stop=sp.stop or [],
-                                include_stop_str_in_output=bool(sp.include_stop_str_in_output),
-                                skip_special_tokens=sp.skip_special_tokens is not False, arrival_time=arrival,
-                                reservation=reservation)
-            members = [msgpack.packb([model["served_model_name"], r.request_id]) for r in processed.requests]
-            r = link().redis
-            await r.sadd(key, *members)
-            await r.expire(key, ABORT_MAP_TTL_S)
-            await run.start()
-            recorder.run = run
-            if req.stream:
-                await self._stream(req, run, external_id, int(arrival))
-            else:
-                await self._complete(req, run, external_id, int(arrival))
-            recorder.finish_reason = run.choices[0].finish_reason if run.choices else None
-        except ApiError as err:
-            recorder.status_code = err.status
-            raise
-        except asyncio.CancelledError:
-            recorder.status_code = 499
-            recorder.finish_reason = "abort"
-            raise
-        finally:
-            if members:
+                model = await resolve_model(ctx, req.model)
+                scope.reservation = await admission_precheck(model, scope.recorder.request_id, sp.n or 1,
+                                                             len(req.token_ids), exact=True)
+                tokenizer = await load_tokenizer(model)
+                defaults = generation_defaults(model["model_dir"])
+                defaults = GenerationDefaults(eos_token_ids=tuple(sp.eos_token_ids)
+                                              if sp.eos_token_ids is not None else defaults.eos_token_ids)
                 try:
-                    await asyncio.shield(link().redis.srem(key, *members))
-                except Exception:  # noqa: BLE001 - the key expires anyway
-                    pass
-            if run is not None:
-                await run.close()
-            await admission_release(reservation)
-            await key_limits_settle(grant, run)
-            await recorder.emit()
+                    processed = process_inputs(
+                        _ParamsView(sp), external_id=external_id, prompt_token_ids=list(req.token_ids),
+                        prompt_param="token_ids", max_model_len=model["max_model_len"],
+                        vocab_size=vocab_size_of(tokenizer, model), defaults=defaults, client_id=link().client_id,
+                        arrival_time=arrival, eos_token_ids=eos_ids_of(tokenizer), logprobs=sp.logprobs)
+                except RequestValidationError as exc:
+                    param = exc.param if exc.param in (None, "token_ids") else f"sampling_params.{exc.param}"
+                    raise bad_request(exc.message, param) from None
+                scope.grant = await key_limits_acquire(self, ctx, prompt_tokens=len(processed.prompt_token_ids),
+                                                       max_tokens=processed.max_tokens, n=len(processed.requests))
+                await admission_reserve(scope.reservation, processed)
+                run = scope.run = GenerationRun(
+                    model=model, processed=processed, tokenizer=tokenizer, stop=sp.stop or [],
+                    include_stop_str_in_output=bool(sp.include_stop_str_in_output),
+                    skip_special_tokens=sp.skip_special_tokens is not False, arrival_time=arrival,
+                    reservation=scope.reservation)
+                members = [msgpack.packb([model["served_model_name"], r.request_id]) for r in processed.requests]
+                r = link().redis
+                await r.sadd(key, *members)
+                await r.expire(key, ABORT_MAP_TTL_S)
+                await run.start()
+                if req.stream:
+                    await self._stream(req, run, external_id, int(arrival))
+                else:
+                    await self._complete(req, run, external_id, int(arrival))
+            finally:
+                if members:
+                    try:
+                        await asyncio.shield(link().redis.srem(key, *members))
+                    except Exception:  # noqa: BLE001 - the key expires anyway
+                        pass
 
     def _envelope(self, run, external_id, created, choices, usage=None) -> dict:
         body = {"request_id": external_id, "model": run.model["served_model_name"], "created": created,

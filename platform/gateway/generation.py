@@ -11,6 +11,7 @@ import asyncio
 import logging
 import secrets
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -438,6 +439,50 @@ class UsageRecorder:
             await asyncio.shield(usage_event_emit(link().redis, event))
         except Exception:  # noqa: BLE001 - usage must never break the response
             log.exception("usage event emit failed for %s", self.request_id)
+
+
+@dataclass
+class RequestScope:
+    """What one API request holds that must be given back exactly once, whatever its end: the admission
+    reservation, the key-limit grant, the engine run (aborted if unfinished) and the usage record."""
+
+    recorder: UsageRecorder
+    reservation: Any = None
+    grant: Any = None
+    run: Any = None
+
+
+@asynccontextmanager
+async def request_scope(endpoint: str, request_id: str, arrival: float, ctx, model_name: str | None,
+                        n: int) -> AsyncIterator[RequestScope]:
+    """Run one request's work inside; on exit (success, ``ApiError``, client disconnect) abort what is still
+    running, release admission, settle key limits and emit the usage event, in that order, once.
+
+    The usage status is 200, the ``ApiError``'s status, or 499 with finish reason ``abort`` when the client
+    went away; the finish reason is the first choice's.
+    """
+    scope = RequestScope(UsageRecorder(endpoint, request_id, arrival, ctx, model_name, n=n))
+    try:
+        yield scope
+        choices = getattr(scope.run, "choices", None)
+        if choices and scope.recorder.finish_reason is None:
+            scope.recorder.finish_reason = choices[0].finish_reason
+    except ApiError as err:
+        scope.recorder.status_code = err.status
+        raise
+    except asyncio.CancelledError:
+        scope.recorder.status_code = 499
+        scope.recorder.finish_reason = "abort"
+        raise
+    finally:
+        if scope.run is not None:
+            if hasattr(scope.run, "close"):
+                await scope.run.close()
+            scope.recorder.run = scope.run
+        await admission_release(scope.reservation)
+        await key_limits_settle(scope.grant, scope.run if hasattr(scope.run, "completion_tokens") else None,
+                                getattr(scope.run, "prompt_tokens", 0) or 0)
+        await scope.recorder.emit()
 
 
 def to_request_error(exc: RequestValidationError) -> ApiError:
