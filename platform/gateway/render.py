@@ -39,6 +39,7 @@ from django.conf import settings
 from gateway import auth
 from gateway.errors import ApiError, bad_request
 from gateway.http import GatewayConsumer
+from gateway.media import render_chat_media
 from inference.input_processor import generation_defaults, process_inputs
 from inference.protocol.openai import (
     ChatCompletionRequest,
@@ -80,17 +81,6 @@ async def call_inline(task: str, payload: dict[str, Any]) -> dict[str, Any]:
     if fn is None:
         raise ValueError(f"no inline route for task {task!r}")
     return await asyncio.to_thread(fn, payload)
-
-
-async def run_render(task: str, payload: dict[str, Any]) -> dict[str, Any]:
-    """Run renderer task ``task`` on the configured route and return its ``ok`` result.
-
-    Errors as ``gateway.generation.call_render``: renderer errors → 400 with the renderer's ``param``,
-    no render worker answering → 503.
-    """
-    from gateway.generation import call_render  # call_render itself honours RENDER_ROUTE
-
-    return await call_render(task, payload)
 
 
 def sampling_params_dict(processed, req) -> dict[str, Any]:
@@ -140,7 +130,7 @@ class ChatRenderConsumer(_RenderBase):
         self.extra_headers.append((b"x-request-id", base_id.encode()))
         model = await resolve_model(ctx, req.model)
         tokenizer = await load_tokenizer(model)
-        rendered = await run_render("inference.render_chat", render_payload(model, req))
+        rendered = await render_chat_media(model, render_payload(model, req))
         processed = self._process(req, external_id="chatcmpl-" + base_id, prompt_ids=rendered["prompt_token_ids"],
                                   prompt_param="messages", model=model, tokenizer=tokenizer,
                                   logprobs=(req.top_logprobs or 0) if req.logprobs else None)

@@ -15,7 +15,8 @@ budgets (a count is what a client asks /tokenize for).
 ``/detokenize`` ``{"model", "tokens": [int], "skip_special_tokens"?: false}`` → ``{"prompt": str}``; an id
 outside ``[0, len(tokenizer))`` → 400 naming it (param ``tokens``).
 
-Rendering runs where ``RENDER_ROUTE`` says (``gateway.render``).
+Rendering runs where ``RENDER_ROUTE`` says (``gateway.render``). Image parts in a chat body are fetched
+and processed like the chat route's, and the ids returned are the expanded ones the engine would get.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import asyncio
 
 from gateway import auth
 from gateway.errors import bad_request
-from gateway.generation import client_request_id, load_tokenizer, resolve_model
+from gateway.generation import call_render, client_request_id, load_tokenizer, resolve_model
 from gateway.http import GatewayConsumer
-from gateway.render import run_render
+from gateway.media import render_chat_media
 from inference.protocol.openai import (
     DetokenizeRequest,
     RequestValidationError,
@@ -43,9 +44,10 @@ async def tokenize_ids(model: dict, req) -> list[int]:
     if isinstance(req, TokenizeChatRequest):
         from gateway.chat import render_payload
 
-        result = await run_render("inference.render_chat", render_payload(model, req))
+        # images are fetched, processed (queue mm) and their placeholders expanded, as the chat route does
+        result = await render_chat_media(model, render_payload(model, req))
     else:
-        result = await run_render("inference.tokenize_prompt", {
+        result = await call_render("inference.tokenize_prompt", {
             "tokenizer_dir": model["tokenizer_dir"], "prompt": req.prompt,
             "add_special_tokens": req.add_special_tokens is not False})
     return result["prompt_token_ids"]
@@ -84,7 +86,7 @@ class DetokenizeConsumer(_KeyedConsumer):
 
     async def handle_request(self, body: bytes) -> None:
         req, model = await self._validated(body, DetokenizeRequest)
-        result = await run_render("inference.detokenize", {
+        result = await call_render("inference.detokenize", {
             "tokenizer_dir": model["tokenizer_dir"], "tokens": req.tokens,
             "skip_special_tokens": bool(req.skip_special_tokens)})
         await self.send_json(200, {"prompt": result["prompt"]})

@@ -141,3 +141,20 @@ def test_text_requests_answered_while_mm_queue_busy(live_vl):
             assert status == 400 and body["error"]["code"] == "image_fetch_timeout", body
     finally:
         srv.shutdown()
+
+
+def test_tokenize_chat_with_image_returns_expanded_ids(live_vl):
+    """/tokenize of a chat body with an image gives the ids the engine gets (placeholders expanded)."""
+    url = data_url(image_bytes("PNG", seed=21))
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is in the picture?"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    status, tok = post(live_vl, "/tokenize", {"model": VL_MODEL, "messages": messages})
+    assert status == 200, tok
+    assert tok["tokens"].count(151655) == 6 and tok["count"] == len(tok["tokens"])
+    status, body = post(live_vl, "/v1/chat/completions", {"model": VL_MODEL, "max_tokens": 1, "messages": messages,
+                                                          "return_token_ids": True})
+    assert status == 200, body
+    assert body["prompt_token_ids"] == tok["tokens"]
+    status, err = post(live_vl, "/tokenize", {"model": VL_MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
+    assert status == 400 and err["error"]["param"] == "messages[0].content[0]", err
