@@ -13,6 +13,7 @@ Cross-field rules that need the model (lengths, vocabulary) live in ``inference.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -40,20 +41,50 @@ def _reject_constant(name: str) -> Any:
     raise RequestValidationError(f"Invalid JSON: {name} is not a valid JSON number", None)
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate_path(data: Any) -> str | None:
+    """Dotted path of the first string holding a lone UTF-16 surrogate (``"\\ud800"`` is valid JSON but no
+    valid Unicode text), or ``None``. Iterative, so a deep structure cannot exhaust the stack."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or None
+        elif isinstance(value, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+    return None
+
+
 def parse_json_body(body: bytes) -> dict[str, Any]:
     """Parse a request body that must be one JSON object.
 
     Raises ``RequestValidationError`` for invalid UTF-8, invalid JSON, ``NaN``/``Infinity`` literals
-    (not JSON, although Python accepts them) or a top level that is not an object.
+    (not JSON, although Python accepts them), nesting too deep to parse, strings with lone UTF-16
+    surrogates (``param`` names the field), or a top level that is not an object.
     """
     try:
         data = json.loads(body, parse_constant=_reject_constant)
     except RequestValidationError:
         raise
+    except RecursionError:
+        raise RequestValidationError("Invalid JSON body: nested too deeply", None) from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise RequestValidationError(f"Invalid JSON body: {exc}", None) from None
     if not isinstance(data, dict):
         raise RequestValidationError("The request body must be a JSON object", None)
+    if _SURROGATE_ESCAPE.search(body):
+        bad = _lone_surrogate_path(data)
+        if bad is not None:
+            raise RequestValidationError(
+                f"Invalid value for '{bad}': the string contains a lone UTF-16 surrogate, which is not valid "
+                f"Unicode text", bad)
     return data
 
 
@@ -212,6 +243,16 @@ class _SamplingFields(_Base):
     user: str | None = None
     request_id: str | None = Field(default=None, max_length=MAX_REQUEST_ID_LEN)
     return_token_ids: bool | None = False
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        # Structured outputs are not implemented: refuse rather than return unconstrained text with a 200.
+        if v is not None and v.get("type", "text") != "text":
+            raise ValueError(f"response_format type {v.get('type')!r} is not supported by this server; only "
+                             f"'text' is")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -322,6 +363,14 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool | None = False
     add_special_tokens: bool | None = True
+    suffix: str | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:  # fill-in-the-middle needs a model-specific prompt format this server does not have
+            raise ValueError("suffix (fill-in-the-middle) is not supported by this server")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -433,7 +482,11 @@ class TokenizeChatRequest(_Base):
 
 
 def tokenize_request_class(data: dict[str, Any]) -> type[_Base]:
-    """The /tokenize schema for ``data``: chat when it has ``messages``, else completion."""
+    """The /tokenize schema for ``data``: chat when it has ``messages``, else completion. Both at once is
+    ambiguous: ``RequestValidationError``."""
+    if "messages" in data and "prompt" in data:
+        raise RequestValidationError("Send either 'messages' (a chat) or 'prompt' (a completion), not both",
+                                     "prompt")
     return TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
 
 

@@ -34,3 +34,6 @@ urlpatterns = [
     path("usage/data", web.tenant_dashboard_data, name="usage-dashboard-data"),
     re_path(r"^static/(?P<path>.+)$", web.static_serve, name="static"),
 ]
+
+handler404 = "config.errors.not_found"
+handler500 = "config.errors.server_error"

@@ -12,10 +12,12 @@ from gateway.generation import (
     admission_reserve,
     key_limits_acquire,
     chat_template_for,
+    check_prompt_chars,
     client_request_id,
     link,
     eos_ids_of,
     load_tokenizer,
+    message_chars,
     public_finish_reason,
     request_scope,
     resolve_model,
@@ -72,6 +74,7 @@ class ChatCompletionsConsumer(GatewayConsumer):
             model = await resolve_model(ctx, req.model)
             scope.reservation = await admission_precheck(model, scope.recorder.request_id, req.n or 1, len(body))
             tokenizer = await load_tokenizer(model)
+            check_prompt_chars(model, tokenizer, message_chars(req.messages), "messages")
             rendered = await render_chat_media(model, render_payload(model, req))  # images: + queue mm
             try:
                 processed = process_inputs(

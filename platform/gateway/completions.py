@@ -12,6 +12,7 @@ from gateway.generation import (
     admission_reserve,
     key_limits_acquire,
     call_render,
+    check_prompt_chars,
     client_request_id,
     link,
     eos_ids_of,
@@ -62,6 +63,7 @@ class CompletionsConsumer(GatewayConsumer):
                 len(req.prompt) if isinstance(req.prompt, list) else len(req.prompt.encode()),
                 exact=isinstance(req.prompt, list))
             tokenizer = await load_tokenizer(model)
+            check_prompt_chars(model, tokenizer, len(req.prompt) if isinstance(req.prompt, str) else 0, "prompt")
             prompt_ids, prompt_text = await prompt_ids_for(model, req)
             try:
                 processed = process_inputs(

@@ -138,13 +138,13 @@ async def call_render(task: str, payload: dict[str, Any]) -> dict[str, Any]:
     if render_route() == "inline":
         result = await call_inline(task, payload)
     else:
-        timeout = float(getattr(settings, "RENDER_WAIT_TIMEOUT_S", 30.0))
+        timeout = float(getattr(settings, "RENDER_WAIT_TIMEOUT_S", 20.0))
         waiter = RenderReplyWaiter.for_current_loop(settings.REDIS_URL, settings.LINK_PREFIX)
         try:
             result = await waiter.call(app, task, payload, queue=RENDER_QUEUE, timeout=timeout)
         except RenderUnavailableError as exc:
-            raise unavailable(f"{exc}; the render workers are busy or down, retry shortly", 2,
-                              "render_unavailable") from None
+            raise unavailable(f"{exc}: the render workers are busy or down, or the input could not be rendered "
+                          f"within the render time limit", 2, "render_unavailable") from None
     if not result.get("ok"):
         if (result.get("error") or {}).get("type") == "InternalError":
             raise ApiError(500, "The renderer failed unexpectedly", "server_error", None, "render_internal_error")
@@ -156,6 +156,31 @@ async def call_render(task: str, payload: dict[str, Any]) -> dict[str, Any]:
             etype, "invalid_prompt")
         raise bad_request(message, err.get("param"), code)
     return result
+
+
+def check_prompt_chars(model: dict, tokenizer, n_chars: int, param: str) -> None:
+    """Refuse, before rendering or tokenizing, text that cannot fit the context whatever its tokenization:
+    more than ``max_model_len × (longest token string in the vocabulary)`` characters (vLLM's character
+    pre-check, reference/vllm_frontend.md §3.3 step 2). Keeps a huge prompt from holding a render worker.
+    Raises ``ApiError`` 400 with both numbers."""
+    bound = int(model["max_model_len"]) * max(1, int(getattr(tokenizer, "max_token_chars", 0) or 0))
+    if bound and n_chars > bound:
+        raise bad_request(
+            f"The input has {n_chars} characters, more than can fit this model's maximum context length of "
+            f"{model['max_model_len']} tokens (at most {bound} characters). Please reduce the length of the "
+            f"input.", param, "context_length_exceeded")
+
+
+def message_chars(messages) -> int:
+    """Characters of text in chat ``messages`` (string contents and text parts)."""
+    total = 0
+    for m in messages:
+        content = m.content
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+    return total
 
 
 def chat_template_for(model: dict, req) -> str | None:

@@ -29,6 +29,23 @@ class Child:
 
 
 @dataclass
+class RestartPolicy:
+    """Restart a crashed child at most ``max_restarts`` times per ``window_s`` seconds, else give up."""
+
+    max_restarts: int = 5
+    window_s: float = 60.0
+    history: dict[str, list[float]] = field(default_factory=dict)
+
+    def allow(self, name: str, now: float) -> bool:
+        """Record a restart of ``name`` at ``now`` if the budget allows it."""
+        recent = [t for t in self.history.get(name, []) if now - t < self.window_s]
+        if len(recent) >= self.max_restarts:
+            return False
+        self.history[name] = recent + [now]
+        return True
+
+
+@dataclass
 class Supervisor:
     """Owns the child processes; ``stop_all`` is idempotent."""
 
@@ -52,6 +69,11 @@ class Supervisor:
             if child.proc is not None and child.proc.poll() is not None:
                 return child
         return None
+
+    def restart(self, child: Child) -> Child:
+        """Start ``child``'s command again in its place (same name, same log file)."""
+        self.children.remove(child)
+        return self.start(child.name, child.argv)
 
     def stop_all(self, grace_s: float = 10.0) -> None:
         """SIGTERM every child (newest first), wait up to ``grace_s``, then SIGKILL the rest."""

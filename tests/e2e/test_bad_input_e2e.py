@@ -166,3 +166,45 @@ def test_model_without_chat_template(live, tmp_path):
     resp = post(live, "/v1/completions", {"model": "no-template", "prompt": "Hello", "max_tokens": 2})
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 2 or resp.json()["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", b'{"model": "tiny-qwen3", "messages": [{"role": "user", "content": "\\ud800"}]}'),
+    ("/v1/completions", b'{"model": "tiny-qwen3", "prompt": "\\ud800 x"}'),
+    ("/tokenize", b'{"model": "tiny-qwen3", "prompt": "\\udc00"}'),
+])
+def test_lone_surrogates_are_400_not_500(live, path, body):
+    err = assert_envelope(post(live, path, raw=body), 400)
+    assert "surrogate" in err["message"]
+
+
+def test_deeply_nested_json_is_400(live):
+    body = b'{"model": "tiny-qwen3", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert_envelope(post(live, "/v1/chat/completions", raw=body), 400)
+
+
+def test_prompt_that_cannot_fit_is_refused_before_rendering(live, model_name):
+    import time
+
+    content = "hello " * 2_000_000  # 12 MB: could never fit max_model_len tokens
+    t0 = time.monotonic()
+    err = assert_envelope(post(live, "/v1/chat/completions",
+                               {"model": model_name, "messages": [{"role": "user", "content": content}]}), 400,
+                          param="messages")
+    assert time.monotonic() - t0 < 5 and str(live.max_model_len) in err["message"]
+
+
+def test_unsupported_features_are_refused_not_ignored(live, model_name):
+    assert_envelope(post(live, "/v1/chat/completions", {"model": model_name, "messages": MSGS,
+                                                        "response_format": {"type": "json_schema"}}), 400,
+                    param="response_format")
+    assert post(live, "/v1/chat/completions", {"model": model_name, "messages": MSGS, "max_tokens": 1,
+                                               "response_format": {"type": "text"}}).status_code == 200
+    assert_envelope(post(live, "/v1/completions", {"model": model_name, "prompt": "a", "suffix": "b"}), 400,
+                    param="suffix")
+    assert_envelope(post(live, "/tokenize", {"model": model_name, "prompt": "a", "messages": MSGS}), 400)
+
+
+def test_unknown_paths_outside_v1_answer_the_json_envelope(live):
+    for path in ("/foo", "/v2/x", "/version"):
+        assert_envelope(httpx.get(live.base_url + path, timeout=10), 404)

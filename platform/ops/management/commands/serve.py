@@ -15,7 +15,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from ops.bootstrap import demo_bootstrap
-from ops.supervisor import Supervisor, python, wait_until
+from ops.supervisor import RestartPolicy, Supervisor, python, wait_until
 from inference.protocol.engine import replica_pattern
 from registry.selectors import served_models_enabled
 
@@ -83,7 +83,7 @@ class Command(BaseCommand):
         py = python()
         sup.start("worker", [py, "-m", "celery", "-A", "config", "worker", "-Q", "render,usage",
                              "-c", str(opts["render_concurrency"]), "--pool", "prefork", "-n", "worker@%h",
-                             "--without-gossip", "--without-mingle", "-l", "INFO"])
+                             "--without-gossip", "--without-mingle", "-l", "WARNING"])  # INFO would log prompts
         # images are preprocessed on their own queue, one at a time per worker, so text never waits on them
         sup.start("worker-mm", [py, "-m", "celery", "-A", "config", "worker", "-Q", "mm", "-c", "1",
                                 "--pool", "prefork", "-n", "mm@%h", "--without-gossip", "--without-mingle",
@@ -108,10 +108,18 @@ class Command(BaseCommand):
         base = f"http://{host}:{opts['port']}"
         wait_until(lambda: _http_ok(base + "/health"), 60, "the API server", sup)
         self._banner(base, info, var_dir)
+        policy = RestartPolicy()
         while not stop["flag"]:
             dead = sup.dead_child()
             if dead is not None:
-                raise RuntimeError(f"{dead.name} exited with code {dead.proc.returncode}; see {dead.log_path}")
+                # Engines and workers are restartable: requests they held fail with a clear error (the api
+                # notices a dead replica by its heartbeat) and new ones are served once it is back. Redis and
+                # the api process are not: without them nothing can be served, so everything stops.
+                code = dead.proc.returncode
+                if dead.name in ("redis", "api") or not policy.allow(dead.name, time.monotonic()):
+                    raise RuntimeError(f"{dead.name} exited with code {code}; see {dead.log_path}")
+                self.stderr.write(f"{dead.name} exited with code {code}; restarting it (see {dead.log_path})")
+                sup.restart(dead)
             time.sleep(0.5)
 
     def _banner(self, base: str, info, var_dir: Path) -> None:
