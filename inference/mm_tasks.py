@@ -59,8 +59,7 @@ def run_mm_preprocess(payload: dict) -> dict[str, Any]:
                                        "param": None, "code": "mm_internal_error"}}
 
 
-@shared_task(name="inference.mm_preprocess", soft_time_limit=MM_TIME_LIMIT_S, time_limit=MM_TIME_LIMIT_S + 5,
-             queue=MM_QUEUE)
+@shared_task(name="inference.mm_preprocess", soft_time_limit=MM_TIME_LIMIT_S, time_limit=MM_TIME_LIMIT_S + 5)
 def mm_preprocess_task(payload: dict) -> dict:
     """Celery task: fetch/decode/process the images of one request (see ``run_mm_preprocess``)."""
     return reply_if_requested(payload, run_mm_preprocess(payload))
