@@ -92,7 +92,8 @@ class LivePlatform:
         before = {s.engine_id for s in self.replicas(model)}
         child = self.sup.start(name, [sys.executable, "-m", "inference.engine", "--model", model, "--model-dir",
                                       str(model_dir), "--redis-url", self.redis_url, "--link-prefix", self.prefix,
-                                      "--max-num-seqs", "32", "--max-model-len", str(self.max_model_len)])
+                                      "--max-num-seqs", "32", "--max-model-len", str(self.max_model_len),
+                                      *os.environ.get("ENGINE_EXTRA_ARGS", "").split()])
         wait_until(lambda: {s.engine_id for s in self.replicas(model)} - before, 180, f"{name} heartbeat", self.sup)
         return child
 
