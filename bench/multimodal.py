@@ -61,9 +61,7 @@ def main() -> int:
     try:
         live.manage("register_model", VL_MODEL, str(VL_DIR), "--max-model-len", "1024")
         live.manage("register_model", "minilm", minilm_dir(), "--task", "embed", "--max-model-len", "256")
-        live.sup.start("mm-worker", [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "mm", "-c", "1",
-                                     "-I", "inference.mm_tasks", "-n", f"mm-{live.prefix}@%h", "--without-gossip",
-                                     "--without-mingle", "-l", "WARNING"])
+        # the platform's own mm worker (one, niced, like `manage.py serve`) preprocesses the images
         live.sup.start("vl-engine", [sys.executable, "-m", "inference.engine", "--model", VL_MODEL, "--model-dir",
                                      str(VL_DIR), "--redis-url", live.redis_url, "--link-prefix", live.prefix])
         live.sup.start("embed-engine", [sys.executable, "-m", "inference.engine", "--model", "minilm", "--model-dir",

@@ -163,7 +163,7 @@ def start_platform(tmp_dir: Path, *, max_model_len: int = 512, engine: bool = Tr
                              "2", "--pool", "prefork", "-n", f"w-{prefix}@%h", "--without-gossip", "--without-mingle",
                              "-l", "WARNING"])
         if mm_worker:
-            sup.start("worker-mm", [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "mm", "-c", "1",
+            sup.start("worker-mm", ["nice", "-n", "10", sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "mm", "-c", "1",
                                     "--pool", "prefork", "-n", f"mm-{prefix}@%h", "--without-gossip",
                                     "--without-mingle", "-l", "WARNING"])
         sup.start("beat", [sys.executable, "-m", "celery", "-A", "config", "beat", "-l", "WARNING", "--schedule",

@@ -85,7 +85,8 @@ class Command(BaseCommand):
                              "-c", str(opts["render_concurrency"]), "--pool", "prefork", "-n", "worker@%h",
                              "--without-gossip", "--without-mingle", "-l", "WARNING"])  # INFO would log prompts
         # images are preprocessed on their own queue, one at a time per worker, so text never waits on them
-        sup.start("worker-mm", [py, "-m", "celery", "-A", "config", "worker", "-Q", "mm", "-c", "1",
+        # niced: image preprocessing yields the CPU to text requests sharing this machine
+        sup.start("worker-mm", ["nice", "-n", "10", py, "-m", "celery", "-A", "config", "worker", "-Q", "mm", "-c", "1",
                                 "--pool", "prefork", "-n", "mm@%h", "--without-gossip", "--without-mingle",
                                 "-l", "WARNING"])
         sup.start("beat", [py, "-m", "celery", "-A", "config", "beat", "-l", "WARNING",
