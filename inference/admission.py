@@ -63,7 +63,7 @@ from typing import ClassVar
 import redis
 import redis.asyncio as aioredis
 
-from inference.protocol.engine import EngineStats, replica_pattern
+from inference.protocol.engine import EngineStats, live_replica_keys, replicas_index_key
 
 log = logging.getLogger(__name__)
 
@@ -510,10 +510,11 @@ class Admission:
 
 async def prefill_throughput_async(r: aioredis.Redis, prefix: str, model: str) -> float:
     """Sum of the live replicas' ``prefill_tokens_per_s`` for ``model`` (0.0 when none measured)."""
-    keys = [k async for k in r.scan_iter(match=replica_pattern(prefix, model), count=100)]
-    if not keys:
+    ids = await r.zrangebyscore(replicas_index_key(prefix, model), int(time.time() * 1000), "+inf")
+    if not ids:
         return 0.0
-    return sum(EngineStats.from_wire(v).prefill_tokens_per_s for v in await r.mget(keys) if v)
+    values = await r.mget(live_replica_keys(ids, prefix, model))
+    return sum(EngineStats.from_wire(v).prefill_tokens_per_s for v in values if v)
 
 
 # ------------------------------------------------------------------------------------------------ sync side
@@ -580,10 +581,11 @@ def known_models(r: redis.Redis, prefix: str) -> list[str]:
 
 def prefill_throughput(r: redis.Redis, prefix: str, model: str) -> float:
     """Sync ``prefill_throughput_async``: summed ``prefill_tokens_per_s`` of the model's live replicas."""
-    keys = list(r.scan_iter(match=replica_pattern(prefix, model), count=100))
-    if not keys:
+    ids = r.zrangebyscore(replicas_index_key(prefix, model), int(time.time() * 1000), "+inf")
+    if not ids:
         return 0.0
-    return sum(EngineStats.from_wire(v).prefill_tokens_per_s for v in r.mget(keys) if v)
+    return sum(EngineStats.from_wire(v).prefill_tokens_per_s
+               for v in r.mget(live_replica_keys(ids, prefix, model)) if v)
 
 
 def reap(r: redis.Redis, prefix: str) -> int:

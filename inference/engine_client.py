@@ -38,7 +38,8 @@ from inference.protocol.engine import (
     control_stream,
     outputs_stream,
     replica_key,
-    replica_pattern,
+    live_replica_keys,
+    replicas_index_key,
     requests_stream,
 )
 
@@ -107,10 +108,10 @@ class EngineLink:
     # ----------------------------------------------------------------- replicas
     async def live_replicas(self, model: str) -> list[EngineStats]:
         """Heartbeats of the live replicas of ``model`` (empty list when none)."""
-        keys = [k async for k in self.redis.scan_iter(match=replica_pattern(self.prefix, model), count=100)]
-        if not keys:
+        ids = await self.redis.zrangebyscore(replicas_index_key(self.prefix, model), int(time.time() * 1000), "+inf")
+        if not ids:
             return []
-        values = await self.redis.mget(keys)
+        values = await self.redis.mget(live_replica_keys(ids, self.prefix, model))
         return [EngineStats.from_wire(v) for v in values if v]
 
     # ----------------------------------------------------------------- requests

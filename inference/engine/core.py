@@ -30,6 +30,7 @@ import redis
 
 from inference.protocol.engine import (
     api_alive_key,
+    replicas_index_key,
     ENGINE_GROUP,
     FINISH_ABORT,
     FINISH_ERROR,
@@ -84,6 +85,7 @@ class EngineCore:
         self.req_key = requests_stream(link_prefix, model)
         self.ctl_key = control_stream(link_prefix, model)
         self.hb_key = replica_key(link_prefix, model, self.engine_id)
+        self.index_key = replicas_index_key(link_prefix, model)
         self.consumer = f"{self.engine_id}-{os.getpid()}"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # same order as the runner's batch rows
@@ -111,7 +113,12 @@ class EngineCore:
             try:
                 self.stats.num_running = len(self.running)
                 self.stats.num_waiting = len(self.waiting)
-                self.hb_redis.set(self.hb_key, self.stats.to_wire(), px=int(HEARTBEAT_TTL_S * 1000))
+                ttl_ms = int(HEARTBEAT_TTL_S * 1000)
+                pipe = self.hb_redis.pipeline(transaction=False)
+                pipe.set(self.hb_key, self.stats.to_wire(), px=ttl_ms)
+                pipe.zadd(self.index_key, {self.engine_id: int(time.time() * 1000) + ttl_ms})
+                pipe.zremrangebyscore(self.index_key, "-inf", int(time.time() * 1000) - 60_000)  # long dead
+                pipe.execute()
             except redis.RedisError as exc:  # keep beating; Redis may come back
                 log.warning("heartbeat failed: %s", exc)
             self.stop_event.wait(HEARTBEAT_INTERVAL_S)
@@ -366,6 +373,7 @@ class EngineCore:
             try:
                 self._flush()
                 self.redis.delete(self.hb_key)
+                self.redis.zrem(self.index_key, self.engine_id)
             except redis.RedisError as exc:
                 log.warning("cleanup failed: %s", exc)
             log.info("engine %s stopped", self.engine_id)

@@ -17,6 +17,8 @@ Link layout (DESIGN.md §6), all keys prefixed by ``link_prefix`` (default ``llm
   has requests in flight; engines abort requests whose client key is gone.
 * ``{p}:engine:{model}:replica:{engine_id}``  string with a TTL of ``HEARTBEAT_TTL_S``, refreshed
   every ``HEARTBEAT_INTERVAL_S`` by a live replica; value = msgpack of ``EngineStats``.
+* ``{p}:engine:{model}:replicas``  sorted set: replica id → heartbeat expiry (Unix ms), updated with each
+  heartbeat; live replicas = members scored after now (then MGET their heartbeat keys).
 """
 
 from __future__ import annotations
@@ -62,6 +64,17 @@ def api_alive_key(prefix: str, client_id: str) -> str:
     """Redis key an api process refreshes (TTL ``API_ALIVE_TTL_S``) while it waits on engine outputs;
     engines abort the requests of a client whose key is gone."""
     return f"{prefix}:api:{client_id}:alive"
+
+
+def replicas_index_key(prefix: str, model: str) -> str:
+    """Sorted set of ``model``'s replica ids scored by heartbeat expiry (Unix ms): readers find the live
+    replicas with one ZRANGEBYSCORE instead of scanning the keyspace."""
+    return f"{prefix}:engine:{model}:replicas"
+
+
+def live_replica_keys(ids: list, prefix: str, model: str) -> list[str]:
+    """Heartbeat keys of the replica ids returned by the index (bytes or str)."""
+    return [replica_key(prefix, model, i.decode() if isinstance(i, bytes) else i) for i in ids]
 
 
 def replica_pattern(prefix: str, model: str) -> str:

@@ -16,7 +16,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from ops.bootstrap import demo_bootstrap
 from ops.supervisor import RestartPolicy, Supervisor, python, wait_until
-from inference.protocol.engine import replica_pattern
+from inference.protocol.engine import replicas_index_key
 from registry.selectors import served_models_enabled
 
 
@@ -102,8 +102,8 @@ class Command(BaseCommand):
                           "--port", str(opts["port"]), "--workers", str(opts["api_workers"]),
                           "--no-access-log", "--timeout-graceful-shutdown", "5"])
         for m in models:
-            wait_until(lambda m=m: bool(list(client.scan_iter(match=replica_pattern(settings.LINK_PREFIX,
-                                                                                    m.served_model_name)))),
+            wait_until(lambda m=m: bool(client.zrangebyscore(replicas_index_key(settings.LINK_PREFIX, m.served_model_name),
+                                                             int(time.time() * 1000), "+inf")),
                        300, f"engine for {m.served_model_name}", sup)
         host = opts["host"] if ":" not in opts["host"] else f"[{opts['host']}]"
         base = f"http://{host}:{opts['port']}"
