@@ -107,6 +107,8 @@ class LivePlatform:
 
     def stop(self) -> None:
         self.sup.stop_all()
+        if self.extra.get("scratch_db"):
+            drop_scratch_database(*self.extra["scratch_db"])
         try:
             r = self.redis
             keys = list(r.scan_iter(match=f"{self.prefix}:*", count=1000))
@@ -114,6 +116,30 @@ class LivePlatform:
                 r.delete(*keys)
         except Exception:  # noqa: BLE001
             pass
+
+
+def create_scratch_database(url: str, suffix: str) -> tuple[str, str, str]:
+    """A fresh database beside ``url``'s on the same PostgreSQL server, so a live platform never shares
+    rows with another (tests count records). Returns ``(new url, server url, name)``."""
+    import psycopg
+
+    base, _, _db = url.rpartition("/")
+    name = f"llmp_{suffix}"
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return f"{base}/{name}", url, name
+
+
+def drop_scratch_database(server_url: str, name: str) -> None:
+    """Drop a database made by ``create_scratch_database`` (connections are closed by force)."""
+    import psycopg
+
+    try:
+        with psycopg.connect(server_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    except Exception:  # noqa: BLE001 - best effort at teardown
+        pass
 
 
 def _http_ok(url: str) -> bool:
@@ -141,6 +167,10 @@ def start_platform(tmp_dir: Path, *, max_model_len: int = 512, engine: bool = Tr
         "LOG_LEVEL": "WARNING",
     })
     env.pop("DJANGO_DEBUG", None)
+    scratch = None
+    if env.get("DATABASE_URL", "").startswith(("postgres://", "postgresql://")):
+        env["DATABASE_URL"], server_url, db_name = create_scratch_database(env["DATABASE_URL"], prefix)
+        scratch = (server_url, db_name)
     sup = Supervisor(env=env, log_dir=var_dir / "log")
     try:
         redis_url = os.environ.get("REDIS_URL")
@@ -155,7 +185,8 @@ def start_platform(tmp_dir: Path, *, max_model_len: int = 512, engine: bool = Tr
             wait_until(lambda: _ping(client), 20, "embedded redis", sup)
         api_port = free_port()
         live = LivePlatform(base_url=f"http://127.0.0.1:{api_port}", api_key="", redis_url=redis_url, prefix=prefix,
-                            env=env, var_dir=var_dir, sup=sup, max_model_len=max_model_len, api_port=api_port)
+                            env=env, var_dir=var_dir, sup=sup, max_model_len=max_model_len, api_port=api_port,
+                            extra={"scratch_db": scratch} if scratch else {})
         live.manage("migrate", "--no-input", timeout=300)
         live.manage("register_model", DEMO_MODEL, str(MODEL_DIR), "--max-model-len", str(max_model_len))
         live.api_key = live.new_key(tenant="e2e")
@@ -174,6 +205,8 @@ def start_platform(tmp_dir: Path, *, max_model_len: int = 512, engine: bool = Tr
         return live
     except BaseException:
         sup.stop_all()
+        if scratch:
+            drop_scratch_database(*scratch)
         raise
 
 

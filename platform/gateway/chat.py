@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import time
 
-from gateway import auth
 from gateway.errors import ApiError
 from gateway.generation import (
     GenerationRun,
     admission_precheck,
+    authenticated_request,
     admission_reserve,
     key_limits_acquire,
     chat_template_for,
     check_prompt_chars,
-    client_request_id,
     link,
     eos_ids_of,
     load_tokenizer,
@@ -29,12 +28,7 @@ from gateway.http import GatewayConsumer
 from gateway.logprobs import chat_logprobs
 from gateway.media import attach_media, render_chat_media
 from inference.input_processor import generation_defaults, new_internal_id, process_inputs
-from inference.protocol.openai import (
-    ChatCompletionRequest,
-    RequestValidationError,
-    parse_json_body,
-    validate_request,
-)
+from inference.protocol.openai import ChatCompletionRequest, RequestValidationError
 
 
 def render_payload(model: dict, req: ChatCompletionRequest) -> dict:
@@ -60,15 +54,7 @@ class ChatCompletionsConsumer(GatewayConsumer):
 
     async def handle_request(self, body: bytes) -> None:
         arrival = time.time()
-        ctx = await auth.authenticate(self.scope["headers"])
-        auth.require_scope(ctx, "inference")
-        try:
-            req = validate_request(ChatCompletionRequest, parse_json_body(body))
-        except RequestValidationError as exc:
-            raise to_request_error(exc) from None
-        base_id = client_request_id(self.header(b"x-request-id"), req.request_id)
-        external_id = "chatcmpl-" + base_id
-        self.extra_headers.append((b"x-request-id", base_id.encode()))  # the client's id, echoed as sent
+        ctx, req, external_id = await authenticated_request(self, body, ChatCompletionRequest, "chatcmpl-")
         async with request_scope("chat.completions", new_internal_id(external_id), arrival, ctx, req.model,
                                  req.n or 1) as scope:
             model = await resolve_model(ctx, req.model)

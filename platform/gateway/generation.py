@@ -25,7 +25,7 @@ from inference.engine_client import EngineLink, EngineUnavailableError
 from inference.input_processor import ProcessedInput, model_vocab_size
 from inference.output_processor import IncrementalDetokenizer, StopChecker
 from inference.protocol.engine import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, EngineCoreOutput
-from inference.protocol.openai import MAX_REQUEST_ID_LEN, RequestValidationError
+from inference.protocol.openai import MAX_REQUEST_ID_LEN, RequestValidationError, parse_json_body, validate_request
 from inference.render_client import RenderReplyWaiter, RenderUnavailableError
 from inference.renderer.tokenizer_cache import get_tokenizer
 from tenancy.limits import (
@@ -107,6 +107,22 @@ def client_request_id(header_value: bytes | None, body_value: str | None) -> str
         if cleaned:
             return cleaned
     return secrets.token_hex(8)
+
+
+async def authenticated_request(consumer, body: bytes, schema, id_prefix: str):
+    """The first steps every inference endpoint shares (DESIGN.md §2 steps 1-2): authenticate the key (401,
+    403 without the ``inference`` scope), parse and validate ``body`` into ``schema`` (400 naming the field),
+    and echo the client's request id. Returns ``(ctx, req, external_id)``; ``external_id`` is
+    ``id_prefix + <client or random id>``."""
+    ctx = await auth.authenticate(consumer.scope["headers"])
+    auth.require_scope(ctx, "inference")
+    try:
+        req = validate_request(schema, parse_json_body(body))
+    except RequestValidationError as exc:
+        raise to_request_error(exc) from None
+    base_id = client_request_id(consumer.header(b"x-request-id"), req.request_id)
+    consumer.extra_headers.append((b"x-request-id", base_id.encode()))  # the client's id, echoed as sent
+    return ctx, req, id_prefix + base_id
 
 
 async def resolve_model(ctx, name: str | None) -> dict:
