@@ -206,6 +206,7 @@ def build_sampling_params(req, *, max_tokens: int, defaults: GenerationDefaults,
         repetition_penalty=float(pick(req.repetition_penalty, defaults.repetition_penalty, 1.0)),
         logit_bias=logit_bias,
         logprobs=logprobs,
+        vocab_size=vocab_size,
     )
 
 

@@ -290,6 +290,10 @@ class ModelRunner:
         b, v = logits.shape
         if self.sample_vocab < v:
             logits[:, self.sample_vocab:] = float("-inf")
+        for i, s in enumerate(seqs):  # the served tokenizer may decode fewer ids than the model has
+            limit = s.params.vocab_size
+            if 0 < limit < min(v, self.sample_vocab):
+                logits[i, limit:] = float("-inf")
         want_lp = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_lp = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
 

@@ -101,6 +101,8 @@ class SamplingParams:
       (repetition) as vLLM does.
     * ``logit_bias``: token id → bias added to the logits, values in [-100, 100].
     * ``logprobs``: ``None`` = none; k ≥ 0 = the sampled token's logprob plus the top k.
+    * ``vocab_size``: only ids below it may be sampled (the served tokenizer can decode them; it may be
+      smaller than the model's embedding); 0 = the engine's own limit.
     """
 
     temperature: float = 1.0
@@ -118,6 +120,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
+    vocab_size: int = 0
 
 
 @dataclass

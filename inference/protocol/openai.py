@@ -301,24 +301,20 @@ class _SamplingFields(_Base):
         return self
 
 
-class ChatCompletionRequest(_SamplingFields):
-    """``POST /v1/chat/completions`` body (OpenAI chat API plus vLLM's templating extensions)."""
+class _ChatTemplateFields(_Base):
+    """Fields and checks every chat-style body shares (chat completions, ``/tokenize``, render): the messages
+    and the template arguments (reference/vllm_frontend.md §2.1, conformance C02, C06, C35)."""
 
+    model: str | None = None
     messages: list[ChatMessage]
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ChatTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = True
     documents: list[dict[str, Any]] | None = None
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     add_special_tokens: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    echo: bool | None = False
 
     @field_validator("messages")
     @classmethod
@@ -328,7 +324,7 @@ class ChatCompletionRequest(_SamplingFields):
         return v
 
     @model_validator(mode="after")
-    def _check_chat(self) -> "ChatCompletionRequest":
+    def _check_template_args(self) -> "_ChatTemplateFields":
         if self.add_generation_prompt and self.continue_final_message and \
                 "add_generation_prompt" in self.model_fields_set:
             raise RequestValidationError(
@@ -338,9 +334,24 @@ class ChatCompletionRequest(_SamplingFields):
             raise RequestValidationError(
                 "continue_final_message requires the last message to be from the assistant",
                 "continue_final_message")
+        check_chat_template_kwargs(self.chat_template_kwargs)
+        return self
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
+    """``POST /v1/chat/completions`` body (OpenAI chat API plus vLLM's templating extensions)."""
+
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    parallel_tool_calls: bool | None = True
+    echo: bool | None = False
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise RequestValidationError("top_logprobs requires logprobs to be true", "top_logprobs")
-        check_chat_template_kwargs(self.chat_template_kwargs)
         check_tools(self.tools, self.tool_choice)
         return self
 
@@ -441,40 +452,13 @@ class TokenizeCompletionRequest(_Base):
     return_token_strs: bool | None = False
 
 
-class TokenizeChatRequest(_Base):
+class TokenizeChatRequest(_ChatTemplateFields):
     """``POST /tokenize`` with a chat-style body: the same template arguments as chat completions."""
 
-    model: str | None = None
-    messages: list[ChatMessage]
-    add_generation_prompt: bool | None = True
-    continue_final_message: bool | None = False
-    add_special_tokens: bool | None = False
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ChatTool] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    documents: list[dict[str, Any]] | None = None
     return_token_strs: bool | None = False
 
-    @field_validator("messages")
-    @classmethod
-    def _non_empty(cls, v: list[ChatMessage]) -> list[ChatMessage]:
-        if not v:
-            raise ValueError("messages must contain at least one message")
-        return v
-
     @model_validator(mode="after")
-    def _check_chat(self) -> "TokenizeChatRequest":
-        if self.add_generation_prompt and self.continue_final_message and \
-                "add_generation_prompt" in self.model_fields_set:
-            raise RequestValidationError(
-                "continue_final_message and add_generation_prompt cannot both be true: continue the final "
-                "assistant message or start a new one, not both", "continue_final_message")
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            raise RequestValidationError(
-                "continue_final_message requires the last message to be from the assistant",
-                "continue_final_message")
-        check_chat_template_kwargs(self.chat_template_kwargs)
+    def _check_tools(self) -> "TokenizeChatRequest":
         if self.tools is not None and len(self.tools) == 0:
             self.tools = None  # vLLM: an empty tools list is allowed on /tokenize
         check_tools(self.tools, self.tool_choice if self.tool_choice != "required" else "auto")
