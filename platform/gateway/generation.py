@@ -516,14 +516,29 @@ async def request_scope(endpoint: str, request_id: str, arrival: float, ctx, mod
         scope.recorder.finish_reason = "abort"
         raise
     finally:
-        if scope.run is not None:
-            if hasattr(scope.run, "close"):
-                await scope.run.close()
-            scope.recorder.run = scope.run
-        await admission_release(scope.reservation)
-        await key_limits_settle(scope.grant, scope.run if hasattr(scope.run, "completion_tokens") else None,
-                                getattr(scope.run, "prompt_tokens", 0) or 0)
-        await scope.recorder.emit()
+        if scope.run is None and scope.reservation is None and scope.grant is None:
+            # Refused before holding anything (unknown model, admission 503): only the usage event is left;
+            # it must not delay the refusal, which is answered when this returns.
+            _background(scope.recorder.emit())
+        else:
+            if scope.run is not None:
+                if hasattr(scope.run, "close"):
+                    await scope.run.close()
+                scope.recorder.run = scope.run
+            await admission_release(scope.reservation)
+            await key_limits_settle(scope.grant, scope.run if hasattr(scope.run, "completion_tokens") else None,
+                                    getattr(scope.run, "prompt_tokens", 0) or 0)
+            await scope.recorder.emit()
+
+
+_background_tasks: set[asyncio.Task] = set()
+
+
+def _background(coro) -> None:
+    """Run ``coro`` on the loop without awaiting it (a reference is kept until it ends)."""
+    task = asyncio.get_running_loop().create_task(coro)
+    _background_tasks.add(task)
+    task.add_done_callback(_background_tasks.discard)
 
 
 def to_request_error(exc: RequestValidationError) -> ApiError:
