@@ -123,7 +123,7 @@ class ModelRunner:
     """
 
     def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32",
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, auto_class=None):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         if dtype not in DTYPES:
@@ -131,7 +131,8 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.model_dir = Path(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
+        loader = auto_class or AutoModelForCausalLM  # subclasses load other heads (vision-language)
+        self.model = loader.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
         head = self.model.get_output_embeddings()
         if self.device.type == "cpu" and type(head) is torch.nn.Linear and head.bias is None:
             self.model.set_output_embeddings(CpuLMHead(head.weight))
@@ -141,13 +142,14 @@ class ModelRunner:
         # Ids beyond the tokenizer's vocabulary (embedding padding) can never be detokenized: mask them.
         tok_vocab = _tokenizer_vocab_size(self.model_dir)
         self.sample_vocab = min(self.vocab_size, tok_vocab) if tok_vocab else self.vocab_size
-        limit = getattr(cfg, "max_position_embeddings", None) or 4096
+        text_cfg = cfg.get_text_config()  # the config itself for a plain causal LM
+        limit = getattr(text_cfg, "max_position_embeddings", None) or 4096
         self.max_model_len = min(max_model_len or limit, limit)
         try:
             gen = GenerationConfig.from_pretrained(model_dir)
             eos = gen.eos_token_id
         except OSError:
-            eos = getattr(cfg, "eos_token_id", None)
+            eos = getattr(text_cfg, "eos_token_id", None)
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.cache = None  # DynamicCache of the running batch
         self.mask: torch.Tensor | None = None  # [B, T] long, 1 = real token

@@ -21,7 +21,7 @@ import torch
 
 from inference.media.cache import FeatureCache
 
-from .runner import DTYPES, ModelRunner, RequestError, Sequence, _tokenizer_vocab_size
+from .runner import ModelRunner, RequestError, Sequence
 
 
 def is_vision_language(model_dir: str) -> bool:
@@ -39,30 +39,12 @@ class VLModelRunner(ModelRunner):
                  max_model_len: int | None = None, redis_url: str = "redis://127.0.0.1:6379/0",
                  link_prefix: str = "llmp"):
         import redis
-        from transformers import AutoModelForImageTextToText, GenerationConfig
+        from transformers import AutoModelForImageTextToText
 
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}")
-        self.device = torch.device(device)
-        self.dtype = DTYPES[dtype]
-        self.model_dir = Path(model_dir)
-        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
-        cfg = self.model.config
-        self.config = cfg
-        text_cfg = cfg.get_text_config()
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        tok_vocab = _tokenizer_vocab_size(self.model_dir)
-        self.sample_vocab = min(self.vocab_size, tok_vocab) if tok_vocab else self.vocab_size
-        limit = getattr(text_cfg, "max_position_embeddings", None) or 4096
-        self.max_model_len = min(max_model_len or limit, limit)
-        try:
-            eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        except OSError:
-            eos = getattr(text_cfg, "eos_token_id", None)
-        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        super().__init__(model_dir, device=device, dtype=dtype, max_model_len=max_model_len,
+                         auto_class=AutoModelForImageTextToText)
+        cfg = self.config
         self.image_token_id = int(cfg.image_token_id)
-        self.cache = None
-        self.mask = None
         self.row_deltas: torch.Tensor | None = None  # [B] long, M-RoPE delta per batch row
         self.features = FeatureCache(redis.Redis.from_url(redis_url), link_prefix)
 
