@@ -6,14 +6,21 @@ from django.db import models
 
 
 class UsageRecord(models.Model):
-    """What one request used and how it went. ``request_id`` is unique, so re-delivered events are no-ops."""
+    """What one request used and how it went. ``request_id`` is unique, so re-delivered events are no-ops.
 
-    request_id = models.CharField(max_length=255, unique=True)
+    Written only in bulk by ``usage.record_insert`` (PostgreSQL: ``unnest`` of typed arrays); the
+    dashboards read ``UsageRollup``, so this table carries only the indexes the admin list needs.
+    """
+
+    request_id = models.CharField(max_length=255)
+    # db_index=False: the (key, created_at) and (tenant, created_at) indexes below serve FK lookups too.
     tenant = models.ForeignKey(
-        "tenancy.Tenant", null=True, blank=True, on_delete=models.SET_NULL, related_name="usage_records"
+        "tenancy.Tenant", null=True, blank=True, on_delete=models.SET_NULL, related_name="usage_records",
+        db_index=False,
     )
     api_key = models.ForeignKey(
-        "tenancy.ApiKey", null=True, blank=True, on_delete=models.SET_NULL, related_name="usage_records"
+        "tenancy.ApiKey", null=True, blank=True, on_delete=models.SET_NULL, related_name="usage_records",
+        db_index=False,
     )
     served_model_name = models.CharField(max_length=128, blank=True, default="")
     endpoint = models.CharField(max_length=64, blank=True, default="")
@@ -32,6 +39,9 @@ class UsageRecord(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
+        # A constraint rather than unique=True: on PostgreSQL unique=True adds a second, LIKE-only index
+        # (varchar_pattern_ops) that every insert would maintain. Few indexes: rows come in bulk.
+        constraints = [models.UniqueConstraint(fields=["request_id"], name="usage_request_id_uniq")]
         indexes = [
             models.Index(fields=["api_key", "created_at"], name="usage_key_created_idx"),
             models.Index(fields=["tenant", "created_at"], name="usage_tenant_created_idx"),

@@ -1,5 +1,7 @@
 """Usage rollups: ``UsageRecord`` rows → ``UsageRollup`` rows per key, model and minute/hour/day.
 
+The flush (``usage.services``) rolls up the rows it inserts in the same transaction
+(``usage_rollup_rows``). Rows written any other way (``rolled_up = False``) are caught up here.
 Incremental and exactly-once: each run takes up to ``max_records`` records with ``rolled_up = False``
 (PostgreSQL: ``FOR UPDATE SKIP LOCKED``, so concurrent runs take disjoint records; SQLite: the
 ``BEGIN IMMEDIATE`` transaction serializes runs), adds them to the minute, hour and day rows (rows
@@ -57,24 +59,38 @@ def record_classify(status_code: int, finish_reason: str) -> dict[str, int]:
 
 
 def _deltas(records) -> dict[tuple, dict[str, Any]]:
+    """Sum ``records`` (tuples, see ``usage_rollup_run``'s fields) per (granularity, bucket, key, tenant, model).
+
+    Per record the bucket starts, status classes and histogram buckets are computed once, not per
+    granularity (this runs on the ingestion path for every record).
+    """
     out: dict[tuple, dict[str, Any]] = defaultdict(_new_delta)
+    starts_of_minute: dict[datetime, tuple[datetime, datetime, datetime]] = {}
     for r in records:
-        (rid, tenant_id, key_id, model, created_at, prompt, completion, cached, status, finish, ttft, e2e) = r
+        (_rid, tenant_id, key_id, model, created_at, prompt, completion, cached, status, finish, ttft, e2e) = r
+        minute = created_at.replace(second=0, microsecond=0)
+        starts = starts_of_minute.get(minute)
+        if starts is None:
+            starts = starts_of_minute[minute] = (minute, minute.replace(minute=0), minute.replace(hour=0, minute=0))
         cls = record_classify(status, finish or "")
-        for gran in GRANULARITIES:
-            d = out[(gran, bucket_floor(created_at, gran), key_id or 0, tenant_id or 0, model or "")]
+        ttft_bucket = bucket_of(ttft) if ttft is not None else None
+        e2e = e2e or 0.0
+        e2e_bucket = bucket_of(e2e)
+        tail = (key_id or 0, tenant_id or 0, model or "")
+        for gran, start in zip(GRANULARITIES, starts):
+            d = out[(gran, start, *tail)]
             d["requests"] += 1
             d["prompt_tokens"] += prompt
             d["completion_tokens"] += completion
             d["cached_tokens"] += cached
             for k, v in cls.items():
                 d[k] += v
-            if ttft is not None:
+            if ttft_bucket is not None:
                 d["ttft_count"] += 1
                 d["ttft_sum_ms"] += ttft
-                d["ttft_hist"][bucket_of(ttft)] += 1
-            d["e2e_sum_ms"] += e2e or 0.0
-            d["e2e_hist"][bucket_of(e2e or 0.0)] += 1
+                d["ttft_hist"][ttft_bucket] += 1
+            d["e2e_sum_ms"] += e2e
+            d["e2e_hist"][e2e_bucket] += 1
     return out
 
 
@@ -108,6 +124,19 @@ def _apply(deltas: dict[tuple, dict[str, Any]]) -> None:
             UsageRollup.objects.bulk_update(to_update, [*_SUM_FIELDS, "ttft_hist", "e2e_hist"], batch_size=500)
         if to_create:
             UsageRollup.objects.bulk_create(to_create, batch_size=500)
+
+
+def usage_rollup_rows(rows) -> None:
+    """Add ``rows`` (``usage.record_insert.UsageRow``, just inserted with ``rolled_up = True``) to the rollups.
+
+    Call inside the transaction that inserted them, so the records and their rollups commit together.
+    Raises ``IntegrityError`` when a concurrent writer created the same new rollup row first (the caller
+    retries the transaction).
+    """
+    if rows:
+        _apply(_deltas((None, r.tenant_id, r.api_key_id, r.served_model_name, r.created_at, r.prompt_tokens,
+                        r.completion_tokens, r.cached_tokens, r.status_code, r.finish_reason, r.ttft_ms,
+                        r.e2e_latency_ms) for r in rows))
 
 
 def usage_rollup_run(*, max_records: int = 5000, attempts: int = 3) -> int:

@@ -2,8 +2,9 @@
 
 Delivery is at-least-once (consumer group ``usage-writers``; entries are acknowledged only after the
 rows are committed; entries left pending by a dead consumer are claimed after ``claim_idle_ms``);
-``UsageRecord.request_id`` is unique and rows are inserted with ``ignore_conflicts``, so a re-delivered
-event never makes a second row: together, exactly one row per request.
+``UsageRecord.request_id`` is unique and rows are inserted with ``ON CONFLICT DO NOTHING``, so a re-delivered
+event never makes a second row: together, exactly one row per request. The rows a batch really inserted
+are added to the minute/hour/day rollups in the same transaction, so each record is rolled up once.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import msgpack
 from django.conf import settings
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import Q
 from redis.exceptions import ResponseError
 
@@ -26,6 +27,8 @@ from tenancy.models import ApiKey, Tenant
 
 from .events import EVENT_FIELD, USAGE_GROUP, usage_stream_key
 from .models import UsageRecord
+from .record_insert import UsageRow, usage_rows_insert
+from .rollups import usage_rollup_rows
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +90,8 @@ def _ms(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def usage_record_from_event(event: dict[str, Any]) -> UsageRecord:
-    """Unsaved ``UsageRecord`` from one decoded event (schema in ``usage.events``).
+def usage_row_from_event(event: dict[str, Any]) -> UsageRow:
+    """``UsageRow`` from one decoded event (schema in ``usage.events``); counts clamped to their columns.
 
     A ``request_id`` longer than 255 characters is stored as ``sha256:<hex>`` (deterministic, so
     idempotency holds). Raises ``ValueError``/``TypeError`` for an event that cannot be a record.
@@ -102,7 +105,7 @@ def usage_record_from_event(event: dict[str, Any]) -> UsageRecord:
     created_at = _dt(event.get("created_at")) or finished_at
     tenant_id = event.get("tenant_id")
     api_key_id = event.get("api_key_id")
-    return UsageRecord(
+    return UsageRow(
         request_id=request_id,
         tenant_id=int(tenant_id) if tenant_id is not None else None,
         api_key_id=int(api_key_id) if api_key_id is not None else None,
@@ -121,29 +124,51 @@ def usage_record_from_event(event: dict[str, Any]) -> UsageRecord:
     )
 
 
-def _records_save(records: list[UsageRecord]) -> None:
-    """Insert ``records`` (existing request_ids are skipped) and advance ``ApiKey.last_used_at``."""
-    tenant_ids = {r.tenant_id for r in records if r.tenant_id is not None}
-    key_ids = {r.api_key_id for r in records if r.api_key_id is not None}
-    # A tenant or key deleted since the request: keep the record, drop the dangling reference.
+def usage_record_from_event(event: dict[str, Any]) -> UsageRecord:
+    """Unsaved ``UsageRecord`` from one decoded event (``usage_row_from_event``'s rules and errors)."""
+    return UsageRecord(**usage_row_from_event(event)._asdict())
+
+
+def _rows_save(rows: list[UsageRow], *, attempts: int = 3) -> int:
+    """Insert ``rows``, roll up the new ones and advance ``ApiKey.last_used_at``, in ONE transaction.
+
+    Existing request_ids are skipped and not rolled up again (exactly-once rollups without a second pass
+    over the records: new rows are written with ``rolled_up = True``). A key or tenant deleted since the
+    request keeps the record with the reference dropped. A unique-constraint race on a new rollup row
+    with a concurrent writer rolls back and retries up to ``attempts`` times. Returns rows inserted.
+    """
+    tenant_ids = {r.tenant_id for r in rows if r.tenant_id is not None}
+    key_ids = {r.api_key_id for r in rows if r.api_key_id is not None}
     known_tenants = set(Tenant.objects.filter(pk__in=tenant_ids).values_list("pk", flat=True)) if tenant_ids else set()
     known_keys = set(ApiKey.objects.filter(pk__in=key_ids).values_list("pk", flat=True)) if key_ids else set()
+    if tenant_ids - known_tenants or key_ids - known_keys:
+        rows = [r._replace(tenant_id=r.tenant_id if r.tenant_id in known_tenants else None,
+                           api_key_id=r.api_key_id if r.api_key_id in known_keys else None) for r in rows]
+    for attempt in range(attempts):
+        try:
+            with transaction.atomic():
+                inserted = usage_rows_insert(rows, rolled_up=True)
+                new_rows = [r for r in rows if r.request_id in inserted]
+                usage_rollup_rows(new_rows)
+                _last_used_advance(new_rows)
+                return len(new_rows)
+        except IntegrityError:
+            if attempt == attempts - 1:
+                raise
+    return 0
+
+
+def _last_used_advance(rows: list[UsageRow]) -> None:
     last_used: dict[int, datetime] = {}
-    for record in records:
-        if record.tenant_id is not None and record.tenant_id not in known_tenants:
-            record.tenant_id = None
-        if record.api_key_id is not None and record.api_key_id not in known_keys:
-            record.api_key_id = None
-        if record.api_key_id is not None:
-            previous = last_used.get(record.api_key_id)
-            if previous is None or record.finished_at > previous:
-                last_used[record.api_key_id] = record.finished_at
-    with transaction.atomic():
-        UsageRecord.objects.bulk_create(records, ignore_conflicts=True, batch_size=500)
-        for key_id, used_at in sorted(last_used.items()):
-            ApiKey.objects.filter(pk=key_id).filter(
-                Q(last_used_at__isnull=True) | Q(last_used_at__lt=used_at)
-            ).update(last_used_at=used_at)
+    for row in rows:
+        if row.api_key_id is not None:
+            previous = last_used.get(row.api_key_id)
+            if previous is None or row.finished_at > previous:
+                last_used[row.api_key_id] = row.finished_at
+    for key_id, used_at in sorted(last_used.items()):
+        ApiKey.objects.filter(pk=key_id).filter(
+            Q(last_used_at__isnull=True) | Q(last_used_at__lt=used_at)
+        ).update(last_used_at=used_at)
 
 
 def usage_events_flush(
@@ -157,8 +182,9 @@ def usage_events_flush(
 
     ``redis_client`` is a sync ``redis.Redis`` with ``decode_responses=False``. Order: claim entries
     pending longer than ``claim_idle_ms`` (a killed consumer's) with XAUTOCLAIM, read new ones with
-    XREADGROUP (group ``usage-writers``, consumer ``consumer`` or ``<hostname>-<pid>``), insert rows
-    (``bulk_create(ignore_conflicts=True)``), then XACK and XDEL them. Invalid entries go to the
+    XREADGROUP (group ``usage-writers``, consumer ``consumer`` or ``<hostname>-<pid>``), insert the rows,
+    roll up the new ones and advance ``last_used_at`` in one transaction (``usage.record_insert``:
+    ``INSERT ... ON CONFLICT DO NOTHING RETURNING``), then XACK and XDEL them. Invalid entries go to the
     dead-letter stream ``{LINK_PREFIX}:usage:dead`` and are acknowledged. If the database write fails
     the exception propagates and the entries stay pending, to be claimed again later.
     """
@@ -182,7 +208,7 @@ def usage_events_flush(
     if not entries:
         return 0
 
-    records: dict[str, UsageRecord] = {}
+    rows: dict[str, UsageRow] = {}
     dead: list[tuple[bytes, bytes]] = []
     for entry_id, fields in entries:
         if not fields:  # deleted while pending (Redis 6.2 reports it as nil): nothing to write
@@ -192,15 +218,15 @@ def usage_events_flush(
             event = msgpack.unpackb(raw, raw=False)
             if not isinstance(event, dict):
                 raise TypeError("event is not a map")
-            record = usage_record_from_event(event)
+            row = usage_row_from_event(event)
         except Exception as exc:  # noqa: BLE001 - any bad entry goes to the dead-letter stream
             logger.warning("usage event %r is invalid (%s); moved to %s", entry_id, exc, usage_dead_letter_key())
             dead.append((entry_id, raw if isinstance(raw, bytes) else repr(fields).encode()))
             continue
-        records.setdefault(record.request_id, record)
+        rows.setdefault(row.request_id, row)
 
-    if records:
-        _records_save(list(records.values()))
+    if rows:
+        _rows_save(list(rows.values()))
 
     ids = [entry_id for entry_id, _fields in entries]
     pipe = redis_client.pipeline(transaction=False)

@@ -121,3 +121,31 @@ def test_celery_task_flushes(redis_client, redis_url, settings):
     finally:
         tasks._redis_client.cache_clear()
     assert UsageRecord.objects.count() == 30
+
+
+def test_flush_rolls_up_new_rows_once_and_matches_the_catch_up_rollup(redis_client):
+    from usage.models import UsageRollup
+    from usage.rollups import usage_rollup_all
+
+    tenant = Tenant.objects.create(name="r")
+    api_key, _ = api_key_create(tenant=tenant, name="k")
+    events = [_event(f"roll-{i}", tenant_id=tenant.pk, api_key_id=api_key.pk, status_code=429 if i % 10 == 0 else 200,
+                     ttft_ms=None if i % 10 == 0 else 10.0 + i) for i in range(50)]
+    for event in events:
+        usage_event_emit_sync(redis_client, event)
+    assert usage_events_flush(redis_client=redis_client) == 50
+    for event in events[:5]:  # re-delivered: no new rows, nothing added to the rollups
+        usage_event_emit_sync(redis_client, event)
+    assert usage_events_flush(redis_client=redis_client) == 5
+    assert not UsageRecord.objects.filter(rolled_up=False).exists()
+    assert usage_rollup_all() == 0  # the flush rolled them up already
+    fields = ("granularity", "bucket_start", "requests", "prompt_tokens", "completion_tokens", "cached_tokens",
+              "status_429", "ttft_count", "ttft_hist", "e2e_hist")
+    by_flush = sorted(UsageRollup.objects.filter(api_key_id=api_key.pk).values_list(*fields))
+    assert [row[2] for row in by_flush] == [50, 50, 50] and all(row[6] == 5 and row[7] == 45 for row in by_flush)
+
+    # the same records rolled up by the catch-up path give the same rows
+    UsageRollup.objects.all().delete()
+    UsageRecord.objects.update(rolled_up=False)
+    assert usage_rollup_all() == 50
+    assert sorted(UsageRollup.objects.filter(api_key_id=api_key.pk).values_list(*fields)) == by_flush
