@@ -41,10 +41,16 @@ def _redis(url: str) -> redis.Redis:
     return client
 
 
+def mm_tasks_counter_key(prefix: str) -> str:
+    """Redis counter of ``mm`` preprocessing tasks started under link prefix ``prefix`` (tests, metrics)."""
+    return f"{prefix}:mm:tasks_total"
+
+
 def run_mm_preprocess(payload: dict) -> dict[str, Any]:
     """payload ``{"redis_url", "prefix", "model_dir", "items": [{"part", "url"}], "allowed_domains"?:
     [str], "max_bytes"?: int}`` → result dict (module docstring). Never raises for client errors."""
     try:
+        _redis(payload["redis_url"]).incr(mm_tasks_counter_key(payload["prefix"]))
         items = preprocess_images(_redis(payload["redis_url"]), payload["prefix"], payload["model_dir"],
                                   payload["items"], payload.get("allowed_domains"), payload.get("max_bytes"))
         return {"ok": True, "items": items}

@@ -6,6 +6,9 @@ Extends ``ModelRunner`` (same right-aligned batch KV cache, same sampling) with:
 * images: each request's ``mm_cache_keys`` name processed features in the shared cache
   (``inference.media.cache``), read in ``prepare`` (the pixels never cross the engine link); the prompt
   must hold exactly ``num_tokens`` image placeholder ids per image;
+* an encoder cache (``encoder_cache.EncoderCache``): the vision tower's output per image key, so an image
+  seen before costs neither a Redis read of its pixels nor a vision-tower pass; prefill hands the image
+  embeddings to the model as ``mm_encoder_outputs``;
 * M-RoPE: prefill positions come from the model's own ``get_rope_index`` (3 × B × T, vision tokens get
   temporal/height/width positions); each row keeps its ``rope_delta`` so decode positions are
   ``num_computed + rope_delta`` in all three sections.
@@ -21,6 +24,7 @@ import torch
 
 from inference.media.cache import FeatureCache
 
+from .encoder_cache import EncodedImage, EncoderCache
 from .runner import ModelRunner, RequestError, Sequence
 
 
@@ -47,23 +51,31 @@ class VLModelRunner(ModelRunner):
         self.image_token_id = int(cfg.image_token_id)
         self.row_deltas: torch.Tensor | None = None  # [B] long, M-RoPE delta per batch row
         self.features = FeatureCache(redis.Redis.from_url(redis_url), link_prefix)
+        self.encoder_cache = EncoderCache()
 
     def prepare(self, seq: Sequence) -> None:
-        """``ModelRunner.prepare`` plus the images: load each key's features; the prompt must carry exactly
-        their token counts. Raises ``RequestError`` (missing/evicted features, count mismatch)."""
+        """``ModelRunner.prepare`` plus the images: per key, the encoder cache's embeddings or else the
+        processed features from the shared cache; the prompt must carry exactly their token counts.
+        Raises ``RequestError`` (missing/evicted features, count mismatch)."""
         super().prepare(seq)
         keys = list(seq.request.mm_cache_keys or [])
         n_placeholders = sum(1 for t in seq.request.prompt_token_ids if t == self.image_token_id)
-        feats = []
+        images: list[tuple[str, EncodedImage | None, object]] = []  # (key, encoded, features)
+        n_image_tokens = 0
         for k in keys:
+            encoded = self.encoder_cache.get(k)
+            if encoded is not None:
+                images.append((k, encoded, None))
+                n_image_tokens += int(encoded.embeds.shape[0])
+                continue
             f = self.features.get(k)
             if f is None:
                 raise RequestError("image features are no longer in the multimodal cache; retry the request")
-            feats.append(f)
-        if n_placeholders != sum(f.num_tokens for f in feats):
-            raise RequestError(f"prompt has {n_placeholders} image tokens but its images need "
-                               f"{sum(f.num_tokens for f in feats)}")
-        seq.mm_features = feats  # type: ignore[attr-defined]
+            images.append((k, None, f))
+            n_image_tokens += f.num_tokens
+        if n_placeholders != n_image_tokens:
+            raise RequestError(f"prompt has {n_placeholders} image tokens but its images need {n_image_tokens}")
+        seq.mm_images = images  # type: ignore[attr-defined]
 
     def remove_rows(self, keep: list[int]) -> None:
         """As ``ModelRunner.remove_rows``, keeping the rows' M-RoPE deltas aligned."""
@@ -84,28 +96,45 @@ class VLModelRunner(ModelRunner):
         for i, s in enumerate(seqs):
             ids[i, width - lens[i]:] = torch.tensor(s.request.prompt_token_ids, dtype=torch.long)
             mask[i, width - lens[i]:] = 1
-        feats = [f for s in seqs for f in getattr(s, "mm_features", [])]
+        images = [img for s in seqs for img in getattr(s, "mm_images", [])]
         ids, mask = ids.to(self.device), mask.to(self.device)
         mm_types = (ids == self.image_token_id).to(torch.int32) * mask.to(torch.int32)
-        grid = torch.tensor([f.grid_thw for f in feats], dtype=torch.long, device=self.device) if feats else None
+        encoded = self._encode(images)
+        grid = torch.tensor([e.grid_thw for e in encoded], dtype=torch.long, device=self.device) if images else None
         pos, deltas = self.model.model.get_rope_index(ids, mm_token_type_ids=mm_types, image_grid_thw=grid,
                                                       attention_mask=mask)
         kwargs = {}
-        if feats:
-            kwargs["pixel_values"] = torch.from_numpy(np.concatenate([f.pixel_values for f in feats])).to(
-                self.device, self.dtype)
-            kwargs["image_grid_thw"] = grid
-            kwargs["mm_token_type_ids"] = mm_types
+        if images:
+            from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+            kwargs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(
+                pooler_output=tuple(e.embeds for e in encoded))}
         cache = DynamicCache(config=self.config)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
                          logits_to_keep=1, **kwargs)
         for s, n in zip(seqs, lens):
             s.num_computed = n
-            s.mm_features = []  # type: ignore[attr-defined]  # pixels are not needed after prefill
+            s.mm_images = []  # type: ignore[attr-defined]  # pixels are not needed after prefill
         deltas = deltas.view(-1).to(torch.long)
         self.row_deltas = deltas if self.row_deltas is None else torch.cat([self.row_deltas, deltas])
         self._merge(cache, mask)
         return out.logits[:, -1, :].float()
+
+    def _encode(self, images: list[tuple]) -> list[EncodedImage]:
+        """``EncodedImage`` per image, in order: cached ones as they are, the others from one vision-tower
+        pass over their pixels (then cached under their keys)."""
+        out: list[EncodedImage | None] = [encoded for _key, encoded, _feats in images]
+        todo = [i for i, (_key, encoded, _feats) in enumerate(images) if encoded is None]
+        if todo:
+            feats = [images[i][2] for i in todo]
+            pixels = torch.from_numpy(np.concatenate([f.pixel_values for f in feats])).to(self.device, self.dtype)
+            grid = torch.tensor([f.grid_thw for f in feats], dtype=torch.long, device=self.device)
+            embeds = self.model.model.get_image_features(pixels, grid, return_dict=True).pooler_output
+            for i, f, e in zip(todo, feats, embeds):
+                # clone: ``e`` is a view of the whole batch's output, which must not stay alive in the cache
+                out[i] = EncodedImage(embeds=e.clone(), grid_thw=[int(x) for x in f.grid_thw])
+                self.encoder_cache.put(images[i][0], out[i])
+        return out  # type: ignore[return-value]
 
     @torch.inference_mode()
     def decode(self, last_tokens: list[int], positions: list[int]) -> torch.Tensor:

@@ -8,6 +8,8 @@ Layout (all under ``{prefix}:mm:``):
 
 * ``feat:{key}``  msgpack ``{"pixel_values": bytes (float32 LE), "shape": [n, d], "grid_thw": [[t, h, w]],
   "num_tokens": int}``;
+* ``meta``  hash key → msgpack ``{"num_tokens", "grid_thw"}``: what the api process needs for a cache hit
+  (placeholder expansion), a few bytes instead of the pixels;
 * ``lru``  sorted set key → last use (Unix seconds), ``sizes`` hash key → bytes, ``bytes`` total.
 
 Bounded: ``put`` evicts least recently used entries until the total is at most ``max_bytes``
@@ -30,11 +32,12 @@ import numpy as np
 DEFAULT_MAX_BYTES = int(os.environ.get("MM_CACHE_MAX_BYTES", str(512 * 1024 * 1024)))
 
 _PUT_LUA = """
--- KEYS: feat key, lru, sizes, total ; ARGV: value, key id, now, max_bytes, feat prefix
+-- KEYS: feat key, lru, sizes, total, meta ; ARGV: value, key id, now, max_bytes, feat prefix, meta value
 local size = string.len(ARGV[1])
 local old = tonumber(redis.call('HGET', KEYS[3], ARGV[2]) or '0')
 redis.call('SET', KEYS[1], ARGV[1])
 redis.call('HSET', KEYS[3], ARGV[2], size)
+redis.call('HSET', KEYS[5], ARGV[2], ARGV[6])
 redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
 local total = redis.call('INCRBY', KEYS[4], size - old)
 local maxb = tonumber(ARGV[4])
@@ -46,6 +49,7 @@ while total > maxb do
   redis.call('DEL', ARGV[5] .. victim)
   redis.call('ZREM', KEYS[2], victim)
   redis.call('HDEL', KEYS[3], victim)
+  redis.call('HDEL', KEYS[5], victim)
   total = redis.call('INCRBY', KEYS[4], -vs)
   evicted = evicted + 1
 end
@@ -86,6 +90,17 @@ class ImageFeatures:
         return cls(pixel_values=pv, grid_thw=list(d["grid_thw"]), num_tokens=int(d["num_tokens"]))
 
 
+def feature_meta_key(prefix: str) -> str:
+    """Redis hash of the cache entries' metadata (``{prefix}:mm:meta``, field = cache key)."""
+    return f"{prefix}:mm:meta"
+
+
+def feature_meta_decode(raw: bytes) -> dict:
+    """``{"num_tokens": int, "grid_thw": [t, h, w]}`` from a ``meta`` hash value."""
+    d = msgpack.unpackb(raw, raw=False)
+    return {"num_tokens": int(d["num_tokens"]), "grid_thw": [int(x) for x in d["grid_thw"]]}
+
+
 class FeatureCache:
     """The shared cache over a synchronous ``redis.Redis`` client (workers and engines are synchronous)."""
 
@@ -107,20 +122,21 @@ class FeatureCache:
         return ImageFeatures.from_bytes(raw)
 
     def get_meta(self, key: str) -> dict | None:
-        """``{"num_tokens", "grid_thw"}`` of a cached entry without materialising the pixels, or ``None``."""
-        raw = self.r.get(self._feat(key))
+        """``{"num_tokens", "grid_thw"}`` of a cached entry (one small hash field, not the pixels), or
+        ``None``; refreshes the entry's recency."""
+        raw = self.r.hget(feature_meta_key(self.prefix), key)
         if raw is None:
             return None
         self.r.zadd(f"{self.prefix}:mm:lru", {key: time.time()}, xx=True)
-        d = msgpack.unpackb(raw, raw=False)
-        return {"num_tokens": int(d["num_tokens"]), "grid_thw": list(d["grid_thw"])}
+        return feature_meta_decode(raw)
 
     def put(self, key: str, feats: ImageFeatures) -> int:
         """Store ``feats`` under ``key``; evict least recently used entries over ``max_bytes``. Returns the
         number of evicted entries."""
         p = self.prefix
-        return int(self._put(keys=[self._feat(key), f"{p}:mm:lru", f"{p}:mm:sizes", f"{p}:mm:bytes"],
-                             args=[feats.to_bytes(), key, time.time(), self.max_bytes, f"{p}:mm:feat:"]))
+        meta = msgpack.packb({"num_tokens": int(feats.num_tokens), "grid_thw": [int(x) for x in feats.grid_thw]})
+        return int(self._put(keys=[self._feat(key), f"{p}:mm:lru", f"{p}:mm:sizes", f"{p}:mm:bytes", feature_meta_key(p)],
+                             args=[feats.to_bytes(), key, time.time(), self.max_bytes, f"{p}:mm:feat:", meta]))
 
     def total_bytes(self) -> int:
         """Bytes currently accounted in the cache."""

@@ -126,10 +126,46 @@ def get_image_processor(model_dir: str):
         return proc
 
 
+PROCESSOR_CONFIG_FILES = ("preprocessor_config.json", "processor_config.json")
+_settings_lock = threading.Lock()
+_settings: dict[str, tuple[tuple, dict]] = {}
+
+
 def processor_settings(model_dir: str) -> dict:
-    """What the features depend on: the processor class and its full configuration."""
-    proc = get_image_processor(model_dir)
-    return {"class": type(proc).__name__, "config": proc.to_dict()}
+    """What the processed features depend on, without loading the processor: the SHA-256 of each of the
+    model directory's processor configuration files (``PROCESSOR_CONFIG_FILES``) and the ``transformers``
+    version. The api process (cache hits, see ``data_url_cache_key``) and the ``mm`` workers compute the
+    same value; an edited config file changes it at once (cached per file size and mtime)."""
+    from importlib.metadata import version
+
+    stamp = []
+    for name in PROCESSOR_CONFIG_FILES:
+        try:
+            st = (Path(model_dir) / name).stat()
+            stamp.append((name, st.st_size, st.st_mtime_ns))
+        except OSError:
+            stamp.append((name, None, None))
+    stamp_t = tuple(stamp)
+    with _settings_lock:
+        hit = _settings.get(model_dir)
+        if hit is not None and hit[0] == stamp_t:
+            return hit[1]
+    files = {}
+    for name, size, _mtime in stamp_t:
+        if size is not None:
+            files[name] = hashlib.sha256((Path(model_dir) / name).read_bytes()).hexdigest()
+    settings = {"files": files, "transformers": version("transformers")}
+    with _settings_lock:
+        _settings[model_dir] = (stamp_t, settings)
+    return settings
+
+
+def data_url_cache_key(model_dir: str, url: str, part: str, max_bytes: int | None = None) -> str:
+    """The feature-cache key of a ``data:`` URL image (base64 decode + SHA-256; no pixel decoding), so the
+    api process can find a cache hit without sending the image to an ``mm`` worker. Raises ``ImageError``
+    (400) for a malformed or oversized ``data:`` URL, with the message the worker would give."""
+    limit = int(max_bytes or FetchPolicy.max_bytes)
+    return mm_cache_key(parse_data_url(url, part, limit), processor_settings(model_dir))
 
 
 def process_image(model_dir: str, data: bytes, part: str) -> ImageFeatures:

@@ -52,12 +52,12 @@ from gateway.generation import (
     resolve_model,
     to_request_error,
 )
-from gateway.http import GatewayConsumer
+from gateway.http import GatewayConsumer, json_body
 from inference.admission import AdmissionRefused
 from inference.engine_client import EngineUnavailableError
 from inference.input_processor import new_internal_id
 from inference.protocol.engine import FINISH_STOP, EngineCoreRequest, SamplingParams
-from inference.protocol.openai import RequestValidationError, parse_json_body, validate_request
+from inference.protocol.openai import RequestValidationError, validate_request
 
 MAX_EMBEDDING_INPUTS = 2048
 
@@ -234,7 +234,7 @@ class EmbeddingsConsumer(GatewayConsumer):
         ctx = await auth.authenticate(self.scope["headers"])
         auth.require_scope(ctx, "inference")
         try:
-            data = parse_json_body(body)
+            data = await json_body(body)
             req = validate_request(EmbeddingRequest, data)
             inputs = normalize_input(req.input)
         except RequestValidationError as exc:

@@ -51,14 +51,13 @@ from gateway.generation import (
     usage_dict,
     vocab_size_of,
 )
-from gateway.http import GatewayConsumer
+from gateway.http import GatewayConsumer, json_body
 from inference.input_processor import GenerationDefaults, generation_defaults, new_internal_id, process_inputs
 from inference.protocol.engine import control_stream
 from inference.protocol.openai import (
     AbortRequestsRequest,
     GenerateRequest,
     RequestValidationError,
-    parse_json_body,
     validate_request,
 )
 
@@ -105,7 +104,7 @@ class GenerateConsumer(GatewayConsumer):
         ctx = await auth.authenticate(self.scope["headers"])
         auth.require_scope(ctx, "inference")
         try:
-            req = validate_request(GenerateRequest, parse_json_body(body))
+            req = validate_request(GenerateRequest, await json_body(body))
         except RequestValidationError as exc:
             raise bad_request(exc.message, exc.param) from None
         external_id = req.request_id or "generate-tokens-" + client_request_id(self.header(b"x-request-id"), None)
@@ -209,7 +208,7 @@ class AbortRequestsConsumer(GatewayConsumer):
         ctx = await auth.authenticate(self.scope["headers"])
         auth.require_scope(ctx, "inference")
         try:
-            req = validate_request(AbortRequestsRequest, parse_json_body(body))
+            req = validate_request(AbortRequestsRequest, await json_body(body))
         except RequestValidationError as exc:
             raise bad_request(exc.message, exc.param) from None
         r = link().redis

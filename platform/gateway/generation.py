@@ -19,13 +19,14 @@ from django.conf import settings
 
 from gateway import auth
 from gateway.errors import ApiError, bad_request, not_found, unavailable
+from gateway.http import json_body
 from gateway.model_cache import get_model
 from inference.admission import Admission, AdmissionRefused, Reservation, estimate_prompt_tokens
 from inference.engine_client import EngineLink, EngineUnavailableError
 from inference.input_processor import ProcessedInput, model_vocab_size
 from inference.output_processor import IncrementalDetokenizer, StopChecker
 from inference.protocol.engine import FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, EngineCoreOutput
-from inference.protocol.openai import MAX_REQUEST_ID_LEN, RequestValidationError, parse_json_body, validate_request
+from inference.protocol.openai import MAX_REQUEST_ID_LEN, RequestValidationError, validate_request
 from inference.render_client import RenderReplyWaiter, RenderUnavailableError
 from inference.renderer.tokenizer_cache import get_tokenizer
 from tenancy.limits import (
@@ -117,7 +118,7 @@ async def authenticated_request(consumer, body: bytes, schema, id_prefix: str):
     ctx = await auth.authenticate(consumer.scope["headers"])
     auth.require_scope(ctx, "inference")
     try:
-        req = validate_request(schema, parse_json_body(body))
+        req = validate_request(schema, await json_body(body))
     except RequestValidationError as exc:
         raise to_request_error(exc) from None
     base_id = client_request_id(consumer.header(b"x-request-id"), req.request_id)

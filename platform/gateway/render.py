@@ -38,14 +38,13 @@ from django.conf import settings
 
 from gateway import auth
 from gateway.errors import ApiError, bad_request
-from gateway.http import GatewayConsumer
+from gateway.http import GatewayConsumer, json_body
 from gateway.media import render_chat_media
 from inference.input_processor import generation_defaults, process_inputs
 from inference.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestValidationError,
-    parse_json_body,
     validate_request,
 )
 from inference import tasks as render_tasks
@@ -100,7 +99,7 @@ class _RenderBase(GatewayConsumer):
         ctx = await auth.authenticate(self.scope["headers"])
         auth.require_scope(ctx, "inference")
         try:
-            req = validate_request(schema, parse_json_body(body))
+            req = validate_request(schema, await json_body(body))
         except RequestValidationError as exc:
             raise bad_request(exc.message, exc.param) from None
         return ctx, req

@@ -26,13 +26,12 @@ import asyncio
 from gateway import auth
 from gateway.errors import bad_request
 from gateway.generation import call_render, client_request_id, load_tokenizer, resolve_model
-from gateway.http import GatewayConsumer
+from gateway.http import GatewayConsumer, json_body
 from gateway.media import render_chat_media
 from inference.protocol.openai import (
     DetokenizeRequest,
     RequestValidationError,
     TokenizeChatRequest,
-    parse_json_body,
     tokenize_request_class,
     validate_request,
 )
@@ -59,7 +58,7 @@ class _KeyedConsumer(GatewayConsumer):
         auth.require_scope(ctx, "inference")
         self.extra_headers.append((b"x-request-id", client_request_id(self.header(b"x-request-id"), None).encode()))
         try:
-            data = parse_json_body(body)
+            data = await json_body(body)
             req = validate_request(schema or tokenize_request_class(data), data)
         except RequestValidationError as exc:
             raise bad_request(exc.message, exc.param) from None

@@ -56,9 +56,13 @@ def test_image_chat_formats(live_vl, fmt, mime):
     assert body["usage"]["prompt_tokens"] == len(ids) == text_tokens(live_vl) + 2 + n_image  # + start/end
 
 
+def mm_tasks(live) -> int:
+    return int(live.redis.get(f"{live.prefix}:mm:tasks_total") or 0)
+
+
 def test_same_image_processed_once_and_second_faster(live_vl):
     url = data_url(image_bytes("PNG", size=(600, 400), seed=7))
-    before = processor_calls(live_vl)
+    before, tasks_before = processor_calls(live_vl), mm_tasks(live_vl)
     t0 = time.perf_counter()
     s1, b1 = chat(live_vl, url)
     t1 = time.perf_counter()
@@ -66,6 +70,8 @@ def test_same_image_processed_once_and_second_faster(live_vl):
     t2 = time.perf_counter()
     assert s1 == s2 == 200
     assert processor_calls(live_vl) - before == 1
+    # the repeat is found in the shared cache by the api process: it never reaches an mm worker
+    assert mm_tasks(live_vl) - tasks_before == 1
     assert b1["choices"][0]["message"]["content"] == b2["choices"][0]["message"]["content"]
     assert b1["usage"]["prompt_tokens"] == b2["usage"]["prompt_tokens"]
     print(f"first {t1 - t0:.3f}s second {t2 - t1:.3f}s")
