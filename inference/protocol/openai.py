@@ -16,6 +16,7 @@ import json
 import re
 from typing import Any, Literal
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MAX_STOP_STRINGS = 4
@@ -42,6 +43,8 @@ def _reject_constant(name: str) -> Any:
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# A surrogate encoded as UTF-8 bytes (invalid UTF-8, but both parsers decode it "surrogatepass").
+_SURROGATE_BYTES = re.compile(rb"\xed[\xa0-\xbf]")
 
 
 def _lone_surrogate_path(data: Any) -> str | None:
@@ -68,7 +71,25 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
     Raises ``RequestValidationError`` for invalid UTF-8, invalid JSON, ``NaN``/``Infinity`` literals
     (not JSON, although Python accepts them), nesting too deep to parse, strings with lone UTF-16
     surrogates (``param`` names the field), or a top level that is not an object.
+
+    Parsed by pydantic-core's JSON parser (jiter; about 9x faster than the standard library on a 4 MB
+    image ``data:`` URL), which accepts only valid Unicode text and no ``NaN``. Any body it refuses is
+    parsed again by the standard library, which gives the precise error (or, for nesting deeper than
+    jiter's limit but within Python's, the same result as before).
     """
+    try:
+        data = pydantic_core.from_json(body, allow_inf_nan=False)
+    except ValueError:
+        data = _parse_json_body_std(body)
+    else:
+        if b"\xed" in body and _SURROGATE_BYTES.search(body):
+            data = _parse_json_body_std(body)
+    if not isinstance(data, dict):
+        raise RequestValidationError("The request body must be a JSON object", None)
+    return data
+
+
+def _parse_json_body_std(body: bytes) -> Any:
     try:
         data = json.loads(body, parse_constant=_reject_constant)
     except RequestValidationError:
@@ -77,9 +98,7 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
         raise RequestValidationError("Invalid JSON body: nested too deeply", None) from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise RequestValidationError(f"Invalid JSON body: {exc}", None) from None
-    if not isinstance(data, dict):
-        raise RequestValidationError("The request body must be a JSON object", None)
-    if _SURROGATE_ESCAPE.search(body):
+    if isinstance(data, dict) and (_SURROGATE_ESCAPE.search(body) or _SURROGATE_BYTES.search(body)):
         bad = _lone_surrogate_path(data)
         if bad is not None:
             raise RequestValidationError(

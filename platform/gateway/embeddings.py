@@ -219,11 +219,13 @@ def model_hidden_size(model_dir: str) -> int | None:
         return None
 
 
-def encode_vector(vec: np.ndarray, encoding_format: str) -> list[float] | str:
-    """A vector as OpenAI returns it: a list of floats, or base64 of its float32 little-endian bytes."""
+def encode_vector(vec: np.ndarray, encoding_format: str) -> np.ndarray | str:
+    """A vector as OpenAI returns it: base64 of its float32 little-endian bytes, or (``float``) the float32
+    array itself, which ``send_json_fast`` writes as a JSON list of the shortest decimals that read back to
+    the same float32 values (``0.006286511``, not the double expansion ``0.006286511197686195``)."""
     if encoding_format == "base64":
         return base64.b64encode(vec.astype("<f4").tobytes()).decode()
-    return vec.astype(np.float32).tolist()
+    return np.ascontiguousarray(vec, dtype=np.float32)
 
 
 class EmbeddingsConsumer(GatewayConsumer):
@@ -284,9 +286,12 @@ class EmbeddingsConsumer(GatewayConsumer):
             except AdmissionRefused as exc:
                 raise overloaded(exc) from None
             vectors = await run_pooling(model, external_id, token_ids, arrival)
+            if not all(np.isfinite(v).all() for v in vectors):
+                raise ApiError(503, "the engine returned a non-finite embedding", "server_error", None,
+                               "engine_error", [("retry-after", "1")])
             run.first_token_time = run.finished_time = time.time()
             scope.recorder.finish_reason = FINISH_STOP
-            await self.send_json(200, {
+            await self.send_json_fast(200, {
                 "object": "list",
                 "data": [{"object": "embedding", "index": i, "embedding": encode_vector(v, req.encoding_format)}
                          for i, v in enumerate(vectors)],

@@ -172,6 +172,8 @@ def test_model_without_chat_template(live, tmp_path):
     ("/v1/chat/completions", b'{"model": "tiny-qwen3", "messages": [{"role": "user", "content": "\\ud800"}]}'),
     ("/v1/completions", b'{"model": "tiny-qwen3", "prompt": "\\ud800 x"}'),
     ("/tokenize", b'{"model": "tiny-qwen3", "prompt": "\\udc00"}'),
+    # a surrogate encoded as (invalid) UTF-8 bytes rather than as an escape
+    ("/v1/chat/completions", b'{"model": "tiny-qwen3", "messages": [{"role": "user", "content": "a\xed\xa0\x80"}]}'),
 ])
 def test_lone_surrogates_are_400_not_500(live, path, body):
     err = assert_envelope(post(live, path, raw=body), 400)

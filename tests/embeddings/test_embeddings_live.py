@@ -65,6 +65,11 @@ def test_input_forms_and_base64(live_embed, direct):
     assert status == 200
     v = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
     assert float(np.abs(v - ref).max()) <= 1e-5
+    # the float list is lossless: its decimals read back to exactly the float32 values of the base64 form
+    status, body = post(live_embed, "/v1/embeddings", {"model": EMBED_MODEL, "input": "a kitten"})
+    as_floats = body["data"][0]["embedding"]
+    assert all(isinstance(x, float) for x in as_floats)
+    assert np.array_equal(np.array(as_floats, dtype=np.float32), v)
 
 
 def test_openai_sdk(live_embed, direct):
