@@ -20,6 +20,7 @@ Flow (the api process runs ``extract_images`` and ``expand_image_tokens``; a Cel
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -33,6 +34,7 @@ from inference.media.guard import FetchPolicy, fetch_url
 from inference.media.image import ImageError, decode_image, parse_data_url
 
 URL_CACHE_TTL_S = int(os.environ.get("MM_URL_CACHE_TTL_S", "300"))
+MM_BLOB_TTL_S = int(os.environ.get("MM_BLOB_TTL_S", "120"))  # image bytes waiting for an mm worker
 MAX_IMAGES_PER_REQUEST = int(os.environ.get("MM_MAX_IMAGES_PER_REQUEST", "16"))
 
 
@@ -80,9 +82,19 @@ def has_images(messages: list[dict]) -> bool:
 
 def vision_config(model_dir: str) -> dict | None:
     """``{"image_token_id", "merge_size"}`` of a vision-language model directory, or ``None`` when the
-    model has no vision tower (``config.json`` without ``vision_config``)."""
+    model has no vision tower (``config.json`` without ``vision_config``). Cached per file mtime."""
+    path = Path(model_dir) / "config.json"
     try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        mtime = path.stat().st_mtime_ns
+    except OSError:
+        return None
+    return _vision_config(str(path), mtime)
+
+
+@functools.lru_cache(maxsize=64)
+def _vision_config(path: str, _mtime_ns: int) -> dict | None:
+    try:
+        cfg = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
     if "vision_config" not in cfg or cfg.get("image_token_id") is None:
@@ -160,12 +172,24 @@ def processor_settings(model_dir: str) -> dict:
     return settings
 
 
-def data_url_cache_key(model_dir: str, url: str, part: str, max_bytes: int | None = None) -> str:
-    """The feature-cache key of a ``data:`` URL image (base64 decode + SHA-256; no pixel decoding), so the
-    api process can find a cache hit without sending the image to an ``mm`` worker. Raises ``ImageError``
-    (400) for a malformed or oversized ``data:`` URL, with the message the worker would give."""
+def data_url_cache_entry(model_dir: str, url: str, part: str, max_bytes: int | None = None) -> tuple[str, bytes]:
+    """``(feature-cache key, image bytes)`` of a ``data:`` URL image (base64 decode + SHA-256; no pixel
+    decoding), so the api process can find a cache hit without sending the image to an ``mm`` worker.
+    Raises ``ImageError`` (400) for a malformed or oversized ``data:`` URL, with the message the worker
+    would give."""
     limit = int(max_bytes or FetchPolicy.max_bytes)
-    return mm_cache_key(parse_data_url(url, part, limit), processor_settings(model_dir))
+    data = parse_data_url(url, part, limit)
+    return mm_cache_key(data, processor_settings(model_dir)), data
+
+
+def data_url_cache_key(model_dir: str, url: str, part: str, max_bytes: int | None = None) -> str:
+    """The feature-cache key of a ``data:`` URL image (``data_url_cache_entry``'s key)."""
+    return data_url_cache_entry(model_dir, url, part, max_bytes)[0]
+
+
+def mm_blob_key(prefix: str, key: str) -> str:
+    """Redis key under which the api process hands an image's bytes to an ``mm`` worker."""
+    return f"{prefix}:mm:blob:{key}"
 
 
 def process_image(model_dir: str, data: bytes, part: str) -> ImageFeatures:
@@ -192,7 +216,9 @@ def preprocess_images(redis_client, prefix: str, model_dir: str, urls: list[dict
                       allowed_domains: list[str] | None = None, max_bytes: int | None = None) -> list[dict]:
     """Preprocess the images of one request (blocking; runs on an ``mm`` worker).
 
-    ``urls``: ``[{"part": str, "url": str}]`` in prompt order. Returns ``[{"key": str, "num_tokens": int,
+    ``urls``: in prompt order, ``{"part": str, "url": str}`` or ``{"part", "key", "blob"}`` (bytes the api
+    process stored under Redis key ``blob``, their feature-cache key already computed; the blob is deleted
+    once used). Returns ``[{"key": str, "num_tokens": int,
     "cached": bool}]``. Processor runs are counted in ``{prefix}:mm:processor_calls``. Raises ``ImageError``
     (400) for the first bad item.
     """
@@ -204,7 +230,23 @@ def preprocess_images(redis_client, prefix: str, model_dir: str, urls: list[dict
         policy.max_bytes = int(max_bytes)
     results = []
     for item in urls:
-        part, url = item["part"], item["url"]
+        part = item["part"]
+        if item.get("blob"):
+            key = str(item["key"])
+            meta = cache.get_meta(key)  # processed meanwhile by a concurrent request
+            if meta is None:
+                data = redis_client.get(item["blob"])
+                if data is None:
+                    raise ImageError(f"{part}: the image expired before a preprocessing worker was free; retry",
+                                     part, "image_expired")
+                feats = process_image(model_dir, data, part)
+                redis_client.incr(f"{prefix}:mm:processor_calls")
+                cache.put(key, feats)
+            redis_client.delete(item["blob"])
+            results.append({"key": key, "num_tokens": meta["num_tokens"] if meta else feats.num_tokens,
+                            "cached": meta is not None})
+            continue
+        url = item["url"]
         key = None
         url_key = None
         if not url.startswith("data:"):

@@ -25,7 +25,9 @@ from inference.mm_tasks import MM_QUEUE
 from inference.render_client import RenderReplyWaiter, RenderUnavailableError
 from inference.renderer.multimodal import (
     ImageItem,
-    data_url_cache_key,
+    MM_BLOB_TTL_S,
+    data_url_cache_entry,
+    mm_blob_key,
     expand_image_tokens,
     extract_images,
     has_images,
@@ -46,7 +48,7 @@ def allowed_domains_for(model_name: str) -> list[str]:
 
 
 async def call_mm(model: dict, items: list[dict]) -> list[dict]:
-    """Preprocess ``items`` (``[{"part", "url"}]``) on the ``mm`` queue; returns ``[{"key", "num_tokens",
+    """Preprocess ``items`` (``[{"part", "url"}]`` or ``[{"part", "key", "blob"}]``) on the ``mm`` queue; returns ``[{"key", "num_tokens",
     "cached"}]``. Client errors → 400 naming the part; no worker in time → 503; worker bug → 500."""
     from config.celery import app
 
@@ -66,29 +68,48 @@ async def call_mm(model: dict, items: list[dict]) -> list[dict]:
     return result["items"]
 
 
-async def cached_images(model: dict, items: list[ImageItem]) -> list[dict | None]:
-    """Per item, ``{"key", "num_tokens", "cached": True}`` when it is a ``data:`` URL whose features are in
-    the shared cache, else ``None`` (http(s) URLs and misses go to an ``mm`` worker). The keys are computed
-    in a thread (base64 decode + SHA-256, about 2.5 ms per MB), the lookup is one ``HMGET`` of the small
-    metadata hash, so a repeated image crosses no queue and is never decoded again. Raises 400 for a
-    malformed or oversized ``data:`` URL."""
-    data_items = [(i, it) for i, it in enumerate(items) if it.url.startswith("data:")]
+async def cached_images(model: dict, items: list[ImageItem]) -> tuple[list[dict | None], list[dict]]:
+    """Look up the ``data:`` URL images of ``items`` in the shared feature cache.
+
+    Returns ``(hits, work)``: per item ``{"key", "num_tokens", "cached": True}`` for a hit, else ``None``;
+    and, per item that is not a hit, the ``mm`` work item: ``{"part", "key", "blob"}`` for a ``data:``
+    image (its decoded bytes are stored under ``blob`` in Redis for ``MM_BLOB_TTL_S``, so the image does not
+    travel inside the Celery message as base64 JSON) or ``{"part", "url"}`` for an http(s) URL. Keys are
+    computed in a thread (base64 decode + SHA-256), the lookup is one ``HMGET`` of the small metadata hash.
+    Raises 400 for a malformed or oversized ``data:`` URL.
+    """
     out: list[dict | None] = [None] * len(items)
-    if not data_items:
-        return out
+    data_items = [(i, it) for i, it in enumerate(items) if it.url.startswith("data:")]
+    decoded: dict[int, tuple[str, bytes]] = {}
+    if data_items:
+        def keys() -> list[tuple[str, bytes]]:
+            return [data_url_cache_entry(model["model_dir"], it.url, it.part) for _i, it in data_items]
 
-    def keys() -> list[str]:
-        return [data_url_cache_key(model["model_dir"], it.url, it.part) for _i, it in data_items]
-
-    try:
-        found = await asyncio.to_thread(keys)
-    except ImageError as exc:
-        raise bad_request(exc.message, exc.param, exc.code) from None
-    metas = await link().redis.hmget(feature_meta_key(settings.LINK_PREFIX), found)
-    for (i, _it), key, raw in zip(data_items, found, metas):
-        if raw is not None:
-            out[i] = {"key": key, "num_tokens": feature_meta_decode(raw)["num_tokens"], "cached": True}
-    return out
+        try:
+            found = await asyncio.to_thread(keys)
+        except ImageError as exc:
+            raise bad_request(exc.message, exc.param, exc.code) from None
+        redis = link().redis
+        metas = await redis.hmget(feature_meta_key(settings.LINK_PREFIX), [key for key, _data in found])
+        for (i, _it), (key, data), raw in zip(data_items, found, metas):
+            if raw is not None:
+                out[i] = {"key": key, "num_tokens": feature_meta_decode(raw)["num_tokens"], "cached": True}
+            else:
+                decoded[i] = (key, data)
+    work: list[dict] = []
+    if decoded:
+        async with link().redis.pipeline(transaction=False) as pipe:
+            for key, data in decoded.values():
+                pipe.set(mm_blob_key(settings.LINK_PREFIX, key), data, ex=MM_BLOB_TTL_S)
+            await pipe.execute()
+    for i, it in enumerate(items):
+        if out[i] is None:
+            if i in decoded:
+                key = decoded[i][0]
+                work.append({"part": it.part, "key": key, "blob": mm_blob_key(settings.LINK_PREFIX, key)})
+            else:
+                work.append({"part": it.part, "url": it.url})
+    return out, work
 
 
 async def render_chat_media(model: dict, payload: dict) -> dict:
@@ -104,13 +125,11 @@ async def render_chat_media(model: dict, payload: dict) -> dict:
         messages, items = extract_images(payload["messages"])
     except ImageError as exc:
         raise bad_request(exc.message, exc.param, exc.code) from None
-    mm_items = await cached_images(model, items)
+    mm_items, work = await cached_images(model, items)
     missing = [i for i, hit in enumerate(mm_items) if hit is None]
 
     async def preprocess_missing() -> list[dict]:
-        if not missing:
-            return []
-        return await call_mm(model, [{"part": items[i].part, "url": items[i].url} for i in missing])
+        return await call_mm(model, work) if work else []
 
     rendered, fresh = await asyncio.gather(
         call_render("inference.render_chat", {**payload, "messages": messages}), preprocess_missing())

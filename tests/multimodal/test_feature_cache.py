@@ -62,3 +62,24 @@ def test_meta_hash_follows_put_and_eviction(cache):
     assert fc.get("k2") is None
     assert {fc.get_meta(k)["num_tokens"] for k in ("k0", "k1", "k3")} == {16, 17, 19}
     assert client.hlen(feature_meta_key(prefix)) == 3
+
+
+def test_worker_takes_image_bytes_from_a_blob_once(cache):
+    from inference.renderer.multimodal import data_url_cache_entry, mm_blob_key, preprocess_images
+
+    client, prefix = cache
+    model_dir = str(ensure_vl_model())
+    key, raw = data_url_cache_entry(model_dir, data_url(image_bytes(seed=21)), "messages[0].content[0]")
+    blob = mm_blob_key(prefix, key)
+    client.set(blob, raw, ex=60)
+    item = {"part": "messages[0].content[0]", "key": key, "blob": blob}
+    [first] = preprocess_images(client, prefix, model_dir, [item])
+    assert first["key"] == key and not first["cached"] and first["num_tokens"] == 6
+    assert client.get(blob) is None  # used once, then deleted
+    [again] = preprocess_images(client, prefix, model_dir, [item])  # processed meanwhile: no blob needed
+    assert again == {**first, "cached": True}
+    assert int(client.get(f"{prefix}:mm:processor_calls")) == 1
+    other_key = mm_cache_key(b"never stored", processor_settings(model_dir))
+    with pytest.raises(ImageError) as info:
+        preprocess_images(client, prefix, model_dir, [{"part": "p", "key": other_key, "blob": mm_blob_key(prefix, "x")}])
+    assert info.value.code == "image_expired"
