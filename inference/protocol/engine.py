@@ -150,8 +150,11 @@ class EngineCoreRequest:
     mm_cache_keys: list[str] = field(default_factory=list)
 
     def to_wire(self) -> bytes:
-        """Serialise to msgpack bytes."""
-        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+        """Serialise to msgpack bytes (fields as a map; ``sampling_params`` as a nested map). Built from the
+        instances' ``__dict__`` rather than ``dataclasses.asdict``, which deep-copies every list (a prompt
+        of thousands of ids) before msgpack reads it once."""
+        return msgpack.packb({**self.__dict__, "sampling_params": dict(self.sampling_params.__dict__)},
+                             use_bin_type=True)
 
     @classmethod
     def from_wire(cls, data: bytes) -> "EngineCoreRequest":
@@ -203,8 +206,10 @@ class EngineCoreOutputs:
     outputs: list[EngineCoreOutput]
 
     def to_wire(self) -> bytes:
-        """Serialise to msgpack bytes."""
-        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+        """Serialise to msgpack bytes (shallow maps, no ``dataclasses.asdict`` deep copy: this runs once
+        per engine step per api process)."""
+        return msgpack.packb({"engine_id": self.engine_id, "timestamp": self.timestamp,
+                              "outputs": [o.__dict__ for o in self.outputs]}, use_bin_type=True)
 
     @classmethod
     def from_wire(cls, data: bytes) -> "EngineCoreOutputs":
