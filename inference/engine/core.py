@@ -56,6 +56,9 @@ OUTPUT_MAXLEN = 10000
 EMA_ALPHA = 0.3
 CLIENT_CHECK_INTERVAL_S = 2.0  # how often held requests' api processes are checked for liveness
 EARLY_ABORT_S = 60.0  # how long an abort for a not-yet-read request is remembered
+RECLAIM_IDLE_MS = 2000  # a request entry read but not acknowledged this long belongs to a dead replica
+RECLAIM_INTERVAL_S = 1.0
+CONSUMER_FORGET_MS = 60_000  # dead replicas' consumers with nothing pending leave the group after this
 
 
 class EngineCore:
@@ -87,6 +90,7 @@ class EngineCore:
         self.hb_key = replica_key(link_prefix, model, self.engine_id)
         self.index_key = replicas_index_key(link_prefix, model)
         self.consumer = f"{self.engine_id}-{os.getpid()}"
+        self._next_reclaim = 0.0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # same order as the runner's batch rows
         self.stop_event = threading.Event()
@@ -152,6 +156,8 @@ class EngineCore:
             for entry_id, fields in entries:
                 accepted_ids.append(entry_id)
                 self._accept(fields.get(b"r"))
+        if room - len(accepted_ids) > 0 and time.monotonic() >= self._next_reclaim:
+            accepted_ids += self._reclaim(room - len(accepted_ids))
         if accepted_ids:
             self.redis.xack(self.req_key, ENGINE_GROUP, *accepted_ids)
         ctl = self.redis.xread({self.ctl_key: self._ctl_last}, count=1000)
@@ -166,6 +172,28 @@ class EngineCore:
                 except (ValueError, msgpack.UnpackException):
                     continue
                 self._abort(set(map(str, ids)))
+
+    def _reclaim(self, count: int) -> list[bytes]:
+        """Take over requests another replica read but never acknowledged, i.e. it died between its
+        XREADGROUP and XACK (a live replica acknowledges in the same poll, within milliseconds): XAUTOCLAIM
+        of entries pending longer than ``RECLAIM_IDLE_MS``, at most every ``RECLAIM_INTERVAL_S``. Without
+        this, a request sent as an engine was killed stayed pending for the dead consumer for ever while
+        its client waited on a live replica. Also drops dead consumers with nothing pending from the group.
+        Returns the entry ids accepted here (the caller acknowledges them)."""
+        self._next_reclaim = time.monotonic() + RECLAIM_INTERVAL_S
+        resp = self.redis.xautoclaim(self.req_key, ENGINE_GROUP, self.consumer, RECLAIM_IDLE_MS,
+                                     start_id="0-0", count=count)
+        taken = []
+        for entry_id, fields in (resp[1] if resp else []):
+            taken.append(entry_id)
+            if fields:  # None: the entry was deleted (trimmed) while pending
+                log.warning("took over request entry %s left pending by a dead replica", entry_id)
+                self._accept(fields.get(b"r"))
+        for c in self.redis.xinfo_consumers(self.req_key, ENGINE_GROUP):
+            name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+            if name != self.consumer and not c["pending"] and c["idle"] > CONSUMER_FORGET_MS:
+                self.redis.xgroup_delconsumer(self.req_key, ENGINE_GROUP, name)
+        return taken
 
     def _accept(self, raw: bytes | None) -> None:
         try:

@@ -65,17 +65,35 @@ def _lone_surrogate_path(data: Any) -> str | None:
     return None
 
 
+MAX_JSON_DEPTH = 100
+
+
+def _too_deep(data: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """True when ``data`` nests objects/arrays more than ``limit`` levels (iterative: no recursion)."""
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values() if isinstance(v, (dict, list)))
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value if isinstance(v, (dict, list)))
+    return False
+
+
 def parse_json_body(body: bytes) -> dict[str, Any]:
     """Parse a request body that must be one JSON object.
 
     Raises ``RequestValidationError`` for invalid UTF-8, invalid JSON, ``NaN``/``Infinity`` literals
-    (not JSON, although Python accepts them), nesting too deep to parse, strings with lone UTF-16
-    surrogates (``param`` names the field), or a top level that is not an object.
+    (not JSON, although Python accepts them), nesting deeper than ``MAX_JSON_DEPTH`` (100) levels, strings
+    with lone UTF-16 surrogates (``param`` names the field), or a top level that is not an object. The
+    depth bound is also what keeps a body safe to pickle on its way to a prefork Celery child (about 500
+    levels exhaust Python's recursion limit there and take the whole worker down).
 
     Parsed by pydantic-core's JSON parser (jiter; about 9x faster than the standard library on a 4 MB
     image ``data:`` URL), which accepts only valid Unicode text and no ``NaN``. Any body it refuses is
-    parsed again by the standard library, which gives the precise error (or, for nesting deeper than
-    jiter's limit but within Python's, the same result as before).
+    parsed again by the standard library, which gives the precise error.
     """
     try:
         data = pydantic_core.from_json(body, allow_inf_nan=False)
@@ -86,6 +104,9 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
             data = _parse_json_body_std(body)
     if not isinstance(data, dict):
         raise RequestValidationError("The request body must be a JSON object", None)
+    if _too_deep(data):
+        raise RequestValidationError(f"Invalid JSON body: nested too deeply (more than {MAX_JSON_DEPTH} levels)",
+                                     None)
     return data
 
 

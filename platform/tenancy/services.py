@@ -83,11 +83,15 @@ def api_key_create(
 
     The plaintext is returned once and never stored. ``allowed_models`` None/empty = every model;
     ``scopes`` None = ``["inference"]``; ``limits`` maps ``LIMIT_FIELDS`` names to values (None =
-    unlimited). Raises ``ValueError`` for malformed lists or unknown limit fields.
+    unlimited). Raises ``ValueError`` for malformed lists, unknown scopes (``SCOPES_TENANT`` +
+    ``SCOPES_OPERATOR``) or unknown limit fields.
     """
     limit_values = _limits_clean(limits)
     allowed = _str_list(allowed_models, "allowed_models")
     scope_list = _str_list(scopes, "scopes") if scopes is not None else ["inference"]
+    unknown = [s for s in scope_list if s not in SCOPES_TENANT + SCOPES_OPERATOR]
+    if unknown:
+        raise ValueError(f"unknown scope {unknown[0]!r}; known: {', '.join(SCOPES_TENANT + SCOPES_OPERATOR)}")
     for _attempt in range(5):  # prefix collisions (62**8 space) are rare; retry a few times
         prefix, plaintext = api_key_secret_generate()
         try:

@@ -185,6 +185,19 @@ def test_deeply_nested_json_is_400(live):
     assert_envelope(post(live, "/v1/chat/completions", raw=body), 400)
 
 
+@pytest.mark.parametrize("path", ["/tokenize", "/v1/chat/completions"])
+def test_nesting_that_would_crash_a_render_worker_is_400(live, path):
+    # 500 levels parse, but pickling them for a prefork child exhausted the recursion limit and took the
+    # whole Celery worker down (found by a fresh-clone user test); refused at the door instead
+    deep = b'{"a": ' * 500 + b"1" + b"}" * 500
+    body = (b'{"model": "tiny-qwen3", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": '
+            b'"function", "function": {"name": "f", "parameters": ' + deep + b"}}]}")
+    err = assert_envelope(post(live, path, raw=body), 400)
+    assert "nested too deeply" in err["message"]
+    ok = post(live, "/tokenize", {"model": "tiny-qwen3", "messages": [{"role": "user", "content": "hi"}]})
+    assert ok.status_code == 200, ok.text
+
+
 def test_prompt_that_cannot_fit_is_refused_before_rendering(live, model_name):
     import time
 

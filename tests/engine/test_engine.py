@@ -185,3 +185,28 @@ def test_requests_of_a_vanished_api_process_are_aborted(engine):
         time.sleep(0.1)
     assert st.num_running == 0 and st.num_waiting == 0
     assert time.time() - t0 < 5  # checked every 2 s, not after the 480 tokens
+
+
+def test_request_left_pending_by_a_dead_replica_is_taken_over(engine):
+    """A replica killed between its XREADGROUP and XACK leaves the request pending for its consumer; a live
+    replica takes it over (found by a fresh-clone user test: such a request waited for ever)."""
+    import uuid
+
+    from inference.protocol.engine import ENGINE_GROUP, EngineCoreRequest, SamplingParams, requests_stream
+
+    rid = f"orphan-{uuid.uuid4().hex[:6]}"
+    req = EngineCoreRequest(request_id=rid, external_req_id=rid, prompt_token_ids=PROMPT,
+                            sampling_params=SamplingParams(max_tokens=3, temperature=0, eos_token_ids=EOS_IDS),
+                            client_id=engine.client_id, arrival_time=time.time())
+    engine.r.set(api_alive_key(engine.prefix, engine.client_id), b"1", ex=120)
+    stream = requests_stream(engine.prefix, "tiny-qwen3")
+    pipe = engine.r.pipeline(transaction=True)  # atomically: the live replica cannot read it first
+    pipe.xadd(stream, {"r": req.to_wire()})
+    pipe.xreadgroup(ENGINE_GROUP, "dead-replica-1", {stream: ">"}, count=1)
+    pipe.execute()
+    assert engine.r.xpending(stream, ENGINE_GROUP)["pending"] == 1
+    t0 = time.time()
+    outs = engine.collect([rid], timeout=15)[rid]
+    assert final(outs).finish_reason == FINISH_LENGTH and len(tokens(outs)) == 3
+    assert time.time() - t0 < 6  # pending > 2 s, then claimed at the next reclaim pass (every 1 s)
+    assert engine.r.xpending(stream, ENGINE_GROUP)["pending"] == 0

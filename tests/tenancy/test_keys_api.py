@@ -68,7 +68,7 @@ def test_scopes_and_auth_errors_use_the_openai_envelope(tenant, admin_key):
     r = _client("sk-AAAAAAAA.nope").get("/api/v1/keys")
     assert r.status_code == 401
     r = _client(admin_key).post("/api/v1/keys", {"name": "x", "scopes": ["metrics"]}, format="json")
-    assert r.status_code == 400 and r.json()["error"]["param"] == "scopes"  # operator scope refused
+    assert r.status_code == 400 and r.json()["error"]["param"] == "scopes[0]"  # operator scope refused
     r = _client(admin_key).post("/api/v1/keys", {"scopes": ["inference"]}, format="json")
     assert r.status_code == 400 and r.json()["error"]["param"] == "name"
 
@@ -90,6 +90,21 @@ def test_revoke_update_and_tenant_isolation(tenant, admin_key):
     assert r.status_code == 200 and r.json()["status"] == "revoked"
     assert api_key_authenticate(created["key"]) is None
     assert c.patch(f"/api/v1/keys/{created['id']}", {"name": "z"}, format="json").status_code == 400
+
+
+def test_bad_scope_is_a_plain_400_naming_the_item(tenant, admin_key):
+    from django.core.management import CommandError, call_command
+
+    c = _client(admin_key)
+    created = c.post("/api/v1/keys", {"name": "s"}, format="json").json()
+    r = c.patch(f"/api/v1/keys/{created['id']}", {"scopes": ["inference", "foo"]}, format="json")
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "scopes[1]"
+    assert "ErrorDetail" not in err["message"] and '"foo" is not a valid choice' in err["message"]
+    with pytest.raises(ValueError, match="unknown scope 'foo'"):
+        api_key_create(tenant=tenant, name="x", scopes=["foo"])
+    with pytest.raises(CommandError, match="unknown scope"):
+        call_command("create_api_key", "--tenant", tenant.name, "--name", "y", "--scopes", "foo")
 
 
 def test_rotate_with_grace_keeps_old_secret_until_expiry(tenant, admin_key):

@@ -25,6 +25,24 @@ _ERROR_TYPES = {
 }
 
 
+def _first_error(detail, path: str = "") -> tuple[str, str]:
+    """``(param path, message)`` of the first message in DRF's nested error ``detail``: dicts by field name
+    or list index, lists of messages, or (``many=True``) lists of per-item dicts where valid items are
+    empty. ``{"scopes": {0: ["..."]}}`` → ``("scopes[0]", "...")``."""
+    while True:
+        if isinstance(detail, dict) and detail:
+            key, detail = next(iter(detail.items()))
+            path = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else str(key))
+        elif isinstance(detail, list) and detail:
+            if all(isinstance(d, (dict, list)) for d in detail):
+                index = next((i for i, d in enumerate(detail) if d), 0)
+                path, detail = f"{path}[{index}]", detail[index]
+            else:
+                detail = detail[0]
+        else:
+            return path, str(detail)
+
+
 def envelope_exception_handler(exc, context):
     """DRF exception handler that answers in the OpenAI error envelope ``{"error": {message, type, param,
     code}}``; validation errors name the first bad field in ``param``."""
@@ -34,9 +52,8 @@ def envelope_exception_handler(exc, context):
     data = response.data
     param = None
     if isinstance(exc, exceptions.ValidationError) and isinstance(data, dict) and data:
-        param, detail = next(iter(data.items()))
-        detail = detail[0] if isinstance(detail, list) and detail else detail
-        message = f"{param}: {detail}" if param != "non_field_errors" else str(detail)
+        param, detail = _first_error(data)
+        message = f"{param}: {detail}" if param and param != "non_field_errors" else str(detail)
         if param == "non_field_errors":
             param = None
     elif isinstance(data, dict) and "detail" in data:
