@@ -136,7 +136,8 @@ def _drawn_pixels(png: bytes, rgb: tuple[int, int, int], tol: int = 12) -> int:
     from PIL import Image
 
     img = Image.open(io.BytesIO(png)).convert("RGB")
-    return sum(1 for px in img.getdata() if all(abs(a - b) <= tol for a, b in zip(px, rgb)))
+    pixels = img.get_flattened_data() if hasattr(img, "get_flattened_data") else img.getdata()  # Pillow >= 12.1
+    return sum(1 for px in pixels if all(abs(a - b) <= tol for a, b in zip(px, rgb)))
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium missing (apt-get install chromium)")
