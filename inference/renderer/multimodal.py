@@ -146,7 +146,7 @@ _settings: dict[str, tuple[tuple, dict]] = {}
 def processor_settings(model_dir: str) -> dict:
     """What the processed features depend on, without loading the processor: the SHA-256 of each of the
     model directory's processor configuration files (``PROCESSOR_CONFIG_FILES``) and the ``transformers``
-    version. The api process (cache hits, see ``data_url_cache_key``) and the ``mm`` workers compute the
+    version. The api process (cache hits, see ``data_url_cache_entry``) and the ``mm`` workers compute the
     same value; an edited config file changes it at once (cached per file size and mtime)."""
     from importlib.metadata import version
 
@@ -180,11 +180,6 @@ def data_url_cache_entry(model_dir: str, url: str, part: str, max_bytes: int | N
     limit = int(max_bytes or FetchPolicy.max_bytes)
     data = parse_data_url(url, part, limit)
     return mm_cache_key(data, processor_settings(model_dir)), data
-
-
-def data_url_cache_key(model_dir: str, url: str, part: str, max_bytes: int | None = None) -> str:
-    """The feature-cache key of a ``data:`` URL image (``data_url_cache_entry``'s key)."""
-    return data_url_cache_entry(model_dir, url, part, max_bytes)[0]
 
 
 def mm_blob_key(prefix: str, key: str) -> str:

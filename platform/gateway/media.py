@@ -1,7 +1,7 @@
 """Images in chat requests, gateway side (issue 6): ``data:`` images already in the shared feature cache are
 found here by content hash and skip the ``mm`` queue; the template render (queue ``render``) and the
-preprocessing of the others (queue ``mm``) run concurrently, then the prompt's image placeholders are expanded to the
-exact token counts and the engine requests get the feature-cache keys.
+preprocessing of the others (queue ``mm``) run concurrently, then the prompt's image placeholders are
+expanded to the exact token counts and the engine requests get the feature-cache keys.
 
 Per-model media domain allowlists come from ``MM_ALLOWED_MEDIA_DOMAINS`` (JSON object
 ``{"served_model_name": ["example.com", "*.cdn.example"]}``), applied by the fetcher to every redirect hop;
@@ -24,13 +24,13 @@ from inference.media.image import ImageError
 from inference.mm_tasks import MM_QUEUE
 from inference.render_client import RenderReplyWaiter, RenderUnavailableError
 from inference.renderer.multimodal import (
-    ImageItem,
     MM_BLOB_TTL_S,
+    ImageItem,
     data_url_cache_entry,
-    mm_blob_key,
     expand_image_tokens,
     extract_images,
     has_images,
+    mm_blob_key,
     vision_config,
 )
 
@@ -48,8 +48,8 @@ def allowed_domains_for(model_name: str) -> list[str]:
 
 
 async def call_mm(model: dict, items: list[dict]) -> list[dict]:
-    """Preprocess ``items`` (``[{"part", "url"}]`` or ``[{"part", "key", "blob"}]``) on the ``mm`` queue; returns ``[{"key", "num_tokens",
-    "cached"}]``. Client errors → 400 naming the part; no worker in time → 503; worker bug → 500."""
+    """Preprocess ``items`` (``{"part", "url"}`` or ``{"part", "key", "blob"}`` each) on the ``mm`` queue;
+    returns ``[{"key", "num_tokens", "cached"}]``. Client errors → 400 naming the part; no worker in time → 503; worker bug → 500."""
     from config.celery import app
 
     payload = {"redis_url": settings.REDIS_URL, "prefix": settings.LINK_PREFIX, "model_dir": model["model_dir"],

@@ -13,7 +13,7 @@ import redis
 
 from inference.media.cache import FeatureCache, ImageFeatures, feature_meta_key, mm_cache_key
 from inference.media.image import ImageError
-from inference.renderer.multimodal import data_url_cache_key, processor_settings
+from inference.renderer.multimodal import data_url_cache_entry, processor_settings
 from tests.multimodal.conftest import ensure_vl_model
 from tests.multimodal.imgs import data_url, image_bytes
 
@@ -38,16 +38,17 @@ def test_data_url_key_matches_the_workers_key_and_follows_the_config_files(tmp_p
     model_dir = tmp_path / "m"
     shutil.copytree(ensure_vl_model(), model_dir, ignore=shutil.ignore_patterns("*.safetensors"))
     raw = image_bytes(seed=3)
-    key = data_url_cache_key(str(model_dir), data_url(raw), "messages[0].content[0]")
+    key, data = data_url_cache_entry(str(model_dir), data_url(raw), "messages[0].content[0]")
+    assert data == raw
     assert key == mm_cache_key(raw, processor_settings(str(model_dir)))  # what the mm worker computes
-    assert key != data_url_cache_key(str(model_dir), data_url(image_bytes(seed=4)), "p")
+    assert key != data_url_cache_entry(str(model_dir), data_url(image_bytes(seed=4)), "p")[0]
     config = model_dir / "preprocessor_config.json"
     config.write_text(config.read_text().replace('"merge_size": 2', '"merge_size": 2 '))
-    assert data_url_cache_key(str(model_dir), data_url(raw), "p") != key  # edited settings: new key
+    assert data_url_cache_entry(str(model_dir), data_url(raw), "p")[0] != key  # edited settings: new key
     with pytest.raises(ImageError, match="larger than"):
-        data_url_cache_key(str(model_dir), data_url(raw), "p", max_bytes=16)
+        data_url_cache_entry(str(model_dir), data_url(raw), "p", max_bytes=16)
     with pytest.raises(ImageError, match="base64"):
-        data_url_cache_key(str(model_dir), "data:image/png;base64,@@@", "p")
+        data_url_cache_entry(str(model_dir), "data:image/png;base64,@@@", "p")
 
 
 def test_meta_hash_follows_put_and_eviction(cache):
