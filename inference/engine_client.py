@@ -133,7 +133,11 @@ class EngineLink:
             self._tracked[req.request_id] = _Tracked(model=model, queue=q, sent_at=now)
             queues[req.request_id] = q
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
+            # MULTI/EXEC: Redis serves a replica blocked in XREADGROUP only after the whole block, so it
+            # reads all of them in one go and batches them (n children, the inputs of one embeddings call).
+            # A plain pipeline woke it at the first XADD: one forward for 1 input, another for the rest
+            # (32 inputs: 99 ms instead of ~75).
+            async with self.redis.pipeline(transaction=len(requests) > 1) as pipe:
                 for req in requests:
                     pipe.xadd(requests_stream(self.prefix, model), {"r": req.to_wire()})
                 await pipe.execute()
