@@ -162,3 +162,42 @@ def test_usage_recorded(live_embed):
             break
         time.sleep(0.5)
     assert f"('embeddings', {expected}, 0, 200)" in out, out
+
+
+def test_inputs_of_one_call_reach_the_engine_together_and_run_in_one_forward(live_embed, direct):
+    """The api sends one call's requests in one MULTI/EXEC, so the blocked replica reads them all at once: a
+    plain pipeline woke it at the first XADD and it ran that input alone, then the rest (two forwards)."""
+    import asyncio
+    import uuid
+
+    from inference.engine_client import EngineLink
+    from inference.protocol.engine import EngineCoreRequest, SamplingParams
+
+    ids = [direct.tok(f"input number {i}")["input_ids"] for i in range(16)]
+
+    async def run() -> list:
+        link = EngineLink.for_current_process(live_embed.redis_url, live_embed.prefix)
+        try:
+            outs = []
+            for _attempt in range(3):  # the replica must be idle, blocked in XREADGROUP, for this to matter
+                await asyncio.sleep(0.3)
+                reqs = [EngineCoreRequest(request_id=f"b-{uuid.uuid4().hex[:8]}", external_req_id="b",
+                                          prompt_token_ids=t, sampling_params=SamplingParams(max_tokens=1),
+                                          client_id=link.client_id, arrival_time=0.0, pooling=True) for t in ids]
+                queue: asyncio.Queue = asyncio.Queue()
+                await link.add_requests(EMBED_MODEL, reqs, queue)
+                done = []
+                while len(done) < len(reqs):
+                    out = await asyncio.wait_for(queue.get(), 30)
+                    if out.finish_reason:
+                        done.append(out)
+                for r in reqs:
+                    link.release(r.request_id)
+                outs.append(done)
+            return outs
+        finally:
+            await link.close()
+
+    for done in asyncio.run(run()):
+        assert all(o.pooled for o in done)
+        assert len({o.scheduled_ts for o in done}) == 1  # one engine step ran all 16
