@@ -68,10 +68,10 @@ def _deltas(records) -> dict[tuple, dict[str, Any]]:
     starts_of_minute: dict[datetime, tuple[datetime, datetime, datetime]] = {}
     for r in records:
         (_rid, tenant_id, key_id, model, created_at, prompt, completion, cached, status, finish, ttft, e2e) = r
-        minute = created_at.replace(second=0, microsecond=0)
+        minute = bucket_floor(created_at, "minute")
         starts = starts_of_minute.get(minute)
-        if starts is None:
-            starts = starts_of_minute[minute] = (minute, minute.replace(minute=0), minute.replace(hour=0, minute=0))
+        if starts is None:  # once per distinct minute, not per record
+            starts = starts_of_minute[minute] = tuple(bucket_floor(minute, g) for g in GRANULARITIES)
         cls = record_classify(status, finish or "")
         ttft_bucket = bucket_of(ttft) if ttft is not None else None
         e2e = e2e or 0.0
