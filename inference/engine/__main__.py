@@ -4,7 +4,8 @@ Options: ``--device cpu|cuda`` (default cpu), ``--dtype float32|bfloat16|float16
 CPU, bfloat16 on CUDA), ``--max-num-seqs 32``, ``--max-model-len N`` (default: the model's
 ``max_position_embeddings``), ``--max-prefill-tokens 4096``, ``--link-prefix llmp``, ``--engine-id ID``
 (default random), ``--num-threads N`` (CPU intra-op threads; default all cores), ``--log-level``,
-``--task generate|embed`` (default generate; ``embed`` runs the pooling mode of ``inference.engine.pooling``).
+``--task generate|embed`` (default generate; ``embed`` runs the pooling mode of ``inference.engine.pooling``),
+``--prefix-cache-mb 256`` (prompt K/V kept for reuse by prompts with the same prefix; 0 disables).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import argparse
 import logging
 import os
 import sys
+
+from .prefix_cache import DEFAULT_PREFIX_CACHE_MB
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -31,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-threads", type=int, default=None)
     ap.add_argument("--task", choices=["generate", "embed"], default="generate",
                     help="generate (causal LM) or embed (pooling mode, encoder models)")
+    ap.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB,
+                    help="MiB of prompt K/V kept for prompts that share a prefix (0 disables)")
     ap.add_argument("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "INFO"))
     return ap.parse_args(argv)
 
@@ -64,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         if is_vision_language(args.model_dir):  # images: features come from the shared mm cache
             runner = VLModelRunner(args.model_dir, device=args.device, dtype=dtype,
                                    max_model_len=args.max_model_len, redis_url=args.redis_url,
-                                   link_prefix=args.link_prefix)
+                                   link_prefix=args.link_prefix, prefix_cache_mb=args.prefix_cache_mb)
         else:
-            runner = ModelRunner(args.model_dir, device=args.device, dtype=dtype, max_model_len=args.max_model_len)
+            runner = ModelRunner(args.model_dir, device=args.device, dtype=dtype, max_model_len=args.max_model_len,
+                                 prefix_cache_mb=args.prefix_cache_mb)
         core_cls = EngineCore
     core = core_cls(args.model, runner, args.redis_url, link_prefix=args.link_prefix,
                     engine_id=args.engine_id, max_num_seqs=args.max_num_seqs,

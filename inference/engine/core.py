@@ -6,8 +6,9 @@ One iteration ("step"):
    accepted; blocking read only when idle) and aborts (``control_stream``, plain XREAD);
 2. answer every newly accepted request at once with an empty output (``queued_ts``, ``engine_id``)
    so the api process knows which replica owns it; invalid requests fail here with ``error``;
-3. prefill waiting requests that fit (``max_num_seqs``, prefill token budget) in one forward, and run
-   one decode step for the rest of the running batch;
+3. prefill waiting requests that fit (``max_num_seqs``, prefill token budget) in one forward (a prompt
+   whose prefix K/V is cached runs on its own from there: ``prefix_cache.py``), and run one decode step
+   for the rest of the running batch;
 4. sample (batched), apply stop rules, publish one ``EngineCoreOutputs`` message per client_id.
 
 A heartbeat thread SETs ``replica_key`` (``EngineStats``) with a TTL so api processes notice a dead
@@ -293,11 +294,34 @@ class EngineCore:
                 request_id=seq.request_id, new_token_ids=[tok],
                 new_logprobs=[lps[i]] if lps is not None and lps[i] is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                num_cached_tokens=seq.num_cached_tokens if first else 0,
                 scheduled_ts=seq.scheduled_ts if first else None,
                 first_token_ts=ts if first else None, engine_id=self.engine_id))
 
     def _ema(self, old: float, new: float) -> float:
         return new if old == 0 else (1 - EMA_ALPHA) * old + EMA_ALPHA * new
+
+    def _prefill(self, group: list[Sequence]) -> None:
+        """Prefill ``group`` in one runner call, add it to the batch and sample its first tokens; a failed
+        forward fails only this group."""
+        t0 = time.perf_counter()
+        try:
+            logits = self.runner.prefill(group)
+        except Exception as exc:  # noqa: BLE001 - fail this group only
+            log.exception("prefill failed")
+            # the runner merges only after a successful forward, so the batch is intact
+            for s in group:
+                self._finish_out(s, FINISH_ERROR, f"prefill failed: {exc}")
+            return
+        self.running.extend(group)
+        dt = time.perf_counter() - t0
+        ntok = sum(len(s.request.prompt_token_ids) - s.num_cached_tokens for s in group)
+        self.stats.prefill_tokens_per_s = self._ema(self.stats.prefill_tokens_per_s, ntok / max(dt, 1e-9))
+        try:
+            self._apply(group, logits)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("sampling failed")
+            self._fail_all_running(f"sampling failed: {exc}")
 
     def step(self) -> None:
         """One engine iteration: prefill what fits, decode the rest, publish outputs."""
@@ -330,28 +354,12 @@ class EngineCore:
             group.append(self.waiting.popleft())
             budget -= n
         if group:
-            t0 = time.perf_counter()
             ts = now()
             for s in group:
                 s.scheduled_ts = ts
-            try:
-                logits = self.runner.prefill(group)
-            except Exception as exc:  # noqa: BLE001 - fail this group only
-                log.exception("prefill failed")
-                # the runner merges only after a successful forward, so the batch is intact
-                for s in group:
-                    self._finish_out(s, FINISH_ERROR, f"prefill failed: {exc}")
-            else:
-                self.running.extend(group)
-                dt = time.perf_counter() - t0
-                ntok = sum(len(s.request.prompt_token_ids) for s in group)
-                self.stats.prefill_tokens_per_s = self._ema(self.stats.prefill_tokens_per_s,
-                                                            ntok / max(dt, 1e-9))
-                try:
-                    self._apply(group, logits)
-                except Exception as exc:  # noqa: BLE001
-                    log.exception("sampling failed")
-                    self._fail_all_running(f"sampling failed: {exc}")
+            # prompts with a cached prefix run on their own, after the batched ones (prefix_cache.py)
+            for sub in self.runner.prefill_groups(group):
+                self._prefill(sub)
         # 3. drop finished rows
         keep = [i for i, s in enumerate(self.running) if s.finish_reason is None]
         if len(keep) != len(self.running):

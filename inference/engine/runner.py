@@ -31,6 +31,8 @@ import torch
 
 from inference.protocol.engine import EngineCoreRequest, SamplingParams
 
+from .prefix_cache import DEFAULT_PREFIX_CACHE_MB, ImageSpan, PrefixCache, PrefixEntry, block_hashes
+
 log = logging.getLogger("inference.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,6 +63,10 @@ class Sequence:
     bias_ids: torch.Tensor | None = None
     bias_vals: torch.Tensor | None = None
     prompt_ids_t: torch.Tensor | None = None
+    # prefix caching (prefix_cache.py): the prompt's block hashes, and the cached prefix its prefill reuses
+    block_hashes: list[bytes] | None = None
+    prefix_entry: PrefixEntry | None = None
+    num_cached_tokens: int = 0
 
     @property
     def request_id(self) -> str:
@@ -119,11 +125,15 @@ class ModelRunner:
         dtype: ``float32``, ``bfloat16`` or ``float16``.
         max_model_len: prompt + output positions per sequence; defaults to the config's
             ``max_position_embeddings``.
+        prefix_cache_mb: bytes (MiB) of prompt K/V kept for reuse by later prompts with the same prefix
+            (``prefix_cache.py``); 0 disables it. Models with sliding-window or other non-full attention layers
+            never use it.
     Raises ``ValueError`` for an unknown dtype, and whatever transformers raises for a bad directory.
     """
 
     def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32",
-                 max_model_len: int | None = None, auto_class=None):
+                 max_model_len: int | None = None, auto_class=None,
+                 prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
         if dtype not in DTYPES:
@@ -153,6 +163,10 @@ class ModelRunner:
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.cache = None  # DynamicCache of the running batch
         self.mask: torch.Tensor | None = None  # [B, T] long, 1 = real token
+        layer_types = set(getattr(text_cfg, "layer_types", None) or ["full_attention"])
+        full_attention = layer_types == {"full_attention"} and not getattr(text_cfg, "use_sliding_window", False)
+        self.prefix_cache = (PrefixCache(int(prefix_cache_mb * 2**20))
+                             if prefix_cache_mb > 0 and full_attention else None)
 
     # ------------------------------------------------------------------ validation
     def prepare(self, seq: Sequence) -> None:
@@ -237,16 +251,72 @@ class ModelRunner:
             old.keys = torch.cat([lpad(old.keys, 2, width - t_old), lpad(new.keys, 2, width - t_new)], 0)
             old.values = torch.cat([lpad(old.values, 2, width - t_old), lpad(new.values, 2, width - t_new)], 0)
 
+    # ------------------------------------------------------------------ prefix caching
+    def image_spans(self, seq: Sequence) -> list[ImageSpan]:
+        """Placeholder spans of ``seq``'s images (none for a text-only model; the VL runner overrides)."""
+        return []
+
+    def prefill_groups(self, seqs: list[Sequence]) -> list[list[Sequence]]:
+        """Split a prefill group: the prompts without a usable cached prefix (one batched forward), then each
+        prompt with one on its own (its forward starts after the prefix). Sets ``block_hashes``,
+        ``prefix_entry`` and ``num_cached_tokens`` on every sequence.
+
+        The prefix reused is the longest cached one, cut to leave at least the last prompt token to compute
+        (its logits give the first output token); it may end inside an image's placeholders (the VL runner then
+        feeds the rest of that image's embeddings).
+        """
+        if self.prefix_cache is None:
+            return [seqs]
+        plain: list[Sequence] = []
+        hits: list[list[Sequence]] = []
+        for s in seqs:
+            ids = s.request.prompt_token_ids
+            spans = self.image_spans(s)
+            s.block_hashes = block_hashes(ids, spans, self.prefix_cache.block_size)
+            entry, n = self.prefix_cache.lookup(s.block_hashes)
+            n = min(n, len(ids) - 1)
+            s.prefix_entry, s.num_cached_tokens = (entry, n) if entry is not None and n > 0 else (None, 0)
+            self.prefix_cache.count(len(ids), s.num_cached_tokens)
+            (hits.append([s]) if s.prefix_entry is not None else plain.append(s))
+        return ([plain] if plain else []) + hits
+
+    def _prefix_cache_of(self, seq: Sequence):
+        """A fresh ``DynamicCache`` holding ``seq``'s cached prefix K/V (batch of one)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.config)
+        n = seq.num_cached_tokens
+        for i, (k, v) in enumerate(seq.prefix_entry.kv):
+            cache.update(k[None, :, :n].to(self.device), v[None, :, :n].to(self.device), i)
+        return cache
+
+    def _store_prefixes(self, seqs: list[Sequence], cache, width: int) -> None:
+        """Offer each prefilled prompt's full blocks to the prefix cache (rows right-aligned at ``width``)."""
+        if self.prefix_cache is None:
+            return
+        for i, s in enumerate(seqs):
+            hashes = s.block_hashes
+            if not hashes or self.prefix_cache.covers(hashes):
+                continue
+            lo = width - len(s.request.prompt_token_ids)
+            self.prefix_cache.insert(hashes, [(layer.keys[i, :, lo:], layer.values[i, :, lo:])
+                                              for layer in cache.layers])
+        for s in seqs:
+            s.prefix_entry = None  # the batch holds its own copy now
+
     # ------------------------------------------------------------------ forward passes
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Run the prompts of ``seqs`` (one left-padded forward) and append them to the batch.
+        """Run the prompts of ``seqs`` and append them to the batch: one left-padded forward, or, for a single
+        sequence with a cached prefix (``prefill_groups``), a forward of the tokens after it.
 
         Returns the last-position logits, float32 ``[len(seqs), vocab]``. The new rows follow the
         existing ones, in ``seqs`` order.
         """
         from transformers import DynamicCache
 
+        if len(seqs) == 1 and seqs[0].prefix_entry is not None:
+            return self._prefill_cached(seqs[0])
         lens = [len(s.request.prompt_token_ids) for s in seqs]
         width = max(lens)
         ids = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -261,6 +331,22 @@ class ModelRunner:
                          use_cache=True, logits_to_keep=1)
         for s, n in zip(seqs, lens):
             s.num_computed = n
+        self._store_prefixes(seqs, cache, width)
+        self._merge(cache, mask)
+        return out.logits[:, -1, :].float()
+
+    def _prefill_cached(self, seq: Sequence) -> torch.Tensor:
+        """Prefill one sequence whose first ``num_cached_tokens`` positions come from the prefix cache."""
+        ids = seq.request.prompt_token_ids
+        n, p = len(ids), seq.num_cached_tokens
+        cache = self._prefix_cache_of(seq)
+        suffix = torch.tensor([ids[p:]], dtype=torch.long, device=self.device)
+        mask = torch.ones((1, n), dtype=torch.long, device=self.device)
+        pos = torch.arange(p, n, dtype=torch.long, device=self.device).view(1, -1)
+        out = self.model(input_ids=suffix, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                         logits_to_keep=1)
+        seq.num_computed = n
+        self._store_prefixes([seq], cache, n)
         self._merge(cache, mask)
         return out.logits[:, -1, :].float()
 

@@ -9,6 +9,9 @@ Extends ``ModelRunner`` (same right-aligned batch KV cache, same sampling) with:
 * an encoder cache (``encoder_cache.EncoderCache``): the vision tower's output per image key, so an image
   seen before costs neither a Redis read of its pixels nor a vision-tower pass; prefill hands the image
   embeddings to the model as ``mm_encoder_outputs``;
+* prefix caching (``prefix_cache.py``): block hashes carry the keys of the images they cover, so a prompt
+  with the same text and the same images reuses the K/V; images wholly inside the reused prefix are not
+  encoded at all;
 * M-RoPE: prefill positions come from the model's own ``get_rope_index`` (3 × B × T, vision tokens get
   temporal/height/width positions); each row keeps its ``rope_delta`` so decode positions are
   ``num_computed + rope_delta`` in all three sections.
@@ -25,6 +28,7 @@ import torch
 from inference.media.cache import FeatureCache
 
 from .encoder_cache import EncodedImage, EncoderCache
+from .prefix_cache import DEFAULT_PREFIX_CACHE_MB, ImageSpan
 from .runner import ModelRunner, RequestError, Sequence
 
 
@@ -41,12 +45,12 @@ class VLModelRunner(ModelRunner):
 
     def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32",
                  max_model_len: int | None = None, redis_url: str = "redis://127.0.0.1:6379/0",
-                 link_prefix: str = "llmp"):
+                 link_prefix: str = "llmp", prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB):
         import redis
         from transformers import AutoModelForImageTextToText
 
         super().__init__(model_dir, device=device, dtype=dtype, max_model_len=max_model_len,
-                         auto_class=AutoModelForImageTextToText)
+                         auto_class=AutoModelForImageTextToText, prefix_cache_mb=prefix_cache_mb)
         cfg = self.config
         self.image_token_id = int(cfg.image_token_id)
         self.row_deltas: torch.Tensor | None = None  # [B] long, M-RoPE delta per batch row
@@ -77,6 +81,21 @@ class VLModelRunner(ModelRunner):
             raise RequestError(f"prompt has {n_placeholders} image tokens but its images need {n_image_tokens}")
         seq.mm_images = images  # type: ignore[attr-defined]
 
+    def image_spans(self, seq: Sequence) -> list[ImageSpan]:
+        """Each image's placeholder span in ``seq``'s prompt: the image-token positions, taken in order, the
+        first image's count for the first image, and so on (the template writes each image's placeholders as
+        one run). Needs ``prepare`` to have run."""
+        images = getattr(seq, "mm_images", None) or []
+        if not images:
+            return []
+        where = np.flatnonzero(np.asarray(seq.request.prompt_token_ids) == self.image_token_id)
+        spans, at = [], 0
+        for key, encoded, feats in images:
+            count = int(encoded.embeds.shape[0]) if encoded is not None else int(feats.num_tokens)
+            spans.append(ImageSpan(int(where[at]), int(where[at + count - 1]) + 1, key))
+            at += count
+        return spans
+
     def remove_rows(self, keep: list[int]) -> None:
         """As ``ModelRunner.remove_rows``, keeping the rows' M-RoPE deltas aligned."""
         if self.row_deltas is not None:
@@ -89,6 +108,8 @@ class VLModelRunner(ModelRunner):
         logits ``[len(seqs), vocab]``."""
         from transformers import DynamicCache
 
+        if len(seqs) == 1 and seqs[0].prefix_entry is not None:
+            return self._prefill_cached(seqs[0])
         lens = [len(s.request.prompt_token_ids) for s in seqs]
         width = max(lens)
         ids = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -103,22 +124,62 @@ class VLModelRunner(ModelRunner):
         grid = torch.tensor([e.grid_thw for e in encoded], dtype=torch.long, device=self.device) if images else None
         pos, deltas = self.model.model.get_rope_index(ids, mm_token_type_ids=mm_types, image_grid_thw=grid,
                                                       attention_mask=mask)
-        kwargs = {}
-        if images:
-            from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-            kwargs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(
-                pooler_output=tuple(e.embeds for e in encoded))}
         cache = DynamicCache(config=self.config)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                         logits_to_keep=1, **kwargs)
+                         logits_to_keep=1, **self._mm_kwargs(encoded))
         for s, n in zip(seqs, lens):
             s.num_computed = n
+        self._finish_prefill(seqs, cache, mask, deltas, width)
+        return out.logits[:, -1, :].float()
+
+    def _prefill_cached(self, seq: Sequence) -> torch.Tensor:
+        """Prefill one sequence after its cached prefix (``num_cached_tokens`` positions): M-RoPE positions come
+        from the whole prompt; only images that end after the prefix are encoded (or taken from the encoder
+        cache), and an image cut by the prefix contributes the embeddings of its placeholders after the cut."""
+        ids_list = seq.request.prompt_token_ids
+        n, p = len(ids_list), seq.num_cached_tokens
+        images = getattr(seq, "mm_images", [])
+        spans = self.image_spans(seq)
+        ids = torch.tensor([ids_list], dtype=torch.long, device=self.device)
+        mask = torch.ones((1, n), dtype=torch.long, device=self.device)
+        grid = None
+        if images:
+            grid = torch.tensor([enc.grid_thw if enc is not None else list(f.grid_thw) for _k, enc, f in images],
+                                dtype=torch.long, device=self.device)
+        mm_types = (ids == self.image_token_id).to(torch.int32)
+        pos, deltas = self.model.model.get_rope_index(ids, mm_token_type_ids=mm_types, image_grid_thw=grid,
+                                                      attention_mask=mask)
+        # images wholly in the prefix are not needed; one that straddles its end gives its remaining rows
+        after = [(img, sp) for img, sp in zip(images, spans) if sp.end > p]
+        encoded = [EncodedImage(embeds=e.embeds[max(0, p - sp.start):], grid_thw=e.grid_thw)
+                   for e, (_img, sp) in zip(self._encode([img for img, _sp in after]), after)]
+        cache = self._prefix_cache_of(seq)
+        out = self.model(input_ids=ids[:, p:], attention_mask=mask, position_ids=pos[..., p:], cache=cache,
+                         use_cache=True, logits_to_keep=1, **self._mm_kwargs(encoded))
+        seq.num_computed = n
+        self._finish_prefill([seq], cache, mask, deltas, n)
+        return out.logits[:, -1, :].float()
+
+    @staticmethod
+    def _mm_kwargs(encoded: list[EncodedImage]) -> dict:
+        """The model's ``mm_encoder_outputs`` argument for already encoded images (empty without images)."""
+        if not encoded:
+            return {}
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(
+            pooler_output=tuple(e.embeds for e in encoded))}}
+
+    def _finish_prefill(self, seqs: list[Sequence], cache, mask: torch.Tensor, deltas: torch.Tensor,
+                        width: int) -> None:
+        """Offer the prompts to the prefix cache, drop their images, keep the rows' M-RoPE deltas and merge the
+        group into the batch."""
+        self._store_prefixes(seqs, cache, width)
+        for s in seqs:
             s.mm_images = []  # type: ignore[attr-defined]  # pixels are not needed after prefill
         deltas = deltas.view(-1).to(torch.long)
         self.row_deltas = deltas if self.row_deltas is None else torch.cat([self.row_deltas, deltas])
         self._merge(cache, mask)
-        return out.logits[:, -1, :].float()
 
     def _encode(self, images: list[tuple]) -> list[EncodedImage]:
         """``EncodedImage`` per image, in order: cached ones as they are, the others from one vision-tower

@@ -210,3 +210,31 @@ def test_request_left_pending_by_a_dead_replica_is_taken_over(engine):
     assert final(outs).finish_reason == FINISH_LENGTH and len(tokens(outs)) == 3
     assert time.time() - t0 < 6  # pending > 2 s, then claimed at the next reclaim pass (every 1 s)
     assert engine.r.xpending(stream, ENGINE_GROUP)["pending"] == 0
+
+
+def _first_cached(outs) -> int:
+    return next(o.num_cached_tokens for o in outs if o.new_token_ids)
+
+
+def test_prefix_cache_reuses_prompt_kv_with_the_same_output(engine):
+    """A repeated 80-token prompt reuses 79 positions (the last one is recomputed for its logits), a prompt
+    sharing its first 64 tokens reuses those 64 (four full 16-token blocks), and the outputs and logprobs equal
+    the cold run's, also when the cached rows join a running batch."""
+    shared = [47000 + 3 * i for i in range(70)]  # no other test sends these ids
+    b_prompt, a_prompt = shared + list(range(2000, 2010)), shared + list(range(3000, 3012))
+    kw = dict(temperature=0, max_tokens=8, logprobs=2)
+    cold = engine.send(b_prompt, **kw)
+    cold_outs = engine.collect([cold])[cold]
+    assert _first_cached(cold_outs) == 0
+    companions = [engine.send(p, temperature=0.7, max_tokens=24) for p in OTHER_PROMPTS[:3]]
+    time.sleep(0.05)
+    partial = engine.send(a_prompt, **kw)
+    warm = engine.send(b_prompt, **kw)
+    got = engine.collect([partial, warm, *companions])
+    assert _first_cached(got[partial]) == 64
+    assert _first_cached(got[warm]) == len(b_prompt) - 1 == 79
+    assert final(got[warm]).finish_reason == FINISH_LENGTH and len(tokens(got[partial])) == 8
+    assert tokens(got[warm]) == tokens(cold_outs)
+    for c, w in zip([o for o in cold_outs if o.new_token_ids], [o for o in got[warm] if o.new_token_ids]):
+        assert abs(c.new_logprobs[0][0] - w.new_logprobs[0][0]) < 1e-4
+        assert [t for t, _ in c.new_logprobs[0][1]] == [t for t, _ in w.new_logprobs[0][1]]

@@ -74,6 +74,16 @@ def test_same_image_processed_once_and_second_faster(live_vl):
     assert mm_tasks(live_vl) - tasks_before == 1
     assert b1["choices"][0]["message"]["content"] == b2["choices"][0]["message"]["content"]
     assert b1["usage"]["prompt_tokens"] == b2["usage"]["prompt_tokens"]
+    # the engine's prefix cache (keyed by the ids and the image's content key) serves all but the last position
+    def cached(body) -> int:
+        return body["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+    assert cached(b1) < b1["usage"]["prompt_tokens"] // 2  # at most the text before the image (earlier tests)
+    assert b2["usage"]["prompt_tokens_details"]["cached_tokens"] == b2["usage"]["prompt_tokens"] - 1
+    # another image at the same place in the same text: only the blocks before the image are reused
+    s3, b3 = chat(live_vl, data_url(image_bytes("PNG", size=(600, 400), seed=8)))
+    assert s3 == 200
+    assert cached(b3) < b3["usage"]["prompt_tokens"] // 2
     print(f"first {t1 - t0:.3f}s second {t2 - t1:.3f}s")
 
 

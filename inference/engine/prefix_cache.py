@@ -1,0 +1,152 @@
+"""Automatic prefix caching for the engine's KV cache (issue 6: the second identical image request).
+
+A prompt's KV is reusable by any later prompt that starts with the same tokens: vLLM's automatic prefix caching
+(docs "Automatic Prefix Caching"; ``vllm/v1/core/kv_cache_utils.py``) splits prompts into blocks of
+``block_size`` tokens and names each full block by a hash chained over the blocks before it, with the
+multimodal inputs the block covers as extra keys (image placeholder ids are all the same token, so the
+image's content key is what tells two images apart). This module keeps that naming but not the paged layout:
+the runner's batch cache is contiguous (``runner.py``), so an entry is the contiguous per-layer K/V of one
+prompt's full blocks, and every block hash of that prompt points into it. A new prompt walks its own block
+hashes and takes the longest run present; any prefix of that run is equally valid (same tokens, same
+positions, same images), so the runner may cut it shorter (it keeps the last prompt token to compute, and
+never cuts inside an image).
+
+Bounded by bytes (``capacity_bytes``), least recently used entry evicted first. Two prompts that share a
+prefix but were stored separately hold it twice: a paged pool would share the blocks, which is what
+transformers' paged cache does, but the runner does not use that layout.
+
+Positions: the cached keys carry their rotary positions; a prefix is only reused at the same positions
+(always position 0 onwards), so this holds for RoPE and for M-RoPE (whose positions depend only on the tokens
+and images before them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+BLOCK_SIZE = 16
+DEFAULT_PREFIX_CACHE_MB = 256
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """Image placeholder positions ``[start, end)`` of one image in a prompt, and the image's content key."""
+
+    start: int
+    end: int
+    key: str
+
+
+def block_hashes(token_ids: list[int], spans: list[ImageSpan] = (), block_size: int = BLOCK_SIZE) -> list[bytes]:
+    """Chained hashes of the full blocks of ``token_ids``: entry ``i`` names tokens ``[0, (i+1)·block_size)``.
+
+    Block ``i``'s hash covers the previous hash, its ``block_size`` ids (int64) and the keys of the images whose
+    spans overlap the block, so equal hashes mean equal tokens and equal images up to that block's end.
+    A trailing partial block has no hash (it is never reused).
+    """
+    ids = np.asarray(token_ids, dtype=np.int64)
+    out: list[bytes] = []
+    prev = b""
+    for i in range(len(ids) // block_size):
+        lo, hi = i * block_size, (i + 1) * block_size
+        h = hashlib.blake2b(prev, digest_size=16)
+        h.update(ids[lo:hi].tobytes())
+        for sp in spans:
+            if sp.start < hi and sp.end > lo:
+                h.update(b"\x00img:" + sp.key.encode())
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+@dataclass(eq=False)
+class PrefixEntry:
+    """The K/V of one prompt's first ``num_tokens`` tokens: per layer ``(keys, values)``, each
+    ``[kv_heads, num_tokens, head_dim]``, contiguous and never modified after insertion."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    num_tokens: int
+    nbytes: int
+    hashes: list[bytes] = field(default_factory=list)
+
+
+class PrefixCache:
+    """Block-hash → cached K/V of the longest stored prefix; LRU over entries, bounded by ``capacity_bytes``.
+
+    Counters ``queries``/``hits`` (prompt tokens asked / served) let callers report a hit rate.
+    """
+
+    def __init__(self, capacity_bytes: int, block_size: int = BLOCK_SIZE):
+        self.capacity_bytes = int(capacity_bytes)
+        self.block_size = block_size
+        self._index: dict[bytes, tuple[PrefixEntry, int]] = {}
+        self._lru: OrderedDict[int, PrefixEntry] = OrderedDict()
+        self.bytes_used = 0
+        self.queries = 0
+        self.hits = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def lookup(self, hashes: list[bytes]) -> tuple[PrefixEntry | None, int]:
+        """Longest cached prefix for a prompt with block hashes ``hashes``: (entry, tokens) or (None, 0).
+        The entry's first ``tokens`` positions are the prompt's. Marks the entry recently used."""
+        for i in range(len(hashes) - 1, -1, -1):
+            found = self._index.get(hashes[i])
+            if found is not None:
+                entry, n = found
+                self._lru.move_to_end(id(entry))
+                return entry, n
+        return None, 0
+
+    def count(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """Record one prefill: ``prompt_tokens`` asked, ``cached_tokens`` of them served from the cache."""
+        self.queries += prompt_tokens
+        self.hits += cached_tokens
+
+    def covers(self, hashes: list[bytes]) -> bool:
+        """True when the last of ``hashes`` is already stored (inserting again would add nothing)."""
+        return bool(hashes) and hashes[-1] in self._index
+
+    def insert(self, hashes: list[bytes], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Store ``kv`` (per layer ``[kv_heads, T, head_dim]`` with ``T >= len(hashes)·block_size``; only the
+        first ``len(hashes)·block_size`` positions are kept, copied) under ``hashes``. Evicts least recently
+        used entries to stay within capacity; returns False (storing nothing) when the entry alone exceeds it
+        or when it is already covered."""
+        n = len(hashes) * self.block_size
+        if n == 0 or self.covers(hashes):
+            return False
+        nbytes = sum(2 * k.element_size() * k.shape[0] * n * k.shape[-1] for k, _v in kv)
+        if nbytes > self.capacity_bytes:
+            return False
+        while self.bytes_used + nbytes > self.capacity_bytes and self._lru:
+            self._evict(next(iter(self._lru.values())))
+        entry = PrefixEntry(kv=[(k[:, :n].clone(), v[:, :n].clone()) for k, v in kv], num_tokens=n, nbytes=nbytes,
+                            hashes=list(hashes))
+        for i, h in enumerate(hashes):
+            self._index[h] = (entry, (i + 1) * self.block_size)
+        self._lru[id(entry)] = entry
+        self.bytes_used += nbytes
+        return True
+
+    def _evict(self, entry: PrefixEntry) -> None:
+        self._lru.pop(id(entry), None)
+        self.bytes_used -= entry.nbytes
+        for h in entry.hashes:
+            found = self._index.get(h)
+            if found is not None and found[0] is entry:
+                del self._index[h]
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        self._index.clear()
+        self._lru.clear()
+        self.bytes_used = 0
