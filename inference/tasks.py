@@ -28,8 +28,14 @@ import redis
 from celery import shared_task
 from celery.exceptions import SoftTimeLimitExceeded
 
-from inference.renderer.chat_template import detokenize, render_chat, tokenize_prompt
-from inference.renderer.errors import RenderError, TemplateTimeoutError
+from inference.renderer.chat_template import (
+    detokenize,
+    render_chat,
+    reset_template_seconds,
+    template_seconds,
+    tokenize_prompt,
+)
+from inference.renderer.errors import RenderError, RenderOverloadedError, TemplateTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +57,14 @@ def _error(exc: BaseException) -> dict[str, Any]:
     if isinstance(exc, RenderError):
         return {"ok": False, "error": exc.to_dict()}
     if isinstance(exc, SoftTimeLimitExceeded):
-        err = TemplateTimeoutError(f"rendering took longer than {RENDER_TIME_LIMIT_S:g} s and was abandoned")
+        # The limit is for the client's template; if most of the time went elsewhere (a cold worker loading the
+        # tokenizer, a CPU-starved machine), the request was fine and the server was slow: 503, not 400.
+        if template_seconds() >= RENDER_TIME_LIMIT_S / 2:
+            err = TemplateTimeoutError(f"rendering took longer than {RENDER_TIME_LIMIT_S:g} s and was abandoned")
+        else:
+            err = RenderOverloadedError(
+                f"the render worker could not finish within {RENDER_TIME_LIMIT_S:g} s "
+                f"({template_seconds():.1f} s of it in the chat template): it is overloaded or was starting")
         return {"ok": False, "error": err.to_dict()}
     logger.exception("render task failed unexpectedly")
     return {"ok": False, "error": {"type": "InternalError", "message": f"{type(exc).__name__}: {exc}", "param": None}}
@@ -71,6 +84,7 @@ def run_render_chat(payload: dict) -> dict:
     "chat_template"?: str|None, "chat_template_kwargs"?: dict|None, "add_special_tokens"?: bool}``.
     Returns ``{"ok": True, "prompt_text": str, "prompt_token_ids": list[int]}`` or an error dict.
     """
+    reset_template_seconds()
     try:
         kwargs = {k: payload[k] for k in _RENDER_ARGS if isinstance(payload, dict) and k in payload}
         out = render_chat(_require(payload, "tokenizer_dir"), _require(payload, "messages"), **kwargs)
@@ -84,6 +98,7 @@ def run_render_chat(payload: dict) -> dict:
 def run_tokenize_prompt(payload: dict) -> dict:
     """payload ``{"tokenizer_dir", "prompt", "add_special_tokens"?: bool (default True)}`` ->
     ``{"ok": True, "prompt_token_ids": [...]}`` or an error dict."""
+    reset_template_seconds()
     try:
         ids = tokenize_prompt(
             _require(payload, "tokenizer_dir"),
@@ -100,6 +115,7 @@ def run_tokenize_prompt(payload: dict) -> dict:
 def run_detokenize(payload: dict) -> dict:
     """payload ``{"tokenizer_dir", "tokens": [int], "skip_special_tokens"?: bool (default False)}``
     -> ``{"ok": True, "prompt": str}`` (vLLM's /detokenize field name) or an error dict."""
+    reset_template_seconds()
     try:
         text = detokenize(
             _require(payload, "tokenizer_dir"),

@@ -190,9 +190,13 @@ def start_platform(tmp_dir: Path, *, max_model_len: int = 512, engine: bool = Tr
         live.manage("migrate", "--no-input", timeout=300)
         live.manage("register_model", DEMO_MODEL, str(MODEL_DIR), "--max-model-len", str(max_model_len))
         live.api_key = live.new_key(tenant="e2e")
-        sup.start("worker", [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "render,usage", "-c",
+        sup.start("worker", [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "render", "-c",
                              "2", "--pool", "prefork", "-n", f"w-{prefix}@%h", "--without-gossip", "--without-mingle",
                              "-l", "WARNING"])
+        # usage writes on their own worker, as `manage.py serve` runs them: a flush never holds a render slot
+        sup.start("worker-usage", [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "usage", "-c", "1",
+                                   "--pool", "prefork", "-n", f"u-{prefix}@%h", "--without-gossip",
+                                   "--without-mingle", "-l", "WARNING"])
         if mm_worker:
             sup.start("worker-mm", ["nice", "-n", "10", sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "mm", "-c", "1",
                                     "--pool", "prefork", "-n", f"mm-{prefix}@%h", "--without-gossip",

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -64,6 +66,20 @@ _RESERVED_KWARGS = frozenset(
 _TEXT_PART_TYPES = {"text", "input_text", "output_text", "refusal"}
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+_template_clock = threading.local()
+
+
+def reset_template_seconds() -> None:
+    """Start counting, for this thread, the seconds spent inside ``render_template`` (a task calls it first)."""
+    _template_clock.total = 0.0
+
+
+def template_seconds() -> float:
+    """Seconds this thread has spent inside ``render_template`` since ``reset_template_seconds``; a task whose
+    wall-time limit ran out uses it to tell a slow template (the client's input) from a slow worker."""
+    return float(getattr(_template_clock, "total", 0.0))
 
 
 @dataclass
@@ -311,6 +327,7 @@ def render_template(
     ``raise_exception``), ``TemplateSecurityError``, ``TemplateLimitError`` (output over
     ``max_output_chars`` characters, or more than ``max_ops`` loop iterations/calls).
     """
+    started = time.monotonic()
     template = compile_template(source)
     budget = RenderBudget(max_ops=max_ops, max_chars=max_output_chars)
     token = activate_budget(budget)
@@ -341,7 +358,22 @@ def render_template(
         raise TemplateRenderError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
     finally:
         deactivate_budget(token)
+        _template_clock.total = template_seconds() + (time.monotonic() - started)
     return "".join(chunks)
+
+
+def warm_up(tokenizer_dir: str, chat_template: str | None = None) -> None:
+    """Load ``tokenizer_dir``'s tokenizer and compile its chat template into this process's caches, so the
+    first request a worker serves does not pay for them inside its time limit. Errors are the caller's to
+    log: ``TokenizerLoadError``, ``TemplateSyntaxError`` (a model without a chat template warms its tokenizer
+    only)."""
+    tok = get_tokenizer(tokenizer_dir)
+    try:
+        source = resolve_template(tok, chat_template, None)
+    except NoChatTemplateError:  # an embedding model, or completions only: the tokenizer is what it needs
+        return
+    compile_template(source)
+    detect_content_format(source)
 
 
 def render_chat(

@@ -80,6 +80,13 @@ class TemplateTimeoutError(RenderError):
     default_param = "messages"
 
 
+class RenderOverloadedError(RenderError):
+    """The wall-time limit ran out while the worker was not rendering the template (loading a tokenizer in a
+    cold worker, or starved of CPU): the server's fault, answered as 503 so the client retries."""
+
+    default_param = None
+
+
 class TokenIdError(RenderError):
     """A token id is not an integer in ``[0, vocab_size)``; the message names the id."""
 

@@ -27,3 +27,7 @@ async def http_router(scope, receive, send):
 
 
 application = ProtocolTypeRouter({"http": http_router, "websocket": websocket_application})
+
+from config.gc_tuning import freeze_startup_objects  # noqa: E402
+
+freeze_startup_objects()  # start-up objects leave the collector's walks (config/gc_tuning.py)

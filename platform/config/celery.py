@@ -1,4 +1,4 @@
-"""The Celery application ``config`` (``celery -A config worker -Q render,usage,celery``).
+"""The Celery application ``config`` (``celery -A config worker -Q render``, ``-Q usage``, ``-Q mm``).
 
 Configuration comes from Django settings under the ``CELERY_`` namespace (see ``config.settings``):
 broker and result backend on ``REDIS_URL``; routes ``inference.*render*``, ``inference.tokenize*``,
@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 
 from celery import Celery
+from celery.signals import worker_process_init
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
@@ -28,3 +30,39 @@ def _inference_tasks_present() -> bool:
 app = Celery("config", include=["inference.tasks"] if _inference_tasks_present() else [])
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+
+@worker_process_init.connect
+def _init_child(**_kwargs) -> None:
+    """Each prefork child: a render worker's child loads the tokenizers and chat templates of the enabled
+    served models now (a cold child took 1-3 s on its first request under load, and up to the 5 s render limit
+    with four children loading at once), then start-up objects leave the collector's walks
+    (``config.gc_tuning``)."""
+    from config.gc_tuning import freeze_startup_objects
+
+    if "render" in (app.amqp.queues.consume_from or {}):
+        _warm_renderer()
+    freeze_startup_objects()
+
+
+def _warm_renderer() -> None:
+    """Load every enabled generate/embed model's tokenizer and chat template; failures are logged, never raised
+    (the request that needs a broken tokenizer gets the error)."""
+    import logging
+
+    from inference.renderer.chat_template import warm_up
+    from registry.selectors import served_models_enabled
+
+    log = logging.getLogger("config.celery")
+    try:
+        models = list(served_models_enabled())
+    except Exception:  # noqa: BLE001 - no database yet (first migrate pending): nothing to warm
+        log.warning("render warm-up skipped: the model registry is not readable", exc_info=True)
+        return
+    t0 = time.monotonic()
+    for m in models:
+        try:
+            warm_up(m.tokenizer_dir_resolved, m.chat_template or None)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("render warm-up of %s failed: %s", m.served_model_name, exc)
+    log.info("render warm-up: %d model(s) in %.2f s", len(models), time.monotonic() - t0)

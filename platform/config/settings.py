@@ -234,6 +234,9 @@ CELERY_TIMEZONE = "UTC"
 # of a ~1,200-token chat at concurrency 32: 133 req/s with 1, 163 req/s with 8; bench/frontend.py).
 CELERY_WORKER_PREFETCH_MULTIPLIER = int(_env_first("CELERY_WORKER_PREFETCH_MULTIPLIER", default="8"))
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# A render worker's child loads the served models' tokenizers and chat templates before it takes tasks
+# (config.celery); Celery's default 4 s to come up would kill and respawn a child still loading several.
+CELERY_WORKER_PROC_ALIVE_TIMEOUT = float(_env_first("CELERY_WORKER_PROC_ALIVE_TIMEOUT", default="120"))
 CELERY_TASK_ROUTES = {
     "inference.*render*": {"queue": "render"},
     "inference.tokenize*": {"queue": "render"},

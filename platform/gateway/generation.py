@@ -146,7 +146,7 @@ async def call_render(task: str, payload: dict[str, Any]) -> dict[str, Any]:
     """Run a renderer task on the Celery ``render`` queue and return its ``ok`` result.
 
     Structured task errors become HTTP 400 with the renderer's ``param``; no worker answering within the
-    time limit becomes 503.
+    time limit, or a worker that ran out of time outside the template (``RenderOverloadedError``), becomes 503.
     """
     from config.celery import app  # the Celery app lives in the Django config package
 
@@ -168,6 +168,8 @@ async def call_render(task: str, payload: dict[str, Any]) -> dict[str, Any]:
         err = result.get("error") or {}
         etype = err.get("type", "RenderError")
         message = err.get("message") or "The request could not be rendered"
+        if etype == "RenderOverloadedError":
+            raise unavailable(message, 2, "render_unavailable")
         code = {"TemplateTimeoutError": "template_timeout", "NoChatTemplateError": "no_chat_template",
                 "TemplateSecurityError": "template_security", "TemplateLimitError": "template_limit"}.get(
             etype, "invalid_prompt")

@@ -21,6 +21,26 @@ BASIC = [{"role": "user", "content": "Hello"}]
 HANG = "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"
 
 
+def test_time_limit_blames_the_template_only_when_the_template_took_the_time(monkeypatch):
+    """A soft time limit that fires while the worker was busy elsewhere (cold tokenizer load, CPU starvation) is
+    the server's fault: RenderOverloadedError (503 at the gateway); one that fires after the template used at
+    least half the limit is the client's: TemplateTimeoutError (400)."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from inference import tasks
+    from inference.renderer.chat_template import render_template, reset_template_seconds, template_seconds
+
+    monkeypatch.setattr(tasks, "RENDER_TIME_LIMIT_S", 0.02)
+    reset_template_seconds()
+    assert tasks._error(SoftTimeLimitExceeded())["error"]["type"] == "RenderOverloadedError"
+    slow = "{% for a in range(400) %}{% for b in range(100) %}{{ '' }}{% endfor %}{% endfor %}"
+    render_template(slow, {}, max_output_chars=1 << 20, max_ops=10**7)
+    assert template_seconds() >= 0.01
+    assert tasks._error(SoftTimeLimitExceeded())["error"]["type"] == "TemplateTimeoutError"
+    reset_template_seconds()  # every task starts from zero
+    assert tasks._error(SoftTimeLimitExceeded())["error"]["type"] == "RenderOverloadedError"
+
+
 def test_run_render_chat_ok_and_errors():
     d = tok_dir("qwen3")
     ok = run_render_chat({"tokenizer_dir": d, "messages": BASIC, "chat_template_kwargs": {"enable_thinking": False}})

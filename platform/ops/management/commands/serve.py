@@ -81,9 +81,14 @@ class Command(BaseCommand):
                                   max_model_len=opts["demo_max_model_len"])
 
         py = python()
-        sup.start("worker", [py, "-m", "celery", "-A", "config", "worker", "-Q", "render,usage",
+        sup.start("worker", [py, "-m", "celery", "-A", "config", "worker", "-Q", "render",
                              "-c", str(opts["render_concurrency"]), "--pool", "prefork", "-n", "worker@%h",
                              "--without-gossip", "--without-mingle", "-l", "WARNING"])  # INFO would log prompts
+        # usage writes on their own worker: a database flush (up to 200 ms measured on SQLite under load) never
+        # holds one of the render slots that every request's template and tokenization wait for
+        sup.start("worker-usage", [py, "-m", "celery", "-A", "config", "worker", "-Q", "usage", "-c", "1",
+                                   "--pool", "prefork", "-n", "usage@%h", "--without-gossip", "--without-mingle",
+                                   "-l", "WARNING"])
         # images are preprocessed on their own queue, one at a time per worker, so text never waits on them
         # niced: image preprocessing yields the CPU to text requests sharing this machine
         sup.start("worker-mm", ["nice", "-n", "10", py, "-m", "celery", "-A", "config", "worker", "-Q", "mm", "-c", "1",
