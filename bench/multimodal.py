@@ -25,6 +25,7 @@ import base64
 import concurrent.futures
 import json
 import multiprocessing
+import os
 import sys
 import tempfile
 import time
@@ -217,6 +218,10 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=8)
     ap.add_argument("--images", type=int, default=600, help="distinct images for the image clients")
     ap.add_argument("--parts", default="1,2,3", help="which measurements to run (comma-separated)")
+    ap.add_argument("--engine-threads", type=int, default=os.cpu_count() or 1,
+                    help="torch threads of the VL engines (default: every core, as `manage.py serve` runs them; with "
+                         "one core left to the frontend the engine only serves the closed-loop image clients faster, "
+                         "which then load the api and render processes more)")
     ap.add_argument("--engine-nice", type=int, default=0, help="nice level of the VL engine processes")
     ap.add_argument("--emb-reps", type=int, default=20, help="batches of 32 per embeddings measurement")
     args = ap.parse_args()
@@ -228,13 +233,16 @@ def main() -> int:
         # the platform's own mm worker (one, niced, like `manage.py serve`) preprocesses the images
         nice = ["nice", "-n", str(args.engine_nice)] if args.engine_nice else []
         parts = {int(x) for x in args.parts.split(",")}
+        threads = ["--num-threads", str(args.engine_threads)]
+        print(f"VL engines: {args.engine_threads} torch thread(s) of {os.cpu_count()} cores, nice {args.engine_nice}")
         live.sup.start("vl-engine", nice + [sys.executable, "-m", "inference.engine", "--model", VL_MODEL, "--model-dir",
-                                     str(VL_DIR), "--redis-url", live.redis_url, "--link-prefix", live.prefix])
+                                            str(VL_DIR), "--redis-url", live.redis_url, "--link-prefix", live.prefix]
+                       + threads)
         big_dir = capped_model_dir(1280)
         live.manage("register_model", BIG_MODEL, str(big_dir), "--max-model-len", "2048")
         live.sup.start("vl-engine-1280", nice + [sys.executable, "-m", "inference.engine", "--model", BIG_MODEL,
                                           "--model-dir", str(big_dir), "--redis-url", live.redis_url,
-                                          "--link-prefix", live.prefix, "--max-model-len", "2048"])
+                                          "--link-prefix", live.prefix, "--max-model-len", "2048"] + threads)
         live.sup.start("embed-engine", [sys.executable, "-m", "inference.engine", "--model", "minilm", "--model-dir",
                                         minilm_dir(), "--task", "embed", "--redis-url", live.redis_url,
                                         "--link-prefix", live.prefix])

@@ -150,9 +150,9 @@ async def call_render(task: str, payload: dict[str, Any]) -> dict[str, Any]:
     """
     from config.celery import app  # the Celery app lives in the Django config package
 
-    from gateway.render import call_inline, render_route  # RENDER_ROUTE=inline: same task body, in-process
+    from gateway.render import call_inline, runs_inline  # same task body, in-process (RENDER_ROUTE, small tasks)
 
-    if render_route() == "inline":
+    if runs_inline(task, payload):
         result = await call_inline(task, payload)
     else:
         timeout = float(getattr(settings, "RENDER_WAIT_TIMEOUT_S", 20.0))

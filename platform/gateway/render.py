@@ -73,6 +73,22 @@ def render_route() -> str:
     return value
 
 
+def runs_inline(task: str, payload: dict[str, Any]) -> bool:
+    """True when ``task`` runs in this process: always with ``RENDER_ROUTE=inline``; otherwise for a small
+    template-free task (DESIGN.md §4 allows an in-process pool "for small requests ... where it is measurably
+    faster"): tokenizing a prompt of at most ``RENDER_INLINE_MAX_CHARS`` characters (default 4096, about a
+    thousand tokens, tens of microseconds of tokenizer time; 0 turns it off). No untrusted code runs in that
+    case, so nothing needs the worker's time limits; the broker round trip (two processes to wake, ~6 ms of the
+    8 ms of a text ``/tokenize`` on the 2-core box, and the part that grows first when the box is busy with
+    image requests) is skipped. Chat templates always go to the workers."""
+    if render_route() == "inline":
+        return True
+    limit = getattr(settings, "RENDER_INLINE_MAX_CHARS", None)
+    limit = int(limit if limit is not None else os.environ.get("RENDER_INLINE_MAX_CHARS", "4096"))
+    prompt = payload.get("prompt")
+    return task == "inference.tokenize_prompt" and isinstance(prompt, str) and len(prompt) <= limit
+
+
 async def call_inline(task: str, payload: dict[str, Any]) -> dict[str, Any]:
     """Run the body of Celery task ``task`` in-process on a worker thread; returns its result dict
     (``{"ok": True, ...}`` or ``{"ok": False, "error": {...}}``, exactly what the task would return)."""

@@ -63,6 +63,27 @@ def test_tokenize_celery_and_inline_routes_agree(http, http_inline):
         http_inline.post("/detokenize", json={"model": M, "tokens": [10**9]}).content
 
 
+def test_small_plain_prompts_tokenize_in_process_long_ones_on_the_workers(http, live):
+    """On the Celery route a template-free prompt of at most RENDER_INLINE_MAX_CHARS (4096) characters is tokenized
+    by the api process itself (no render task is sent); a longer one goes to the workers; chats always do. The
+    token ids are the same either way."""
+    from inference.tasks import render_tasks_counter_key
+
+    def tasks_done() -> int:
+        return int(live.redis.get(render_tasks_counter_key(live.prefix)) or 0)
+
+    unit = "plain prompt ✓ with emoji 🚀 "
+    small, long = unit * (4096 // len(unit)), unit * (4096 // len(unit) + 1)
+    before = tasks_done()
+    a = http.post("/tokenize", json={"model": M, "prompt": small})
+    assert a.status_code == 200 and tasks_done() == before
+    b = http.post("/tokenize", json={"model": M, "prompt": long})
+    assert b.status_code == 200 and tasks_done() == before + 1
+    assert b.json()["tokens"][:len(a.json()["tokens"]) - 8] == a.json()["tokens"][:-8]
+    c = http.post("/tokenize", json={"model": M, "messages": [{"role": "user", "content": "hi"}]})
+    assert c.status_code == 200 and tasks_done() == before + 2
+
+
 def test_tokenize_chat_equals_chat_prompt_tokens(http):
     out = http.post("/tokenize", json={"model": M, "messages": MSGS}).json()
     assert chat(http, max_tokens=1)["usage"]["prompt_tokens"] == out["count"]
