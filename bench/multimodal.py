@@ -8,14 +8,18 @@ demo Qwen2-VL model, an ``mm`` worker and an all-MiniLM-L6-v2 pooling engine, th
 2. time of the second identical image request vs the first (goal: ≥ 10× faster), median of 3 images of
    1200x900: with the demo model's processor (at most 64 image tokens, the test setting) and with the same
    model behind Qwen2-VL's usual serving cap of 1280 image tokens (``max_pixels = 1280·28²``; the
-   1200x900 image becomes 1,271 tokens), where the first request's preprocessing, vision tower and prefill
-   are what a real deployment pays;
+   1200x900 image becomes 1,252 prompt tokens), where the first request's preprocessing, vision tower and
+   prefill are what a real deployment pays; the repeat skips the mm queue (api-side cache hit), the vision
+   tower (encoder cache) and the prefill (prefix cache), and prints how many prompt tokens it reused;
 3. embeddings throughput (inputs/s at batch 32) via /v1/embeddings vs the model run directly (goal ≥ 0.8×),
    the request as the official ``openai`` client sends it (``encoding_format: base64``) and the vectors decoded:
    with 2 concurrent clients (a throughput figure: the engine never waits for the next request's HTTP,
    JSON and tokenizing) and with one client at a time (every request's full latency in the figure).
 
-Usage: ``REDIS_URL=redis://127.0.0.1:6379/13 python bench/multimodal.py [--seconds 10]``.
+Before part 1, concurrent image chats and tokenize calls warm every render worker child.
+
+Usage: ``REDIS_URL=redis://127.0.0.1:6379/13 python bench/multimodal.py [--seconds 10] [--parts 1,2,3]
+[--engine-threads N] [--engine-nice N]``.
 """
 
 from __future__ import annotations
