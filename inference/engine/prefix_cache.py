@@ -79,10 +79,7 @@ class PrefixEntry:
 
 
 class PrefixCache:
-    """Block-hash → cached K/V of the longest stored prefix; LRU over entries, bounded by ``capacity_bytes``.
-
-    Counters ``queries``/``hits`` (prompt tokens asked / served) let callers report a hit rate.
-    """
+    """Block-hash → cached K/V of the longest stored prefix; LRU over entries, bounded by ``capacity_bytes``."""
 
     def __init__(self, capacity_bytes: int, block_size: int = BLOCK_SIZE):
         self.capacity_bytes = int(capacity_bytes)
@@ -90,8 +87,6 @@ class PrefixCache:
         self._index: dict[bytes, tuple[PrefixEntry, int]] = {}
         self._lru: OrderedDict[int, PrefixEntry] = OrderedDict()
         self.bytes_used = 0
-        self.queries = 0
-        self.hits = 0
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -106,11 +101,6 @@ class PrefixCache:
                 self._lru.move_to_end(id(entry))
                 return entry, n
         return None, 0
-
-    def count(self, prompt_tokens: int, cached_tokens: int) -> None:
-        """Record one prefill: ``prompt_tokens`` asked, ``cached_tokens`` of them served from the cache."""
-        self.queries += prompt_tokens
-        self.hits += cached_tokens
 
     def covers(self, hashes: list[bytes]) -> bool:
         """True when the last of ``hashes`` is already stored (inserting again would add nothing)."""

@@ -276,8 +276,10 @@ class ModelRunner:
             entry, n = self.prefix_cache.lookup(s.block_hashes)
             n = min(n, len(ids) - 1)
             s.prefix_entry, s.num_cached_tokens = (entry, n) if entry is not None and n > 0 else (None, 0)
-            self.prefix_cache.count(len(ids), s.num_cached_tokens)
-            (hits.append([s]) if s.prefix_entry is not None else plain.append(s))
+            if s.prefix_entry is not None:
+                hits.append([s])
+            else:
+                plain.append(s)
         return ([plain] if plain else []) + hits
 
     def _prefix_cache_of(self, seq: Sequence):
