@@ -8,8 +8,8 @@ image's content key is what tells two images apart). This module keeps that nami
 the runner's batch cache is contiguous (``runner.py``), so an entry is the contiguous per-layer K/V of one
 prompt's full blocks, and every block hash of that prompt points into it. A new prompt walks its own block
 hashes and takes the longest run present; any prefix of that run is equally valid (same tokens, same
-positions, same images), so the runner may cut it shorter (it keeps the last prompt token to compute, and
-never cuts inside an image).
+positions, same images), so the runner may cut it shorter (it keeps the last prompt token to compute; a cut
+inside an image's placeholders is fine, the VL runner feeds that image's remaining embeddings).
 
 Bounded by bytes (``capacity_bytes``), least recently used entry evicted first. Two prompts that share a
 prefix but were stored separately hold it twice: a paged pool would share the blocks, which is what
@@ -134,9 +134,3 @@ class PrefixCache:
             found = self._index.get(h)
             if found is not None and found[0] is entry:
                 del self._index[h]
-
-    def clear(self) -> None:
-        """Drop every entry."""
-        self._index.clear()
-        self._lru.clear()
-        self.bytes_used = 0
