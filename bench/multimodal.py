@@ -96,6 +96,7 @@ def image_load(base_url: str, key: str, bodies: list[bytes], clients: int, secon
     post the pre-built image chat ``bodies`` (distinct images, so every one is a cache miss) back to back
     for ``seconds``; puts the number of answered requests on ``done``."""
     count = [0] * clients
+    os.nice(int(os.environ.get("BENCH_CLIENT_NICE", "0")))
 
     def client(i: int) -> None:
         end = time.monotonic() + seconds

@@ -46,6 +46,9 @@ from inference.protocol.engine import (
 log = logging.getLogger(__name__)
 
 WATCHDOG_INTERVAL_S = 1.0
+# add_requests trusts a replica it saw alive this recently (s) without asking Redis again; a replica that dies
+# inside the window is caught like one that dies after the check (watchdog, ACCEPT_GRACE_S)
+REPLICA_CHECK_TTL_S = 0.5
 ACCEPT_GRACE_S = 5.0
 
 class EngineUnavailableError(RuntimeError):
@@ -71,6 +74,8 @@ class EngineLink:
     _tracked: dict[str, _Tracked] = field(default_factory=dict)
     _tasks: list[asyncio.Task] = field(default_factory=list)
     _loop: asyncio.AbstractEventLoop | None = None
+    _replicas_seen: dict[str, float] = field(default_factory=dict)  # model -> monotonic time a replica was seen
+    _alive_set_at: float = -1e9
 
     _instances: ClassVar[dict[int, "EngineLink"]] = {}
 
@@ -123,10 +128,14 @@ class EngineLink:
         ``finish_reason``. Pass ``queue`` to have all the requests (``n`` children of one API request)
         share one queue. Raises ``EngineUnavailableError`` when no replica of ``model`` is alive.
         """
-        if not await self.live_replicas(model):
-            raise EngineUnavailableError(f"No engine replica is serving model '{model}' right now")
-        await self._ensure_alive_key()
         now = time.monotonic()
+        if now - self._replicas_seen.get(model, -1e9) > REPLICA_CHECK_TTL_S:
+            if not await self.live_replicas(model):
+                self._replicas_seen.pop(model, None)
+                raise EngineUnavailableError(f"No engine replica is serving model '{model}' right now")
+            self._replicas_seen[model] = now
+        if now - self._alive_set_at > API_ALIVE_TTL_S / 4:
+            await self._ensure_alive_key()
         queues: dict[str, asyncio.Queue] = {}
         for req in requests:
             q: asyncio.Queue = queue if queue is not None else asyncio.Queue()
@@ -167,6 +176,7 @@ class EngineLink:
 
     # ----------------------------------------------------------------- tasks
     async def _ensure_alive_key(self) -> None:
+        self._alive_set_at = time.monotonic()
         await self.redis.set(api_alive_key(self.prefix, self.client_id), b"1", ex=API_ALIVE_TTL_S)
 
     def _deliver(self, out: EngineCoreOutput) -> None:
@@ -182,12 +192,21 @@ class EngineLink:
     async def _reader(self) -> None:
         key = outputs_stream(self.prefix, self.client_id)
         last_id = "0-0"
+        read_ids: list[bytes] = []
         while True:
             try:
-                resp = await self.redis.xread({key: last_id}, block=1000, count=512)
+                if read_ids:
+                    # the entries already delivered are deleted in the same round trip as the next read
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        pipe.xdel(key, *read_ids)
+                        pipe.xread({key: last_id}, block=1000, count=512)
+                        _deleted, resp = await pipe.execute()
+                    read_ids = []
+                else:
+                    resp = await self.redis.xread({key: last_id}, block=1000, count=512)
                 if not resp:
                     continue
-                ids = []
+                ids = read_ids
                 for _stream, entries in resp:
                     for entry_id, fields in entries:
                         last_id = entry_id
@@ -196,8 +215,6 @@ class EngineLink:
                         for out in batch.outputs:
                             out.engine_id = out.engine_id or batch.engine_id
                             self._deliver(out)
-                if ids:
-                    await self.redis.xdel(key, *ids)
             except asyncio.CancelledError:
                 raise
             except Exception:  # noqa: BLE001 - the reader must survive a Redis hiccup

@@ -97,8 +97,11 @@ class RenderReplyWaiter:
         self._futures[reply_id] = fut
         body = {**payload, "reply_to": self.channel, "reply_id": reply_id}
         try:
+            # argsrepr/kwargsrepr given: Celery would otherwise build a saferepr of the whole payload for the
+            # message headers on every call (~0.4 ms of CPU per publish on the api process)
             await asyncio.get_running_loop().run_in_executor(self._pool(), lambda: app.send_task(
-                task_name, args=[body], queue=queue, ignore_result=True))
+                task_name, args=[body], queue=queue, ignore_result=True,
+                argsrepr=f"[<{task_name} payload, reply {reply_id}>]", kwargsrepr="{}"))
             try:
                 return await asyncio.wait_for(fut, timeout)
             except asyncio.TimeoutError:

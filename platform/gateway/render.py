@@ -32,6 +32,7 @@ import asyncio
 import dataclasses
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from django.conf import settings
@@ -95,7 +96,20 @@ async def call_inline(task: str, payload: dict[str, Any]) -> dict[str, Any]:
     fn = _INLINE.get(task)
     if fn is None:
         raise ValueError(f"no inline route for task {task!r}")
-    return await asyncio.to_thread(fn, payload)
+    return await asyncio.get_running_loop().run_in_executor(_inline_pool(), fn, payload)
+
+
+_INLINE_POOL: ThreadPoolExecutor | None = None
+
+
+def _inline_pool() -> ThreadPoolExecutor:
+    """The threads inline render tasks run on: their own pool, not the loop's default executor, where image
+    requests parse multi-megabyte bodies and hash images (a small ``/tokenize`` queued behind those was the
+    text path waiting on images). One thread per core; created on first use."""
+    global _INLINE_POOL
+    if _INLINE_POOL is None:
+        _INLINE_POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="inline-render")
+    return _INLINE_POOL
 
 
 def sampling_params_dict(processed, req) -> dict[str, Any]:

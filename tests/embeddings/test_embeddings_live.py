@@ -201,3 +201,45 @@ def test_inputs_of_one_call_reach_the_engine_together_and_run_in_one_forward(liv
     for done in asyncio.run(run()):
         assert all(o.pooled for o in done)
         assert len({o.scheduled_ts for o in done}) == 1  # one engine step ran all 16
+
+
+def test_the_link_deletes_delivered_outputs_and_refuses_a_model_without_replicas(live_embed, direct):
+    """Delivered output entries leave the api's output stream (deleted in the same round trip as the next read);
+    a model no replica serves is refused at once even right after another model's replica was seen."""
+    import asyncio
+    import uuid
+
+    from inference.engine_client import EngineLink, EngineUnavailableError
+    from inference.protocol.engine import EngineCoreRequest, SamplingParams, outputs_stream
+
+    def request(link, i):
+        return EngineCoreRequest(request_id=f"d-{uuid.uuid4().hex[:8]}", external_req_id="d",
+                                 prompt_token_ids=direct.tok(f"input {i}")["input_ids"],
+                                 sampling_params=SamplingParams(max_tokens=1), client_id=link.client_id,
+                                 arrival_time=0.0, pooling=True)
+
+    async def run() -> tuple[int, int]:
+        link = EngineLink.for_current_process(live_embed.redis_url, live_embed.prefix)
+        key = outputs_stream(live_embed.prefix, link.client_id)
+        try:
+            for round_ in range(3):
+                reqs = [request(link, 10 * round_ + i) for i in range(4)]
+                queues = await link.add_requests(EMBED_MODEL, reqs)
+                for r in reqs:
+                    while not (await asyncio.wait_for(queues[r.request_id].get(), 30)).finish_reason:
+                        pass
+            length = -1
+            for _ in range(100):
+                length = await link.redis.xlen(key)
+                if length == 0:
+                    break
+                await asyncio.sleep(0.05)
+            with pytest.raises(EngineUnavailableError):
+                await link.add_requests("no-such-model", [request(link, 99)])
+            return length, link.num_tracked
+        finally:
+            await link.close()
+
+    length, tracked = asyncio.run(run())
+    assert length == 0
+    assert tracked == 0
