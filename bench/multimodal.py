@@ -19,7 +19,7 @@ demo Qwen2-VL model, an ``mm`` worker and an all-MiniLM-L6-v2 pooling engine, th
 Before part 1, concurrent image chats and tokenize calls warm every render worker child.
 
 Usage: ``REDIS_URL=redis://127.0.0.1:6379/13 python bench/multimodal.py [--seconds 10] [--parts 1,2,3]
-[--engine-threads N] [--engine-nice N]``.
+[--engine-threads N] [--engine-nice N] [--client-nice N]``.
 """
 
 from __future__ import annotations
@@ -91,12 +91,15 @@ def tokenize_load(live, seconds):
     return lat
 
 
-def image_load(base_url: str, key: str, bodies: list[bytes], clients: int, seconds: float, started, done) -> None:
+def image_load(base_url: str, key: str, bodies: list[bytes], clients: int, seconds: float, started, done,
+               nice: int = 0) -> None:
     """In a separate process (so its threads never hold the measuring process's GIL): ``clients`` threads
     post the pre-built image chat ``bodies`` (distinct images, so every one is a cache miss) back to back
-    for ``seconds``; puts the number of answered requests on ``done``."""
+    for ``seconds``; puts the number of answered requests on ``done``. ``nice``: the process's nice level
+    (the image clients stand for users on other machines; niced, they take less of the server's CPU)."""
     count = [0] * clients
-    os.nice(int(os.environ.get("BENCH_CLIENT_NICE", "0")))
+    if nice:
+        os.nice(nice)
 
     def client(i: int) -> None:
         end = time.monotonic() + seconds
@@ -161,7 +164,7 @@ def tokenize_part(live, args) -> None:
     ctx = multiprocessing.get_context("spawn")
     started, done = ctx.Event(), ctx.Queue()
     loader = ctx.Process(target=image_load, args=(live.base_url, live.api_key, bodies, 8, args.seconds + 2,
-                                                  started, done))
+                                                  started, done, args.client_nice))
     loader.start()
     started.wait(60)
     time.sleep(1)
@@ -228,6 +231,7 @@ def main() -> int:
                          "one core left to the frontend the engine only serves the closed-loop image clients faster, "
                          "which then load the api and render processes more)")
     ap.add_argument("--engine-nice", type=int, default=0, help="nice level of the VL engine processes")
+    ap.add_argument("--client-nice", type=int, default=0, help="nice level of the image load clients' process")
     ap.add_argument("--emb-reps", type=int, default=20, help="batches of 32 per embeddings measurement")
     args = ap.parse_args()
     ensure_vl_model()
