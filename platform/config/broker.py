@@ -2,9 +2,10 @@
 
 kombu's Redis channel builds a new ``redis.Redis`` client object for every publish (``conn_or_acquire``
 without a client), and with redis-py 8 that constructor is expensive: it copies the response-callback
-table and, now and then, reads the package metadata for the client's driver info. Measured in the api
-process on the 2-core box: about 2 ms of CPU per ``send_task`` out of the ~11 ms a text chat request costs
-there, all of it holding the GIL that the event loop needs. This transport keeps the first client it
+table and, now and then, reads the package metadata for the client's driver info. Measured on the 2-core
+box, ``send_task`` in a warm loop: 1.62 ms of CPU with kombu's transport, 1.21 ms with this one, 0.65 ms with
+``argsrepr``/``kwargsrepr`` given as well (the api does); in the api process that work holds the GIL the event
+loop needs, and a text chat request costs the api ~10 ms of CPU in all. This transport keeps the first client it
 builds and hands it out again; ``redis.Redis`` is thread-safe (every command checks a connection out of
 the channel's pool), so the reuse changes nothing else.
 
