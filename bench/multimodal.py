@@ -84,27 +84,38 @@ def capped_model_dir(max_image_tokens: int) -> Path:
     return out
 
 
+def keep_alive_poster(base_url: str, key: str, timeout: float):
+    """``(post, close)`` over one keep-alive connection to ``base_url`` (as the official ``openai`` client and any
+    pooled HTTP client send requests): ``post(path, body_bytes)`` returns the response body, raises on non-200."""
+    parts = urllib.parse.urlsplit(base_url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+
+    def post_body(path: str, body: bytes) -> bytes:
+        conn.request("POST", path, body=body, headers=headers)
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"{path}: HTTP {resp.status}: {data[:300]!r}")
+        return data
+
+    return post_body, conn.close
+
+
 def tokenize_load(live, seconds):
-    """Back-to-back text ``/tokenize`` calls for ``seconds`` on one keep-alive connection (as the official
-    ``openai`` client and any pooled HTTP client send them); returns the latencies in seconds."""
+    """Back-to-back text ``/tokenize`` calls for ``seconds`` on one keep-alive connection; returns the latencies
+    in seconds."""
     lat = []
-    parts = urllib.parse.urlsplit(live.base_url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    post_body, close = keep_alive_poster(live.base_url, live.api_key, 60)
     body = json.dumps({"model": VL_MODEL, "prompt": "hello world " * 20}).encode()
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {live.api_key}"}
     end = time.monotonic() + seconds
     try:
         while time.monotonic() < end:
             t0 = time.perf_counter()
-            conn.request("POST", "/tokenize", body=body, headers=headers)
-            resp = conn.getresponse()
-            data = resp.read()
-            if resp.status != 200:
-                raise RuntimeError(f"/tokenize: HTTP {resp.status}: {data[:300]!r}")
-            json.loads(data)
+            json.loads(post_body("/tokenize", body))
             lat.append(time.perf_counter() - t0)
     finally:
-        conn.close()
+        close()
     return lat
 
 
@@ -121,20 +132,14 @@ def image_load(base_url: str, key: str, bodies: list[bytes], clients: int, secon
     def client(i: int) -> None:
         end = time.monotonic() + seconds
         k = i
-        parts = urllib.parse.urlsplit(base_url)
-        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)  # keep-alive, like openai's
-        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+        post_body, close = keep_alive_poster(base_url, key, 120)
         try:
             while time.monotonic() < end and k < len(bodies):
-                conn.request("POST", "/v1/chat/completions", body=bodies[k], headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                if resp.status != 200:
-                    raise RuntimeError(f"image chat: HTTP {resp.status}: {data[:300]!r}")
+                post_body("/v1/chat/completions", bodies[k])
                 count[i] += 1
                 k += clients
         finally:
-            conn.close()
+            close()
 
     started.set()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
