@@ -97,11 +97,12 @@ class LivePlatform:
         wait_until(lambda: {s.engine_id for s in self.replicas(model)} - before, 180, f"{name} heartbeat", self.sup)
         return child
 
-    def start_api(self, name: str = "api", port: int | None = None):
-        """Start one uvicorn api process on ``port`` (free port by default) and wait for /health."""
+    def start_api(self, name: str = "api", port: int | None = None, env_extra: dict[str, str] | None = None):
+        """Start one uvicorn api process on ``port`` (free port by default, ``env_extra`` added to its
+        environment) and wait for /health."""
         port = port or free_port()
         child = self.sup.start(name, [sys.executable, "-m", "uvicorn", "config.asgi:application", "--host",
-                                      "127.0.0.1", "--port", str(port), "--no-access-log"])
+                                      "127.0.0.1", "--port", str(port), "--no-access-log"], env_extra=env_extra)
         wait_until(lambda: _http_ok(f"http://127.0.0.1:{port}/health"), 60, f"{name} /health", self.sup)
         return child, f"http://127.0.0.1:{port}"
 

@@ -13,6 +13,8 @@ django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
+from gateway import handoff  # noqa: E402
+from gateway.http import MAX_BODY_BYTES  # noqa: E402
 from gateway.routing import GATEWAY_PREFIXES, http_urlpatterns  # noqa: E402
 from usage.routing import websocket_application  # noqa: E402  (live dashboard updates)
 
@@ -20,8 +22,11 @@ _gateway = URLRouter(http_urlpatterns)
 
 
 async def http_router(scope, receive, send):
-    """Send gateway paths to the Channels consumers and the rest to Django."""
+    """Send gateway paths to the Channels consumers (image chats to the multimodal api process when this process
+    has one: gateway/handoff.py) and the rest to Django."""
     if scope["path"].startswith(GATEWAY_PREFIXES):
+        if handoff.wants_handoff(scope):
+            return await handoff.route(scope, receive, send, _gateway, MAX_BODY_BYTES)
         return await _gateway(scope, receive, send)
     return await django_asgi_app(scope, receive, send)
 

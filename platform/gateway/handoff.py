@@ -1,0 +1,218 @@
+"""Hand image requests from the front api process to a multimodal api process over a unix socket.
+
+Why: an image chat costs the api process that serves it 12-18 ms of CPU (body parsing and hashing, the feature
+cache, the mm queue, the engine link), a text ``/tokenize`` 1.7 ms (measured, issue 6). On one asyncio loop and
+one GIL, text requests queue behind that work, so their p99 grows with the image load. ``manage.py serve``
+therefore runs a second uvicorn ("api-mm", ``--mm-api-workers``) on a unix socket and points the front api at it
+with ``MULTIMODAL_API_SOCKET``; with ``--frontend-cores`` the two also run on different cores.
+
+The front api reads the request body of ``HANDOFF_PATHS`` (a chat body) and, when it names an ``"image_url"``
+part, forwards the request unchanged (method, path, headers, body) to the multimodal api and relays its answer
+byte for byte (status, headers, streamed body). The multimodal api is the same Django/Channels application: it
+authenticates the key, validates, admits, streams and records usage itself, so a forwarded request behaves
+exactly as one served by the front (same errors, same envelope, same stream). Other bodies are replayed to the
+local gateway.
+
+Failure rules (nothing lost, nothing served twice):
+
+* the socket is missing or refuses the connection (the multimodal api is down or restarting): the front serves
+  the request itself (outcome ``fallback``);
+* the connection fails after the request went out but before a response started: 503 in the OpenAI envelope
+  with ``Retry-After: 1`` (the request may have been admitted there; serving it again here could run it twice);
+* the connection fails mid-response: a streamed (SSE) response gets an in-band error event and ``[DONE]``, as
+  the gateway does for failures after the first byte; any other response is cut short;
+* the client disconnects: the upstream connection is closed, which the multimodal api sees as a disconnect and
+  handles as its own (the engine request is aborted, the admission reservation and limits released).
+
+Counts per outcome (``forwarded``, ``fallback``, ``failed``) are kept in Redis (``<prefix>:handoff``) and exported
+by ``/metrics`` as ``gateway_handoffs_total{outcome}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable, Callable
+
+import httpx
+from django.conf import settings
+
+from gateway.errors import ApiError, unavailable
+
+log = logging.getLogger(__name__)
+
+HANDOFF_PATHS = frozenset({"/v1/chat/completions", "/v1/chat/completions/render", "/tokenize"})
+IMAGE_MARKER = b'"image_url"'
+# Request headers not forwarded: per-connection (RFC 9110 §7.6.1) or recomputed by the client library.
+_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding",
+                         b"upgrade", b"content-length", b"expect"})
+_RESPONSE_DROP = frozenset({"connection", "keep-alive", "transfer-encoding", "date", "server"})
+OUTCOMES = ("forwarded", "fallback", "failed")
+# Set on forwarded requests: a process that receives one never forwards it again (no loop when a multimodal api
+# is itself, by mistake, given a MULTIMODAL_API_SOCKET). A client sending it only gets served by the front api.
+HANDED_OFF_HEADER = b"x-llmp-handed-off"
+
+Scope = dict
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def handoff_key(prefix: str) -> str:
+    """Redis hash of handoff counts per outcome."""
+    return f"{prefix}:handoff"
+
+
+def wants_handoff(scope: Scope) -> bool:
+    """True when this process forwards image requests and ``scope`` is a request that may carry one."""
+    if not settings.MULTIMODAL_API_SOCKET or scope.get("method") != "POST" or scope["path"] not in HANDOFF_PATHS:
+        return False
+    return not any(k == HANDED_OFF_HEADER for k, _v in scope.get("headers", ()))
+
+
+class _Upstream:
+    """One pooled httpx client per event loop, over the multimodal api's unix socket."""
+
+    def __init__(self) -> None:
+        self._clients: dict[int, httpx.AsyncClient] = {}
+
+    def client(self) -> httpx.AsyncClient:
+        loop_id = id(asyncio.get_running_loop())
+        c = self._clients.get(loop_id)
+        if c is None:
+            # no overall timeout: a generation may stream for minutes; the connect timeout bounds a hung socket.
+            # Idle connections are dropped after 2 s, well before uvicorn closes them (5 s by default), so a request
+            # never goes out on a connection the server is closing at that moment (it would end as a 503).
+            transport = httpx.AsyncHTTPTransport(uds=settings.MULTIMODAL_API_SOCKET, limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0))
+            c = httpx.AsyncClient(transport=transport, base_url="http://mm-api", timeout=httpx.Timeout(None, connect=2.0))
+            self._clients[loop_id] = c
+        return c
+
+
+_upstream = _Upstream()
+
+
+async def _count(outcome: str) -> None:
+    from gateway.generation import link  # the engine link's async Redis client (one per process)
+
+    try:
+        await link().redis.hincrby(handoff_key(settings.LINK_PREFIX), outcome, 1)
+    except Exception:  # noqa: BLE001 - a metric must never fail a request
+        log.warning("could not count a handoff outcome", exc_info=True)
+
+
+async def route(scope: Scope, receive: Receive, send: Send, local_app: App, max_body_bytes: int) -> None:
+    """Serve one ``HANDOFF_PATHS`` request: read its body, then forward it to the multimodal api when it names an
+    image, else (or when that api is down) run ``local_app`` with the body replayed. A body over
+    ``max_body_bytes`` goes to ``local_app`` unread past the limit (it answers 413)."""
+    chunks: list[bytes] = []
+    size = 0
+    first_messages: list[dict] = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # disconnected before the body was complete
+            return
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        chunks.append(chunk)
+        if size > max_body_bytes:  # let the gateway refuse it with its own 413
+            first_messages = [{"type": "http.request", "body": b"".join(chunks), "more_body": True}]
+            return await local_app(scope, _replay(first_messages, receive), send)
+        if not message.get("more_body"):
+            break
+    body = b"".join(chunks)
+    if IMAGE_MARKER in body:
+        if await _forward(scope, body, receive, send):
+            return
+    await local_app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
+
+
+def _replay(messages: list[dict], receive: Receive) -> Receive:
+    """A ``receive`` that yields ``messages`` first, then the connection's own."""
+    pending = list(messages)
+
+    async def replayed() -> dict:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replayed
+
+
+async def _forward(scope: Scope, body: bytes, receive: Receive, send: Send) -> bool:
+    """Forward the request and relay the answer. Returns False (nothing sent) when the multimodal api could not
+    be reached, so the caller serves the request itself; True when this call answered the client."""
+    headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() not in _HOP_BY_HOP]
+    headers.append((HANDED_OFF_HEADER, b"1"))
+    path = scope["path"] + ("?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else "")
+    state = {"started": False, "sse": False}
+
+    async def relay() -> bool:
+        client = _upstream.client()
+        try:
+            request = client.build_request("POST", path, headers=headers, content=body)
+            response = await client.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout, FileNotFoundError):
+            await _count("fallback")
+            return False
+        except httpx.TransportError:
+            log.warning("the multimodal api failed before answering on %s", scope["path"], exc_info=True)
+            await _count("failed")
+            await _send_unavailable(send)
+            return True
+        try:
+            out_headers = [(k, v) for k, v in response.headers.raw
+                           if k.decode("latin-1").lower() not in _RESPONSE_DROP]
+            state["sse"] = response.headers.get("content-type", "").startswith("text/event-stream")
+            await send({"type": "http.response.start", "status": response.status_code, "headers": out_headers})
+            state["started"] = True
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await _count("forwarded")  # before the response ends: a client that reads the count sees it
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except httpx.TransportError:
+            await _count("failed")
+            log.warning("the multimodal api failed mid-response on %s", scope["path"], exc_info=True)
+            if state["sse"]:
+                err = ApiError(503, "The multimodal frontend failed while streaming this response; retry the "
+                               "request.", "server_error", None, "upstream_failed")
+                await send({"type": "http.response.body", "body": b"data: " + err.body() + b"\n\ndata: [DONE]\n\n",
+                            "more_body": False})
+            else:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await response.aclose()
+        return True
+
+    relay_task = asyncio.ensure_future(relay())
+    disconnect_task = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({relay_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        relay_task.cancel()
+        disconnect_task.cancel()
+        raise
+    if relay_task.done():
+        disconnect_task.cancel()
+        return relay_task.result()
+    # the client went away first: closing the upstream connection makes the multimodal api abort the request
+    relay_task.cancel()
+    try:
+        await relay_task
+    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone; nothing to answer
+        pass
+    return True
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _send_unavailable(send: Send) -> None:
+    err = unavailable("The multimodal frontend failed while handling this request; retry the request.", 1,
+                      "upstream_failed")
+    await send({"type": "http.response.start", "status": err.status, "headers": [
+        (b"content-type", b"application/json")] + [(k.encode(), v.encode()) for k, v in err.headers]})
+    await send({"type": "http.response.body", "body": err.body(), "more_body": False})

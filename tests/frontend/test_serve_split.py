@@ -1,0 +1,148 @@
+"""``manage.py serve`` as the README runs it, with ``--frontend-cores``: the front api alone on its core, every
+other process on the rest, image requests handed to the multimodal api process (restarted when killed; the
+front covers for it meanwhile), and bad ``--frontend-cores`` values refused before anything starts."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from ops.supervisor import parse_cpu_list
+from tests.live_platform import REPO, ensure_demo_assets, free_port, wait_until
+from tests.multimodal.imgs import data_url, image_bytes
+
+IMAGE_BODY = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": [
+    {"type": "image_url", "image_url": {"url": data_url(image_bytes(seed=3))}}]}]}
+
+
+def _serve_env(tmp: Path) -> dict:
+    env = dict(os.environ, LLMP_VAR_DIR=str(tmp), LINK_PREFIX=f"sv{uuid.uuid4().hex[:8]}", LOG_LEVEL="WARNING",
+               PYTHONPATH=os.pathsep.join([str(REPO / "platform"), str(REPO)]))
+    env.pop("DATABASE_URL", None)  # SQLite in tmp: the README's default
+    if not env.get("REDIS_URL"):
+        env["EMBEDDED_REDIS_PORT"] = str(free_port())
+    return env
+
+
+def _cpus(pid: int) -> frozenset[int]:
+    text = Path(f"/proc/{pid}/status").read_text()
+    return parse_cpu_list(re.search(r"Cpus_allowed_list:\s*(\S+)", text).group(1))
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return ""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--frontend-cores needs at least two usable CPUs")
+def test_serve_pins_the_front_api_and_hands_images_to_the_multimodal_api(tmp_path):
+    ensure_demo_assets()
+    env = _serve_env(tmp_path)
+    port = free_port()
+    front_core = min(os.sched_getaffinity(0))
+    proc = subprocess.Popen([sys.executable, str(REPO / "manage.py"), "serve", "--demo", "--no-engine", "--port",
+                             str(port), "--frontend-cores", str(front_core)], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line, "serve exited early:\n" + "".join(lines)
+            lines.append(line)
+            if line.startswith("Press Ctrl-C"):
+                break
+        key = next(ln.split()[-1] for ln in lines if ln.startswith("API key"))
+        redis_url = next(ln.split()[-1] for ln in lines if ln.startswith("redis:"))
+        procs = {pid: _cmdline(pid) for pid in _descendants(proc.pid)}
+        fronts = [p for p, c in procs.items() if "uvicorn" in c and "--port" in c]
+        mm_apis = [p for p, c in procs.items() if "uvicorn" in c and "--uds" in c]
+        assert fronts and mm_apis, procs
+        back = frozenset(os.sched_getaffinity(0)) - {front_core}
+        for pid, cmd in procs.items():
+            if not cmd:
+                continue  # exited since
+            want = frozenset({front_core}) if pid in fronts else back
+            assert _cpus(pid) == want, (cmd, _cpus(pid), want)
+
+        r = redis.Redis.from_url(redis_url)
+        counts = lambda: {k.decode(): int(v) for k, v in r.hgetall(f"{env['LINK_PREFIX']}:handoff").items()}  # noqa: E731
+        base = f"http://127.0.0.1:{port}"
+        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as http:
+            # a text model refuses images: the multimodal api's 400, relayed unchanged
+            resp = http.post("/v1/chat/completions", json=IMAGE_BODY)
+            assert resp.status_code == 400 and resp.json()["error"]["code"] == "images_not_supported", resp.text
+            assert counts().get("forwarded") == 1
+            # kill the multimodal api: the front answers image requests itself, serve restarts it
+            os.killpg(os.getpgid(mm_apis[0]), signal.SIGKILL)
+            # gone from /proc (reaped by serve), not merely a zombie: a killed thread group leader shows Z while its
+            # other threads still hold the sockets open
+            wait_until(lambda: not os.path.exists(f"/proc/{mm_apis[0]}"), 10, "the multimodal api to be reaped")
+            resp = http.post("/v1/chat/completions", json=IMAGE_BODY)
+            assert resp.status_code == 400 and resp.json()["error"]["code"] == "images_not_supported", (resp.text, counts())
+            assert counts().get("fallback") == 1
+
+            def forwarded_again() -> bool:
+                before = counts().get("forwarded", 0)
+                http.post("/v1/chat/completions", json=IMAGE_BODY)
+                return counts().get("forwarded", 0) == before + 1
+
+            wait_until(forwarded_again, 60, "the restarted multimodal api")
+            new_mm = [p for p in _descendants(proc.pid) if "--uds" in _cmdline(p)]
+            assert new_mm and new_mm[0] != mm_apis[0] and _cpus(new_mm[0]) == back
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if env.get("REDIS_URL"):
+            r = redis.Redis.from_url(env["REDIS_URL"])
+            keys = list(r.scan_iter(match=f"{env['LINK_PREFIX']}:*", count=1000))
+            if keys:
+                r.delete(*keys)
+
+
+@pytest.mark.parametrize("value,message", [("x", "not a CPU list"), ("3-1", "empty range"),
+                                           ("4096", "not available here"),
+                                           (",".join(map(str, sorted(os.sched_getaffinity(0)))), "leaves no CPU")])
+def test_serve_refuses_a_bad_frontend_cores_value(tmp_path, value, message):
+    out = subprocess.run([sys.executable, str(REPO / "manage.py"), "serve", "--no-engine", "--frontend-cores", value],
+                         env=_serve_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and message in out.stderr, out.stderr
+    assert not (tmp_path / "log").exists()  # refused before any process started
+
+
+def test_parse_cpu_list():
+    assert parse_cpu_list("0") == {0}
+    assert parse_cpu_list("0,2-4") == {0, 2, 3, 4}
+    for bad in ("", "a", "1-", "-1", "2-1", "0,,1"):
+        with pytest.raises(ValueError):
+            parse_cpu_list(bad)

@@ -1,0 +1,206 @@
+"""The front api hands image requests to a multimodal api process over a unix socket (gateway/handoff.py), as
+``manage.py serve`` runs them: answers, streams, errors and disconnects behave as if the front had served the
+request; a multimodal api that is down is covered by the front; text requests never leave the front."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from inference import admission as adm
+from ops.supervisor import unix_socket_accepts, wait_until
+from tests.multimodal.conftest import VL_MODEL
+from tests.multimodal.imgs import data_url, image_bytes
+
+IMAGE_TOKEN = 151655
+
+
+def _start_mm_api(live, sock: str):
+    if os.path.exists(sock):
+        os.unlink(sock)
+    child = live.sup.start("api-mm-handoff", [sys.executable, "-m", "uvicorn", "config.asgi:application", "--uds",
+                                              sock, "--no-access-log"])
+    wait_until(lambda: unix_socket_accepts(sock), 60, "multimodal api socket", live.sup)
+    return child
+
+
+def _stop(live, child, sig=signal.SIGTERM) -> None:
+    try:
+        os.killpg(child.proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    child.proc.wait(timeout=30)
+    live.sup.children.remove(child)
+
+
+@pytest.fixture(scope="module")
+def split(live_vl, tmp_path_factory):
+    """``(front base URL, socket path, holder of the multimodal api child)`` over ``live_vl``'s workers/engines."""
+    sock = str(tmp_path_factory.mktemp("mm-sock") / "mm.sock")
+    holder = {"mm": _start_mm_api(live_vl, sock)}
+    front, base = live_vl.start_api("api-front", env_extra={"MULTIMODAL_API_SOCKET": sock})
+    yield base, sock, holder
+    _stop(live_vl, front)
+    if holder["mm"] in live_vl.sup.children:
+        _stop(live_vl, holder["mm"])
+
+
+def handoffs(live) -> dict[str, int]:
+    raw = live.redis.hgetall(f"{live.prefix}:handoff")
+    return {k.decode(): int(v) for k, v in raw.items()}
+
+
+def delta(before: dict, after: dict) -> dict:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in ("forwarded", "fallback", "failed")}
+
+
+def image_messages(seed: int, text: str = "What is in the picture?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": text},
+                                         {"type": "image_url", "image_url": {"url": data_url(image_bytes(seed=seed))}}]}]
+
+
+def post(base: str, key: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(base + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def test_image_chat_is_served_by_the_multimodal_api_and_text_stays(live_vl, split):
+    base, _sock, _h = split
+    client = openai.OpenAI(base_url=base + "/v1", api_key=live_vl.api_key, max_retries=0)
+    before = handoffs(live_vl)
+    resp = client.chat.completions.create(model=VL_MODEL, messages=image_messages(31), max_tokens=3, temperature=0,
+                                          extra_body={"return_token_ids": True})
+    assert resp.choices[0].message.content is not None and resp.usage.completion_tokens >= 1
+    assert resp.model_extra["prompt_token_ids"].count(IMAGE_TOKEN) == 6
+    assert delta(before, handoffs(live_vl)) == {"forwarded": 1, "fallback": 0, "failed": 0}
+    # the same image request straight to an api without a multimodal api gives the same prompt
+    direct = post(live_vl.base_url, live_vl.api_key, "/v1/chat/completions", {
+        "model": VL_MODEL, "messages": image_messages(31), "max_tokens": 1, "return_token_ids": True})
+    assert direct.json()["prompt_token_ids"] == resp.model_extra["prompt_token_ids"]
+    # text chats and text /tokenize stay on the front api
+    before = handoffs(live_vl)
+    text = client.chat.completions.create(model=VL_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert text.usage.completion_tokens >= 1
+    tok = post(base, live_vl.api_key, "/tokenize", {"model": VL_MODEL, "prompt": "hello"})
+    assert tok.status_code == 200
+    assert delta(before, handoffs(live_vl)) == {"forwarded": 0, "fallback": 0, "failed": 0}
+    # the operator sees the counts in /metrics
+    metrics_key = live_vl.new_key(scopes="metrics")
+    text_metrics = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {metrics_key}"}).text
+    assert f'gateway_handoffs_total{{outcome="forwarded"}} {float(handoffs(live_vl)["forwarded"])}' in text_metrics
+
+
+def test_streamed_image_chat_through_the_front(live_vl, split):
+    base, _sock, _h = split
+    client = openai.OpenAI(base_url=base + "/v1", api_key=live_vl.api_key, max_retries=0)
+    before = handoffs(live_vl)
+    chunks = list(client.chat.completions.create(model=VL_MODEL, messages=image_messages(32), max_tokens=5,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens > 6
+    assert delta(before, handoffs(live_vl))["forwarded"] == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize", "/v1/chat/completions/render"])
+def test_forwarded_answers_equal_direct_ones(live_vl, split, path):
+    """Errors (status, envelope, headers) and results are the multimodal api's, byte for byte."""
+    base, _sock, _h = split
+    bad = {"model": VL_MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(image_bytes("PNG")[:200])}}]}]}
+    good = {"model": VL_MODEL, "messages": image_messages(33)}
+    for body in (bad, good):
+        if path == "/v1/chat/completions" and body is good:
+            continue  # generated text and ids differ per request; covered above
+        via_front = post(base, live_vl.api_key, path, body)
+        direct = post(live_vl.base_url, live_vl.api_key, path, body)
+        assert via_front.status_code == direct.status_code, via_front.text
+        a, b = via_front.json(), direct.json()
+        if isinstance(a, dict):
+            a.pop("request_id", None), b.pop("request_id", None)
+        assert a == b
+    assert post(base, "sk-wrong", path, good).status_code == 401
+
+
+def test_client_disconnect_aborts_the_forwarded_request(live_vl, split):
+    base, _sock, _h = split
+    body = {"model": VL_MODEL, "messages": image_messages(34), "max_tokens": 800, "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", base + "/v1/chat/completions", json=body,
+                         headers={"Authorization": f"Bearer {live_vl.api_key}"}) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            got = 0
+            while got < 2:
+                got += next(lines).startswith("data: ")
+            wait_until(lambda: max(s.num_running for s in live_vl.replicas(VL_MODEL)) >= 1, 5, "running request")
+    # the front closed its connection to the multimodal api, which aborted the engine request and released admission
+    wait_until(lambda: all(s.num_running == 0 and s.num_waiting == 0 for s in live_vl.replicas(VL_MODEL)), 10,
+               "engine request aborted")
+    wait_until(lambda: (lambda s: (s["queued_reqs"], s["queued_tokens"]) == (0, 0))(
+        adm.model_snapshot(live_vl.redis, live_vl.prefix, VL_MODEL)), 5, "admission released")
+
+
+def test_front_serves_images_itself_while_the_multimodal_api_is_down(live_vl, split):
+    base, sock, holder = split
+    _stop(live_vl, holder["mm"], signal.SIGKILL)
+    before = handoffs(live_vl)
+    for seed in (35, 36):
+        r = post(base, live_vl.api_key, "/v1/chat/completions", {"model": VL_MODEL, "messages": image_messages(seed),
+                                                                  "max_tokens": 1})
+        assert r.status_code == 200, r.text
+    assert delta(before, handoffs(live_vl)) == {"forwarded": 0, "fallback": 2, "failed": 0}
+    holder["mm"] = _start_mm_api(live_vl, sock)
+    before = handoffs(live_vl)
+    r = post(base, live_vl.api_key, "/v1/chat/completions", {"model": VL_MODEL, "messages": image_messages(37),
+                                                              "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert delta(before, handoffs(live_vl)) == {"forwarded": 1, "fallback": 0, "failed": 0}
+
+
+def test_multimodal_api_killed_mid_stream_ends_the_stream_with_an_error(live_vl, split):
+    base, sock, holder = split
+    body = {"model": VL_MODEL, "messages": image_messages(38), "max_tokens": 800, "stream": True, "ignore_eos": True}
+    before = handoffs(live_vl)
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", base + "/v1/chat/completions", json=body,
+                         headers={"Authorization": f"Bearer {live_vl.api_key}"}) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            got = 0
+            while got < 2:
+                got += next(lines).startswith("data: ")
+            _stop(live_vl, holder["mm"], signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    err = json.loads(rest[-2][len("data: "):])
+    assert err["error"]["code"] == "upstream_failed", rest[-2]
+    assert delta(before, handoffs(live_vl))["failed"] == 1
+    # the dead process's engine request does not run on: the engine drops requests of an api that stopped
+    # renewing its liveness key
+    wait_until(lambda: all(s.num_running == 0 and s.num_waiting == 0 for s in live_vl.replicas(VL_MODEL)), 30,
+               "orphaned engine request dropped")
+    # and its admission reservation is reaped by the live processes once the dead one's lease expires
+    wait_until(lambda: (lambda s: (s["queued_reqs"], s["queued_tokens"]) == (0, 0))(
+        adm.model_snapshot(live_vl.redis, live_vl.prefix, VL_MODEL)), adm.LEASE_TTL_S + 5, "reservation reaped")
+    holder["mm"] = _start_mm_api(live_vl, sock)
+    time.sleep(0.1)
+
+
+def test_oversized_body_is_refused_by_the_front(live_vl, split):
+    base, _sock, _h = split
+    from gateway.http import MAX_BODY_BYTES
+
+    blob = "A" * (MAX_BODY_BYTES + 10)
+    r = httpx.post(base + "/v1/chat/completions", headers={"Authorization": f"Bearer {live_vl.api_key}",
+                                                            "Content-Type": "application/json"},
+                   content=('{"model":"' + VL_MODEL + '","messages":[{"role":"user","content":[{"type":"image_url",'
+                            '"image_url":{"url":"data:image/png;base64,' + blob + '"}}]}]}').encode(), timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
