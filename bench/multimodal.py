@@ -2,10 +2,12 @@
 demo Qwen2-VL model, an ``mm`` worker and an all-MiniLM-L6-v2 pooling engine, then prints:
 
 1. p50/p99 latency of text ``/tokenize`` requests alone, and while 8 clients send image chat requests
-   continuously (goal: ratio ≤ 1.2). The image clients run in their own process and post request bodies
-   built before the run (distinct random 400x300 PNGs: every one is a cache miss), so the measuring
-   client's timings include no image encoding and no GIL wait behind them; every client keeps its HTTP
-   connection alive between requests, as the official ``openai`` client does;
+   continuously (goal: ratio ≤ 1.2), in ``--rounds`` alternating alone/loaded windows of ``--seconds`` (the image
+   clients paused and drained for the alone windows), so drift of the machine's speed falls on both figures alike.
+   The image clients run in their own process and post request bodies built before the run (distinct random
+   400x300 PNGs: every one is a cache miss), so the measuring client's timings include no image encoding and no
+   GIL wait behind them; every client keeps its HTTP connection alive between requests, as the official
+   ``openai`` client does;
 2. time of the second identical image request vs the first (goal: ≥ 10× faster), median of 3 images of
    1200x900: with the demo model's processor (at most 64 image tokens, the test setting) and with the same
    model behind Qwen2-VL's usual serving cap of 1280 image tokens (``max_pixels = 1280·28²``; the
@@ -19,8 +21,17 @@ demo Qwen2-VL model, an ``mm`` worker and an all-MiniLM-L6-v2 pooling engine, th
 
 Before part 1, concurrent image chats and tokenize calls warm every render worker child.
 
-Usage: ``REDIS_URL=redis://127.0.0.1:6379/13 python bench/multimodal.py [--seconds 10] [--parts 1,2,3]
-[--engine-threads N] [--engine-nice N] [--client-nice N]``.
+The platform runs as ``manage.py serve`` lays it out: the front api hands image chats to a multimodal api process
+over a unix socket (gateway/handoff.py; ``--mm-api-workers 0`` turns that off). For part 1 it is also pinned as
+``serve --frontend-cores 0`` pins it (on two cores or more; ``--frontend-cores ""`` turns that off): the front api
+alone on the frontend core, with the measuring client (it stands for users elsewhere; on one box it has to run
+somewhere), and the engines, workers, multimodal api, embedded Redis and image clients on the other cores.
+Parts 2 and 3 run unpinned, as ``serve`` runs by default.
+Pinning an external Redis (``REDIS_URL``) is left to its operator: the bench says so when it cannot pin it.
+
+Usage: ``python bench/multimodal.py [--seconds 10] [--parts 1,2,3] [--frontend-cores 0] [--mm-api-workers 1]
+[--engine-threads N] [--engine-nice N] [--client-nice N]`` (``REDIS_URL=...`` uses that Redis instead of an
+embedded one).
 """
 
 from __future__ import annotations
@@ -32,8 +43,10 @@ import http.client
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -46,6 +59,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
 from tests.embeddings.reference import DirectMiniLM, minilm_dir  # noqa: E402
+from ops.supervisor import parse_cpu_list, unix_socket_accepts  # noqa: E402
 from tests.live_platform import start_platform, wait_until  # noqa: E402
 from tests.multimodal.conftest import VL_DIR, VL_MODEL, ensure_vl_model  # noqa: E402
 from tests.multimodal.imgs import data_url, image_bytes  # noqa: E402
@@ -119,32 +133,43 @@ def tokenize_load(live, seconds):
     return lat
 
 
-def image_load(base_url: str, key: str, bodies: list[bytes], clients: int, seconds: float, started, done,
+def image_load(base_url: str, key: str, bodies: list[bytes], clients: int, running, stop, inflight, answered,
                nice: int = 0) -> None:
-    """In a separate process (so its threads never hold the measuring process's GIL): ``clients`` threads
-    post the pre-built image chat ``bodies`` (distinct images, so every one is a cache miss) back to back
-    for ``seconds``; puts the number of answered requests on ``done``. ``nice``: the process's nice level
-    (the image clients stand for users on other machines; niced, they take less of the server's CPU)."""
-    count = [0] * clients
+    """In a separate process (so its threads never hold the measuring process's GIL): ``clients`` threads post the
+    pre-built image chat ``bodies`` (distinct images, so every one is a cache miss) back to back while the
+    ``running`` event is set, until ``stop`` is set. ``inflight`` / ``answered`` (shared integers): requests sent and
+    not yet answered / answered so far. ``nice``: the process's nice level."""
     if nice:
         os.nice(nice)
+    next_body = iter(range(len(bodies)))
+    lock = threading.Lock()
 
-    def client(i: int) -> None:
-        end = time.monotonic() + seconds
-        k = i
+    def client(_i: int) -> None:
         post_body, close = keep_alive_poster(base_url, key, 120)
         try:
-            while time.monotonic() < end and k < len(bodies):
-                post_body("/v1/chat/completions", bodies[k])
-                count[i] += 1
-                k += clients
+            while not stop.is_set():
+                if not running.is_set():
+                    close()  # an idle keep-alive connection would be closed by the server; reopened on resume
+                    running.wait(0.05)
+                    continue
+                with lock:
+                    k = next(next_body, None)
+                if k is None:
+                    return
+                with inflight.get_lock():
+                    inflight.value += 1
+                try:
+                    post_body("/v1/chat/completions", bodies[k])
+                finally:
+                    with inflight.get_lock():
+                        inflight.value -= 1
+                with answered.get_lock():
+                    answered.value += 1
         finally:
             close()
 
-    started.set()
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
         list(pool.map(client, range(clients)))
-    done.put(sum(count))
 
 
 def repeat_part(live) -> None:
@@ -183,28 +208,105 @@ def chat_bytes(model: str, url: str) -> bytes:
         {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "describe"}]}]}).encode()
 
 
-def tokenize_part(live, args) -> None:
-    """1. text /tokenize latency alone vs while 8 clients send image chats (distinct 400x300 PNGs)."""
+def pin_tree(pid: int, cpus: frozenset[int]) -> None:
+    """Pin every thread of ``pid`` and of all its descendants to ``cpus`` (threads and processes created later
+    inherit the mask from their creator)."""
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+            except (ProcessLookupError, FileNotFoundError):
+                pass
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except FileNotFoundError:
+                pass
+
+
+def lay_out(live, args) -> tuple[frozenset[int] | None, frozenset[int] | None]:
+    """Run the platform as ``manage.py serve`` does with ``--mm-api-workers`` / ``--frontend-cores``: a multimodal
+    api on a unix socket and a front api pointed at it (``live.base_url`` moves to the new front), and the front
+    api's CPUs. Returns ``(front, back)`` CPU sets for part 1's pinning, or ``(None, None)`` without it."""
+    if args.mm_api_workers > 0:
+        sock = str(live.var_dir / "mm-api.sock")
+        live.sup.start("api-mm", [sys.executable, "-m", "uvicorn", "config.asgi:application", "--uds", sock,
+                                  "--workers", str(args.mm_api_workers), "--no-access-log"])
+        wait_until(lambda: unix_socket_accepts(sock), 60, "multimodal api", live.sup)
+        old = next(c for c in live.sup.children if c.name == "api")
+        os.killpg(old.proc.pid, signal.SIGTERM)
+        old.proc.wait(30)
+        live.sup.children.remove(old)
+        _child, live.base_url = live.start_api("api-front", env_extra={"MULTIMODAL_API_SOCKET": sock})
+    if not args.frontend_cores:
+        return None, None
+    front = parse_cpu_list(args.frontend_cores)
+    return front, frozenset(os.sched_getaffinity(0)) - front
+
+
+def pin(live, front: frozenset[int], back: frozenset[int]) -> None:
+    """The front api on ``front``, every other platform process on ``back`` (``front == back``: no pinning)."""
+    for child in live.sup.children:
+        pin_tree(child.proc.pid, front if child.name in ("api", "api-front") else back)
+
+
+def tokenize_part(live, args, front, back) -> None:
+    """1. text /tokenize latency alone vs while 8 clients send image chats (distinct 400x300 PNGs), in
+    ``--rounds`` alternating windows of ``--seconds`` each (alone: image clients paused and drained; loaded: image
+    clients running for a second already), so drift of the machine's speed during the run falls on both figures
+    alike. Prints p50/p99 over all windows of each kind, the ratio per round and the median of those. With ``front`` CPUs the measuring
+    client runs there and the image clients on ``back``."""
     warm_up(live)
-    alone = tokenize_load(live, args.seconds)
+    if front:
+        pin(live, front, back)
+        if os.environ.get("REDIS_URL"):
+            print("note: REDIS_URL is set; that Redis server is not pinned (unset REDIS_URL for an embedded one)")
     bodies = [chat_bytes(VL_MODEL, data_url(image_bytes(size=(400, 300), seed=10_000 + k)))
               for k in range(args.images)]
     ctx = multiprocessing.get_context("spawn")
-    started, done = ctx.Event(), ctx.Queue()
-    loader = ctx.Process(target=image_load, args=(live.base_url, live.api_key, bodies, 8, args.seconds + 2,
-                                                  started, done, args.client_nice))
+    running, stop = ctx.Event(), ctx.Event()
+    inflight, answered = ctx.Value("i", 0), ctx.Value("i", 0)
+    loader = ctx.Process(target=image_load, args=(live.base_url, live.api_key, bodies, 8, running, stop, inflight,
+                                                  answered, args.client_nice))
+    if back:
+        os.sched_setaffinity(0, back)  # the image clients' process inherits this thread's mask
     loader.start()
-    started.wait(60)
-    time.sleep(1)
-    loaded = tokenize_load(live, args.seconds)
-    n_images = done.get(timeout=300)
-    loader.join(60)
-    if n_images >= args.images:
+    if front:
+        os.sched_setaffinity(0, front)
+    alone, loaded, rounds, n_images = [], [], [], 0
+    try:
+        for _ in range(args.rounds):
+            running.clear()
+            wait_until(lambda: inflight.value == 0, 120, "image requests to drain")
+            a = tokenize_load(live, args.seconds)
+            before = answered.value
+            running.set()
+            time.sleep(1)
+            b = tokenize_load(live, args.seconds)
+            n_images += answered.value - before
+            alone += a
+            loaded += b
+            rounds.append((pct(b, .5) / pct(a, .5), pct(b, .99) / pct(a, .99)))
+    finally:
+        stop.set()
+        running.set()
+        loader.join(300)
+    if answered.value >= args.images:
         print(f"warning: the image clients ran out of distinct images ({args.images}); raise --images")
     a50, a99, l50, l99 = pct(alone, .5), pct(alone, .99), pct(loaded, .5), pct(loaded, .99)
+    if front:  # parts 2 and 3 run unpinned, as `manage.py serve` runs by default
+        os.sched_setaffinity(0, front | back)
+        pin(live, front | back, front | back)
+    layout = (f"front api on cores {sorted(front)}, the rest on {sorted(back)}" if front else "no pinning")
+    print(f"layout: {args.mm_api_workers} multimodal api process(es); {layout}")
+    per_round = ", ".join(f"{r50:.2f}/{r99:.2f}" for r50, r99 in rounds)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     print(f"tokenize alone p50 {a50*1000:.1f} ms p99 {a99*1000:.1f} ms (n={len(alone)}); under image load "
-          f"p50 {l50*1000:.1f} ms p99 {l99*1000:.1f} ms (n={len(loaded)}, {n_images} image requests); "
-          f"ratio p50 {l50/a50:.2f}x p99 {l99/a99:.2f}x (goal <= 1.2)", flush=True)
+          f"p50 {l50*1000:.1f} ms p99 {l99*1000:.1f} ms (n={len(loaded)}, {n_images} image requests in "
+          f"{args.rounds} x {args.seconds:g} s); ratio p50 {l50/a50:.2f}x p99 {l99/a99:.2f}x (goal <= 1.2); "
+          f"per round p50/p99: {per_round} (median {med([r[0] for r in rounds]):.2f}/{med([r[1] for r in rounds]):.2f})",
+          flush=True)
 
 
 def embeddings_part(live, args) -> None:
@@ -253,7 +355,8 @@ def embeddings_part(live, args) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seconds", type=float, default=8)
+    ap.add_argument("--seconds", type=float, default=5, help="length of each part-1 window")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating alone/loaded windows in part 1")
     ap.add_argument("--images", type=int, default=600, help="distinct images for the image clients")
     ap.add_argument("--parts", default="1,2,3", help="which measurements to run (comma-separated)")
     ap.add_argument("--engine-threads", type=int, default=os.cpu_count() or 1,
@@ -262,6 +365,11 @@ def main() -> int:
                          "which then load the api and render processes more)")
     ap.add_argument("--engine-nice", type=int, default=0, help="nice level of the VL engine processes")
     ap.add_argument("--client-nice", type=int, default=0, help="nice level of the image load clients' process")
+    ap.add_argument("--frontend-cores", default="0" if len(os.sched_getaffinity(0)) >= 2 else "",
+                    help="CPUs of the front api and the measuring client (manage.py serve --frontend-cores); '' "
+                         "for no pinning")
+    ap.add_argument("--mm-api-workers", type=int, default=1,
+                    help="multimodal api processes the front api hands image chats to (0: the front serves them)")
     ap.add_argument("--emb-reps", type=int, default=12, help="batches of 32 per embeddings measurement")
     ap.add_argument("--emb-rounds", type=int, default=5, help="alternating direct/api rounds (median reported)")
     args = ap.parse_args()
@@ -289,11 +397,12 @@ def main() -> int:
         wait_until(lambda: live.replicas(VL_MODEL) and live.replicas(BIG_MODEL) and live.replicas("minilm"), 180,
                    "engines", live.sup)
 
+        front, back = lay_out(live, args)
         post(live.base_url, live.api_key, "/v1/chat/completions", chat_bytes(VL_MODEL, data_url(image_bytes(seed=999))))
         if 2 in parts:
             repeat_part(live)
         if 1 in parts:
-            tokenize_part(live, args)
+            tokenize_part(live, args, front, back)
         if 3 in parts:
             embeddings_part(live, args)
     finally:

@@ -27,6 +27,8 @@ async def http_router(scope, receive, send):
     if scope["path"].startswith(GATEWAY_PREFIXES):
         if handoff.wants_handoff(scope):
             return await handoff.route(scope, receive, send, _gateway, MAX_BODY_BYTES)
+        if handoff.handed_off(scope):
+            await handoff.count("forwarded")
         return await _gateway(scope, receive, send)
     return await django_asgi_app(scope, receive, send)
 

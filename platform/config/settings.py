@@ -289,8 +289,5 @@ LOGGING = {
     "root": {"handlers": ["stderr"], "level": LOG_LEVEL},
     "loggers": {
         "django.db.backends": {"level": "INFO"},
-        # one INFO line per request the front api forwards to the multimodal api (gateway/handoff.py)
-        "httpx": {"level": "WARNING"},
-        "httpcore": {"level": "WARNING"},
     },
 }
