@@ -47,7 +47,7 @@ HANDOFF_PATHS = frozenset({"/v1/chat/completions", "/v1/chat/completions/render"
 IMAGE_MARKER = b'"image_url"'
 # Request headers not forwarded: per-connection (RFC 9110 §7.6.1) or recomputed by the client library.
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"transfer-encoding",
-                         b"upgrade", b"content-length", b"expect"})
+                         b"upgrade", b"expect"})
 _RESPONSE_DROP = frozenset({"connection", "keep-alive", "transfer-encoding", "date", "server"})
 _AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 OUTCOMES = ("forwarded", "fallback", "failed")
@@ -114,29 +114,33 @@ def handed_off(scope: Scope) -> bool:
 
 
 async def route(scope: Scope, receive: Receive, send: Send, local_app: App, max_body_bytes: int) -> None:
-    """Serve one ``HANDOFF_PATHS`` request: read its body, then forward it to the multimodal api when it names an
-    image, else (or when that api is down) run ``local_app`` with the body replayed. A body over
-    ``max_body_bytes`` goes to ``local_app`` unread past the limit (it answers 413)."""
+    """Serve one ``HANDOFF_PATHS`` request. The body is read until ``IMAGE_MARKER`` shows up in it or it ends: with
+    the marker, the request is forwarded to the multimodal api, the part read so far and then the rest streamed as
+    it arrives (a 4 MB image body is never held whole here, and the two hops overlap); without it, or when that api
+    is down, ``local_app`` runs with what was read replayed. A body over ``max_body_bytes`` goes to ``local_app``
+    unread past the limit (it answers 413); a forwarded one is refused the same way by the multimodal api."""
     chunks: list[bytes] = []
     size = 0
-    first_messages: list[dict] = []
-    while True:
+    tail = b""  # the last len(IMAGE_MARKER) - 1 bytes read: a marker split across two chunks is still found
+    more = True
+    found = False
+    while more and not found:
         message = await receive()
         if message["type"] != "http.request":  # disconnected before the body was complete
             return
         chunk = message.get("body", b"")
+        more = bool(message.get("more_body"))
         size += len(chunk)
         chunks.append(chunk)
+        keep = len(IMAGE_MARKER) - 1
+        found = IMAGE_MARKER in chunk or IMAGE_MARKER in tail + chunk[:keep]
+        tail = (tail + chunk[-keep:])[-keep:]
         if size > max_body_bytes:  # let the gateway refuse it with its own 413
-            first_messages = [{"type": "http.request", "body": b"".join(chunks), "more_body": True}]
-            return await local_app(scope, _replay(first_messages, receive), send)
-        if not message.get("more_body"):
             break
-    body = b"".join(chunks)
-    if IMAGE_MARKER in body:
-        if await _forward(scope, body, receive, send):
-            return
-    await local_app(scope, _replay([{"type": "http.request", "body": body, "more_body": False}], receive), send)
+    if found and size <= max_body_bytes and await _forward(scope, chunks, more, receive, send):
+        return
+    replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": more}]
+    await local_app(scope, _replay(replay, receive), send)
 
 
 def _replay(messages: list[dict], receive: Receive) -> Receive:
@@ -151,23 +155,46 @@ def _replay(messages: list[dict], receive: Receive) -> Receive:
     return replayed
 
 
-async def _forward(scope: Scope, body: bytes, receive: Receive, send: Send) -> bool:
-    """Forward the request and relay the answer. Returns False (nothing sent) when the multimodal api could not
-    be reached, so the caller serves the request itself; True when this call answered the client."""
+class _ClientGone(Exception):
+    """The client disconnected while its body was being forwarded."""
+
+
+async def _forward(scope: Scope, chunks: list[bytes], more: bool, receive: Receive, send: Send) -> bool:
+    """Forward the request (its body: ``chunks`` read so far, then, when ``more``, the rest from ``receive``) and
+    relay the answer. Returns False (nothing read past ``chunks``, nothing sent) when the multimodal api could not
+    be reached, so the caller serves the request itself; True when this call answered the client (or it left)."""
     headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope.get("headers", [])
                if k.lower() not in _HOP_BY_HOP]
     headers.append((HANDED_OFF_HEADER.decode(), "1"))
     path = scope["path"] + ("?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else "")
+    body_done = asyncio.Event()
+    state = {"gone": False}
+
+    async def body():
+        for chunk in chunks:
+            yield chunk
+        remaining = more
+        while remaining:
+            message = await receive()
+            if message["type"] != "http.request":
+                state["gone"] = True
+                raise _ClientGone()  # aiohttp drops the connection: the multimodal api sees the client leave
+            remaining = bool(message.get("more_body"))
+            yield message.get("body", b"")
+        body_done.set()
 
     async def relay() -> bool:
         try:
-            # the client's own headers only: nothing added (no User-Agent, Accept or Content-Type of aiohttp's)
-            response = await _upstream.session().post("http://mm-api" + path, data=body,
+            # the client's own headers only: nothing added (no User-Agent, Accept or Content-Type of aiohttp's);
+            # its Content-Length is kept, so the body goes on unchanged, not re-chunked
+            response = await _upstream.session().post("http://mm-api" + path, data=body(),
                                                       headers=CIMultiDict(headers), skip_auto_headers=_AUTO_HEADERS)
         except aiohttp.ClientConnectorError:
             await count("fallback")
             return False
-        except aiohttp.ClientError:
+        except (aiohttp.ClientError, _ClientGone):
+            if state["gone"]:
+                return True
             log.warning("the multimodal api failed before answering on %s", scope["path"], exc_info=True)
             await count("failed")
             await _send_unavailable(send)
@@ -181,6 +208,8 @@ async def _forward(scope: Scope, body: bytes, receive: Receive, send: Send) -> b
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             response.release()
         except aiohttp.ClientError:
+            if state["gone"]:
+                return True
             log.warning("the multimodal api failed mid-response on %s", scope["path"], exc_info=True)
             await count("failed")
             if sse:
@@ -194,8 +223,14 @@ async def _forward(scope: Scope, body: bytes, receive: Receive, send: Send) -> b
             response.close()  # no-op after release(); else the connection is dropped (the multimodal api aborts)
         return True
 
+    async def watch_disconnect() -> None:
+        await body_done.wait()  # until then the body generator owns receive() and notices a disconnect itself
+        await _wait_disconnect(receive)
+
+    if not more:
+        body_done.set()
     relay_task = asyncio.ensure_future(relay())
-    disconnect_task = asyncio.ensure_future(_wait_disconnect(receive))
+    disconnect_task = asyncio.ensure_future(watch_disconnect())
     try:
         await asyncio.wait({relay_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:

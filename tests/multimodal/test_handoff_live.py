@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -204,3 +205,59 @@ def test_oversized_body_is_refused_by_the_front(live_vl, split):
                    content=('{"model":"' + VL_MODEL + '","messages":[{"role":"user","content":[{"type":"image_url",'
                             '"image_url":{"url":"data:image/png;base64,' + blob + '"}}]}]}').encode(), timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_large_body_streamed_through_the_front(live_vl, split):
+    """A 4 MB image body goes on to the multimodal api as it arrives; the answer equals a direct one."""
+    base, _sock, _h = split
+    body = {"model": VL_MODEL, "max_tokens": 1, "return_token_ids": True, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(image_bytes(size=(1200, 900), seed=39))}},
+        {"type": "text", "text": "describe"}]}]}
+    before = handoffs(live_vl)
+    via_front = post(base, live_vl.api_key, "/v1/chat/completions", body)
+    assert via_front.status_code == 200, via_front.text
+    assert delta(before, handoffs(live_vl))["forwarded"] == 1
+    direct = post(live_vl.base_url, live_vl.api_key, "/v1/chat/completions", body)
+    assert direct.json()["prompt_token_ids"] == via_front.json()["prompt_token_ids"]
+
+
+def test_marker_split_across_body_chunks_is_found(live_vl, split):
+    """The client's body arrives in three pieces cut inside both ``"image_url"`` of the image part: the request is
+    still handed off."""
+    base, _sock, _h = split
+    raw = json.dumps({"model": VL_MODEL, "max_tokens": 1, "messages": image_messages(40)}).encode()
+    first = raw.index(b'"image_url"')
+    cuts = [first + 5, raw.index(b'"image_url"', first + 1) + 5]
+    assert raw.count(b'"image_url"') == 2
+    port = int(base.rsplit(":", 1)[1])
+    before = handoffs(live_vl)
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + live_vl.api_key.encode() + b"\r\nConnection: close\r\n"
+                     b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw[:cuts[0]])
+        time.sleep(0.3)  # the front has read the first piece (a separate ASGI body message) by now
+        conn.sendall(raw[cuts[0]:cuts[1]])
+        time.sleep(0.3)
+        conn.sendall(raw[cuts[1]:])
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
+    assert delta(before, handoffs(live_vl))["forwarded"] == 1
+
+
+def test_client_leaving_during_the_body_upload_leaves_nothing_behind(live_vl, split):
+    base, _sock, _h = split
+    raw = json.dumps({"model": VL_MODEL, "max_tokens": 1, "messages": image_messages(41)}).encode()
+    port = int(base.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + live_vl.api_key.encode() + b"\r\n"
+                     b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw[: len(raw) // 2])
+        time.sleep(0.3)
+    # the front and the multimodal api still answer, and no admission reservation is left
+    r = post(base, live_vl.api_key, "/v1/chat/completions", {"model": VL_MODEL, "messages": image_messages(42),
+                                                              "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    wait_until(lambda: (lambda s: (s["queued_reqs"], s["queued_tokens"]) == (0, 0))(
+        adm.model_snapshot(live_vl.redis, live_vl.prefix, VL_MODEL)), 5, "admission idle")
