@@ -116,6 +116,23 @@ def test_serve_pins_the_front_api_and_hands_images_to_the_multimodal_api(tmp_pat
             wait_until(forwarded_again, 60, "the restarted multimodal api")
             new_mm = [p for p in _descendants(proc.pid) if "--uds" in _cmdline(p)]
             assert new_mm and new_mm[0] != mm_apis[0] and _cpus(new_mm[0]) == back
+
+            # a multimodal api that keeps crashing uses up its restart budget (5 a minute): serve sets it aside
+            # and goes on, the front serving image requests itself; text is never affected
+            sock = Path(env["LLMP_VAR_DIR"]) / "run" / "mm-api.sock"
+            for _ in range(5):
+                wait_until(lambda: [p for p in _descendants(proc.pid) if "--uds" in _cmdline(p)] and sock.exists(),
+                           60, "a multimodal api")
+                pid = next(p for p in _descendants(proc.pid) if "--uds" in _cmdline(p))
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+                wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 10, "the multimodal api to be reaped")
+            time.sleep(1.5)
+            assert proc.poll() is None, "serve stopped"
+            assert not [p for p in _descendants(proc.pid) if "--uds" in _cmdline(p)]
+            resp = http.post("/v1/chat/completions", json=IMAGE_BODY)
+            assert resp.status_code == 400 and resp.json()["error"]["code"] == "images_not_supported", resp.text
+            tok = http.post("/tokenize", json={"model": "tiny-qwen3", "prompt": "hello"})
+            assert tok.status_code == 200, tok.text
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -135,20 +135,35 @@ class Command(BaseCommand):
         wait_until(lambda: _http_ok(base + "/health"), 60, "the API server", sup)
         self._banner(base, info, var_dir)
         policy = RestartPolicy()
+        parked: tuple | None = None  # (child, retry at): a multimodal api that crashed past its restart budget
         while not stop["flag"]:
             dead = sup.dead_child()
             if dead is not None:
                 # Engines and workers are restartable: requests they held fail with a clear error (the api
                 # notices a dead replica by its heartbeat) and new ones are served once it is back. Redis and
                 # the api process are not: without them nothing can be served, so everything stops. While the
-                # multimodal api restarts, the front api serves image chats itself (gateway/handoff.py).
+                # multimodal api is down, the front api serves image chats itself (gateway/handoff.py), so one
+                # that keeps crashing is set aside and tried again after the restart window, not fatal.
                 code = dead.proc.returncode
-                if dead.name in ("redis", "api") or not policy.allow(dead.name, time.monotonic()):
-                    raise RuntimeError(f"{dead.name} exited with code {code}; see {dead.log_path}")
-                self.stderr.write(f"{dead.name} exited with code {code}; restarting it (see {dead.log_path})")
                 if dead.name == "api-mm" and mm_socket and os.path.exists(mm_socket):
                     os.unlink(mm_socket)  # a killed uvicorn leaves its socket file; several workers cannot bind it
-                sup.restart(dead)
+                if dead.name in ("redis", "api"):
+                    raise RuntimeError(f"{dead.name} exited with code {code}; see {dead.log_path}")
+                if not policy.allow(dead.name, time.monotonic()):
+                    if dead.name != "api-mm":
+                        raise RuntimeError(f"{dead.name} exited with code {code}; see {dead.log_path}")
+                    sup.children.remove(dead)
+                    parked = (dead, time.monotonic() + policy.window_s)
+                    self.stderr.write(f"api-mm exited with code {code} and keeps crashing; the front api serves image "
+                                      f"requests itself; trying api-mm again in {policy.window_s:.0f} s "
+                                      f"(see {dead.log_path})")
+                else:
+                    self.stderr.write(f"{dead.name} exited with code {code}; restarting it (see {dead.log_path})")
+                    sup.restart(dead)
+            if parked is not None and time.monotonic() >= parked[1] and policy.allow("api-mm", time.monotonic()):
+                sup.children.append(parked[0])
+                sup.restart(parked[0])
+                parked = None
             time.sleep(0.5)
 
     def _banner(self, base: str, info, var_dir: Path) -> None:
