@@ -6,9 +6,9 @@ one GIL, text requests queue behind that work, so their p99 grows with the image
 therefore runs a second uvicorn ("api-mm", ``--mm-api-workers``) on a unix socket and points the front api at it
 with ``MULTIMODAL_API_SOCKET``; with ``--frontend-cores`` the two also run on different cores.
 
-The front api reads the request body of ``HANDOFF_PATHS`` (a chat body) and, when it names an ``"image_url"``
-part, forwards the request unchanged (method, path, headers, body) to the multimodal api and relays its answer
-byte for byte (status, headers, streamed body). The multimodal api is the same Django/Channels application: it
+The front api reads the request body of ``HANDOFF_PATHS`` (a chat body) until it names an ``"image_url"`` part,
+then forwards the request unchanged (method, path, headers, the body read so far and the rest as it arrives) to
+the multimodal api and relays its answer byte for byte (status, headers, streamed body). The multimodal api is the same Django/Channels application: it
 authenticates the key, validates, admits, streams and records usage itself, so a forwarded request behaves
 exactly as one served by the front (same errors, same envelope, same stream). Other bodies are replayed to the
 local gateway.

@@ -62,6 +62,29 @@ def delta(before: dict, after: dict) -> dict:
     return {k: after.get(k, 0) - before.get(k, 0) for k in ("forwarded", "fallback", "failed")}
 
 
+def admission_idle(live) -> bool:
+    snap = adm.model_snapshot(live.redis, live.prefix, VL_MODEL)
+    return (snap["queued_reqs"], snap["queued_tokens"]) == (0, 0)
+
+
+def engine_idle(live) -> bool:
+    return all(s.num_running == 0 and s.num_waiting == 0 for s in live.replicas(VL_MODEL))
+
+
+def open_stream_and_read_two_events(http: httpx.Client, base: str, key: str, seed: int):
+    """Start a long streamed image chat through ``base``; returns ``(response context, line iterator)`` after two
+    events arrived (the caller closes the context)."""
+    body = {"model": VL_MODEL, "messages": image_messages(seed), "max_tokens": 800, "stream": True, "ignore_eos": True}
+    ctx = http.stream("POST", base + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+    resp = ctx.__enter__()
+    assert resp.status_code == 200
+    lines = resp.iter_lines()  # pulled with next(): breaking a for loop would close the stream
+    got = 0
+    while got < 2:
+        got += next(lines).startswith("data: ")
+    return ctx, lines
+
+
 def image_messages(seed: int, text: str = "What is in the picture?") -> list[dict]:
     return [{"role": "user", "content": [{"type": "text", "text": text},
                                          {"type": "image_url", "image_url": {"url": data_url(image_bytes(seed=seed))}}]}]
@@ -132,21 +155,15 @@ def test_forwarded_answers_equal_direct_ones(live_vl, split, path):
 
 def test_client_disconnect_aborts_the_forwarded_request(live_vl, split):
     base, _sock, _h = split
-    body = {"model": VL_MODEL, "messages": image_messages(34), "max_tokens": 800, "stream": True, "ignore_eos": True}
     with httpx.Client(timeout=60) as http:
-        with http.stream("POST", base + "/v1/chat/completions", json=body,
-                         headers={"Authorization": f"Bearer {live_vl.api_key}"}) as resp:
-            assert resp.status_code == 200
-            lines = resp.iter_lines()
-            got = 0
-            while got < 2:
-                got += next(lines).startswith("data: ")
+        ctx, _lines = open_stream_and_read_two_events(http, base, live_vl.api_key, 34)
+        try:
             wait_until(lambda: max(s.num_running for s in live_vl.replicas(VL_MODEL)) >= 1, 5, "running request")
+        finally:
+            ctx.__exit__(None, None, None)
     # the front closed its connection to the multimodal api, which aborted the engine request and released admission
-    wait_until(lambda: all(s.num_running == 0 and s.num_waiting == 0 for s in live_vl.replicas(VL_MODEL)), 10,
-               "engine request aborted")
-    wait_until(lambda: (lambda s: (s["queued_reqs"], s["queued_tokens"]) == (0, 0))(
-        adm.model_snapshot(live_vl.redis, live_vl.prefix, VL_MODEL)), 5, "admission released")
+    wait_until(lambda: engine_idle(live_vl), 10, "engine request aborted")
+    wait_until(lambda: admission_idle(live_vl), 5, "admission released")
 
 
 def test_front_serves_images_itself_while_the_multimodal_api_is_down(live_vl, split):
@@ -168,31 +185,23 @@ def test_front_serves_images_itself_while_the_multimodal_api_is_down(live_vl, sp
 
 def test_multimodal_api_killed_mid_stream_ends_the_stream_with_an_error(live_vl, split):
     base, sock, holder = split
-    body = {"model": VL_MODEL, "messages": image_messages(38), "max_tokens": 800, "stream": True, "ignore_eos": True}
     before = handoffs(live_vl)
     with httpx.Client(timeout=60) as http:
-        with http.stream("POST", base + "/v1/chat/completions", json=body,
-                         headers={"Authorization": f"Bearer {live_vl.api_key}"}) as resp:
-            assert resp.status_code == 200
-            lines = resp.iter_lines()
-            got = 0
-            while got < 2:
-                got += next(lines).startswith("data: ")
+        ctx, lines = open_stream_and_read_two_events(http, base, live_vl.api_key, 38)
+        try:
             _stop(live_vl, holder["mm"], signal.SIGKILL)
             rest = [line for line in lines if line.startswith("data: ")]
+        finally:
+            ctx.__exit__(None, None, None)
     assert rest[-1] == "data: [DONE]"
     err = json.loads(rest[-2][len("data: "):])
     assert err["error"]["code"] == "upstream_failed", rest[-2]
     assert delta(before, handoffs(live_vl))["failed"] == 1
     # the dead process's engine request does not run on: the engine drops requests of an api that stopped
-    # renewing its liveness key
-    wait_until(lambda: all(s.num_running == 0 and s.num_waiting == 0 for s in live_vl.replicas(VL_MODEL)), 30,
-               "orphaned engine request dropped")
-    # and its admission reservation is reaped by the live processes once the dead one's lease expires
-    wait_until(lambda: (lambda s: (s["queued_reqs"], s["queued_tokens"]) == (0, 0))(
-        adm.model_snapshot(live_vl.redis, live_vl.prefix, VL_MODEL)), adm.LEASE_TTL_S + 5, "reservation reaped")
+    # renewing its liveness key; its admission reservation is reaped once the dead process's lease expires
+    wait_until(lambda: engine_idle(live_vl), 30, "orphaned engine request dropped")
+    wait_until(lambda: admission_idle(live_vl), adm.LEASE_TTL_S + 5, "reservation reaped")
     holder["mm"] = _start_mm_api(live_vl, sock)
-    time.sleep(0.1)
 
 
 def test_oversized_body_is_refused_by_the_front(live_vl, split):
@@ -259,5 +268,4 @@ def test_client_leaving_during_the_body_upload_leaves_nothing_behind(live_vl, sp
     r = post(base, live_vl.api_key, "/v1/chat/completions", {"model": VL_MODEL, "messages": image_messages(42),
                                                               "max_tokens": 1})
     assert r.status_code == 200, r.text
-    wait_until(lambda: (lambda s: (s["queued_reqs"], s["queued_tokens"]) == (0, 0))(
-        adm.model_snapshot(live_vl.redis, live_vl.prefix, VL_MODEL)), 5, "admission idle")
+    wait_until(lambda: admission_idle(live_vl), 5, "admission idle")
