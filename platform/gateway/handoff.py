@@ -6,8 +6,10 @@ one GIL, text requests queue behind that work, so their p99 grows with the image
 therefore runs a second uvicorn ("api-mm", ``--mm-api-workers``) on a unix socket and points the front api at it
 with ``MULTIMODAL_API_SOCKET``; with ``--frontend-cores`` the two also run on different cores.
 
-The front api reads the request body of ``HANDOFF_PATHS`` (a chat body) until it names an ``"image_url"`` part,
-then forwards the request unchanged (method, path, headers, the body read so far and the rest as it arrives) to
+The front api reads the request body of ``HANDOFF_PATHS`` (a chat body) until it names an ``"image_url"`` part.
+Where it can, it then passes the client's connection itself to the multimodal api (gateway/connection_pass.py,
+``MULTIMODAL_PASS_SOCKET``), which serves it from there on. Otherwise (a chunked or TLS request, a body that had
+fully arrived, no pass socket, the pass refused) it forwards the request unchanged (method, path, headers, the body read so far and the rest as it arrives) to
 the multimodal api and relays its answer byte for byte (status, headers, streamed body). The multimodal api is the same Django/Channels application: it
 authenticates the key, validates, admits, streams and records usage itself, so a forwarded request behaves
 exactly as one served by the front (same errors, same envelope, same stream). Other bodies are replayed to the
@@ -25,8 +27,9 @@ Failure rules (nothing lost, nothing served twice):
   handles as its own (the engine request is aborted, the admission reservation and limits released).
 
 Counts per outcome are kept in Redis (``<prefix>:handoff``) and exported by ``/metrics`` as
-``gateway_handoffs_total{outcome}``: ``forwarded`` is counted by the multimodal api as a request arrives (so the front
-spends no Redis round trip on it), ``fallback`` and ``failed`` by the front.
+``gateway_handoffs_total{outcome}``: ``passed`` (connections) is counted by the multimodal api as it adopts one,
+``forwarded`` by the multimodal api as a relayed request arrives (so the front spends no Redis round trip on
+either), ``fallback`` and ``failed`` by the front (``failed`` also counts a pass whose outcome was lost).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import aiohttp
 from django.conf import settings
 from multidict import CIMultiDict
 
+from gateway import connection_pass
 from gateway.errors import ApiError, unavailable
 
 log = logging.getLogger(__name__)
@@ -50,7 +54,7 @@ _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te
                          b"upgrade", b"expect"})
 _RESPONSE_DROP = frozenset({"connection", "keep-alive", "transfer-encoding", "date", "server"})
 _AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
-OUTCOMES = ("forwarded", "fallback", "failed")
+OUTCOMES = ("passed", "forwarded", "fallback", "failed")
 # Set on forwarded requests: a process that receives one never forwards it again (no loop when a multimodal api
 # is itself, by mistake, given a MULTIMODAL_API_SOCKET). A client sending it only gets served by the front api.
 HANDED_OFF_HEADER = b"x-llmp-handed-off"
@@ -137,8 +141,16 @@ async def route(scope: Scope, receive: Receive, send: Send, local_app: App, max_
         tail = (tail + chunk[-keep:])[-keep:]
         if size > max_body_bytes:  # let the gateway refuse it with its own 413
             break
-    if found and size <= max_body_bytes and await _forward(scope, chunks, more, receive, send):
-        return
+    if found and size <= max_body_bytes:
+        cycle = connection_pass.passable_cycle(scope, receive) if more else None
+        if cycle is not None:  # hand over the connection itself: the front does nothing more for it
+            outcome = await connection_pass.pass_connection(scope, cycle, chunks)
+            if outcome == "lost":
+                await count("failed")
+            if outcome != "kept":
+                return
+        if await _forward(scope, chunks, more, receive, send):
+            return
     replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": more}]
     await local_app(scope, _replay(replay, receive), send)
 

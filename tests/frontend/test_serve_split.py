@@ -23,6 +23,8 @@ from tests.multimodal.imgs import data_url, image_bytes
 
 IMAGE_BODY = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": [
     {"type": "image_url", "image_url": {"url": data_url(image_bytes(seed=3))}}]}]}
+BIG_IMAGE_BODY = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": [
+    {"type": "image_url", "image_url": {"url": data_url(image_bytes(size=(400, 300), seed=4))}}]}]}
 
 
 def _serve_env(tmp: Path) -> dict:
@@ -82,7 +84,7 @@ def test_serve_pins_the_front_api_and_hands_images_to_the_multimodal_api(tmp_pat
         redis_url = next(ln.split()[-1] for ln in lines if ln.startswith("redis:"))
         procs = {pid: _cmdline(pid) for pid in _descendants(proc.pid)}
         fronts = [p for p, c in procs.items() if "uvicorn" in c and "--port" in c]
-        mm_apis = [p for p, c in procs.items() if "uvicorn" in c and "--uds" in c]
+        mm_apis = [p for p, c in procs.items() if "ops.mm_api" in c]
         assert fronts and mm_apis, procs
         back = frozenset(os.sched_getaffinity(0)) - {front_core}
         for pid, cmd in procs.items():
@@ -99,6 +101,10 @@ def test_serve_pins_the_front_api_and_hands_images_to_the_multimodal_api(tmp_pat
             resp = http.post("/v1/chat/completions", json=IMAGE_BODY)
             assert resp.status_code == 400 and resp.json()["error"]["code"] == "images_not_supported", resp.text
             assert counts().get("forwarded") == 1
+            # one whose body is still arriving when the image part is found: its connection is passed over
+            resp = http.post("/v1/chat/completions", json=BIG_IMAGE_BODY)
+            assert resp.status_code == 400 and resp.json()["error"]["code"] == "images_not_supported", resp.text
+            assert counts().get("passed") == 1
             # kill the multimodal api: the front answers image requests itself, serve restarts it
             os.killpg(os.getpgid(mm_apis[0]), signal.SIGKILL)
             # gone from /proc (reaped by serve), not merely a zombie: a killed thread group leader shows Z while its
@@ -114,21 +120,21 @@ def test_serve_pins_the_front_api_and_hands_images_to_the_multimodal_api(tmp_pat
                 return counts().get("forwarded", 0) == before + 1
 
             wait_until(forwarded_again, 60, "the restarted multimodal api")
-            new_mm = [p for p in _descendants(proc.pid) if "--uds" in _cmdline(p)]
+            new_mm = [p for p in _descendants(proc.pid) if "ops.mm_api" in _cmdline(p)]
             assert new_mm and new_mm[0] != mm_apis[0] and _cpus(new_mm[0]) == back
 
             # a multimodal api that keeps crashing uses up its restart budget (5 a minute): serve sets it aside
             # and goes on, the front serving image requests itself; text is never affected
             sock = Path(env["LLMP_VAR_DIR"]) / "run" / "mm-api.sock"
             for _ in range(5):
-                wait_until(lambda: [p for p in _descendants(proc.pid) if "--uds" in _cmdline(p)] and sock.exists(),
-                           60, "a multimodal api")
-                pid = next(p for p in _descendants(proc.pid) if "--uds" in _cmdline(p))
+                wait_until(lambda: [p for p in _descendants(proc.pid) if "ops.mm_api" in _cmdline(p)]
+                           and sock.exists(), 60, "a multimodal api")
+                pid = next(p for p in _descendants(proc.pid) if "ops.mm_api" in _cmdline(p))
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
                 wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 10, "the multimodal api to be reaped")
             time.sleep(1.5)
             assert proc.poll() is None, "serve stopped"
-            assert not [p for p in _descendants(proc.pid) if "--uds" in _cmdline(p)]
+            assert not [p for p in _descendants(proc.pid) if "ops.mm_api" in _cmdline(p)]
             resp = http.post("/v1/chat/completions", json=IMAGE_BODY)
             assert resp.status_code == 400 and resp.json()["error"]["code"] == "images_not_supported", resp.text
             tok = http.post("/tokenize", json={"model": "tiny-qwen3", "prompt": "hello"})

@@ -116,12 +116,16 @@ class Command(BaseCommand):
         front_env, mm_socket = {}, None
         if opts["mm_api_workers"] > 0:
             mm_socket = _mm_socket_path(var_dir)
+            pass_socket = str(Path(mm_socket).with_name("mm-pass.sock"))
             # the multimodal api: the same application on a unix socket, handed image chats by the front api
-            sup.start("api-mm", [py, "-m", "uvicorn", "config.asgi:application", "--uds", mm_socket,
-                                 "--workers", str(opts["mm_api_workers"]), "--no-access-log",
-                                 "--timeout-graceful-shutdown", "5"], cpus=back_cpus)
-            wait_until(lambda: unix_socket_accepts(mm_socket), 60, "the multimodal api", sup)
+            # (their client connections passed over pass_socket, or relayed: gateway/handoff.py)
+            sup.start("api-mm", [py, "-m", "ops.mm_api", "--uds", mm_socket, "--pass-socket", pass_socket,
+                                 "--workers", str(opts["mm_api_workers"]), "--timeout-graceful-shutdown", "5"],
+                      cpus=back_cpus)
+            wait_until(lambda: unix_socket_accepts(mm_socket) and unix_socket_accepts(pass_socket), 60,
+                       "the multimodal api", sup)
             front_env["MULTIMODAL_API_SOCKET"] = mm_socket
+            front_env["MULTIMODAL_PASS_SOCKET"] = pass_socket
         sup.start("api", [py, "-m", "uvicorn", "config.asgi:application", "--host", opts["host"],
                           "--port", str(opts["port"]), "--workers", str(opts["api_workers"]),
                           "--no-access-log", "--timeout-graceful-shutdown", "5"],
@@ -146,7 +150,7 @@ class Command(BaseCommand):
                 # that keeps crashing is set aside and tried again after the restart window, not fatal.
                 code = dead.proc.returncode
                 if dead.name == "api-mm" and mm_socket and os.path.exists(mm_socket):
-                    os.unlink(mm_socket)  # a killed uvicorn leaves its socket file; several workers cannot bind it
+                    os.unlink(mm_socket)  # a killed uvicorn leaves its socket file (ops.mm_api replaces both)
                 if dead.name in ("redis", "api"):
                     raise RuntimeError(f"{dead.name} exited with code {code}; see {dead.log_path}")
                 if not policy.allow(dead.name, time.monotonic()):

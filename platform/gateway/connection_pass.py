@@ -1,0 +1,211 @@
+"""Pass a client's TCP connection itself from the front api to the multimodal api (``SCM_RIGHTS``), instead of
+relaying the request through the front.
+
+Why: relaying an image chat (gateway/handoff.py) still costs the front api, on its own core, a copy of every body
+byte in and every response byte out: 1.2 ms of CPU per 480 KB image chat, 7 ms per 4.3 MB one (measured, issue 6),
+and the text requests on that core queue behind it. Once the connection itself belongs to the multimodal api, the
+front does no work at all for it: not for the rest of this body, not for the response, and not for later requests
+on the same keep-alive connection (an image client's text requests are then served by the multimodal api too,
+which runs the same application).
+
+The protocol, on a unix socket only this user can reach (``MULTIMODAL_PASS_SOCKET``, a 0700 directory), one
+connection per passed client connection:
+
+1. front -> multimodal api: a 4-byte big-endian length ``n`` with the client socket attached (``SCM_RIGHTS``),
+   then ``n`` bytes: the request as the client sent it so far (request line, headers, the body read so far);
+2. the multimodal api adopts the socket into its uvicorn server (a protocol of the server's own class, fed those
+   bytes first, then reading the socket itself) and answers one byte, ``1`` (adopted) or ``0`` (refused);
+3. on ``1`` the front drops its copy of the socket without writing to it (closing one of two descriptors of a
+   socket neither sends a FIN nor resets it); on ``0``, or when the multimodal api cannot be reached, the front
+   resumes reading and serves or relays the request as before. Before step 3 the front has paused reading the
+   socket, so exactly one process reads it at any time.
+
+If the multimodal api adopted the socket but its answer is lost (it crashed or hung for ``ACK_TIMEOUT_S``), the
+front cannot know who owns the connection; it closes its copy without writing (counted ``failed``), the one
+choice that can never put two answers on one connection.
+
+A connection can be passed only while its byte stream is still exact at the front: uvicorn's httptools protocol
+(the front's cycle is read directly: its pending body bytes go along), plain HTTP (a TLS session cannot move),
+a ``Content-Length`` body (a chunked one is mid-chunk) that has not fully arrived (so no pipelined request is
+already parsed). Other requests are relayed (gateway/handoff.py). These are uvicorn internals (pinned by
+``tests/multimodal/test_connection_pass_live.py``); no server library exposes a way to pass a connection on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+from typing import Awaitable, Callable
+
+from django.conf import settings
+
+log = logging.getLogger(__name__)
+
+ACK_TIMEOUT_S = 10.0
+ADOPTED, REFUSED = b"1", b"0"
+_LENGTH = struct.Struct("!I")
+MAX_PREFIX_BYTES = 64 * 1024 * 1024  # a prefix is at most the front's body limit plus the headers
+
+Scope = dict
+Receive = Callable[[], Awaitable[dict]]
+
+
+def passable_cycle(scope: Scope, receive: Receive):
+    """The front's uvicorn httptools request cycle behind ``receive`` when this request's connection can be passed
+    (plain HTTP/1.x, a ``Content-Length`` body still arriving, a pass socket configured), else None."""
+    if not settings.MULTIMODAL_PASS_SOCKET or scope.get("scheme") != "http":
+        return None
+    try:
+        from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+    except ImportError:  # httptools not installed: uvicorn runs h11, whose cycle is not read here
+        return None
+    cycle = getattr(receive, "__self__", None)
+    if not isinstance(cycle, RequestResponseCycle) or not cycle.more_body or cycle.disconnected:
+        return None
+    names = {k.lower() for k, _v in scope.get("headers", ())}
+    if b"content-length" not in names or b"transfer-encoding" in names:
+        return None
+    return cycle
+
+
+def request_head(scope: Scope) -> bytes:
+    """The request line and headers of ``scope`` as HTTP/1.1 bytes, ``Expect`` left out (the front already
+    answered ``100 Continue`` when it first read the body)."""
+    target = scope.get("raw_path") or scope["path"].encode("latin-1")
+    if scope.get("query_string"):
+        target += b"?" + scope["query_string"]
+    lines = [scope["method"].encode() + b" " + target + b" HTTP/" + scope.get("http_version", "1.1").encode()]
+    lines += [k + b": " + v for k, v in scope.get("headers", ()) if k.lower() != b"expect"]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+async def pass_connection(scope: Scope, cycle, body_read: list[bytes]) -> str:
+    """Pass the client connection of ``cycle`` (from ``passable_cycle``) to the multimodal api, ``body_read`` being
+    the body bytes this process has already taken from it. Returns ``"passed"`` (the multimodal api owns the
+    connection; the caller returns without sending anything), ``"kept"`` (nothing changed: serve or relay the
+    request here) or ``"lost"`` (the outcome is unknown; the front's copy was closed without a word)."""
+    loop = asyncio.get_running_loop()
+    cycle.flow.pause_reading()
+    prefix = request_head(scope) + b"".join(body_read) + bytes(cycle.body)
+    client = cycle.transport.get_extra_info("socket")
+    link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    link.setblocking(False)
+    try:
+        try:
+            await loop.sock_connect(link, settings.MULTIMODAL_PASS_SOCKET)
+            # four bytes on a fresh connection never block; the descriptor travels with them
+            socket.send_fds(link, [_LENGTH.pack(len(prefix))], [client.fileno()])
+            await loop.sock_sendall(link, prefix)
+        except OSError:
+            cycle.flow.resume_reading()
+            return "kept"
+        try:
+            answer = await asyncio.wait_for(loop.sock_recv(link, 1), ACK_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError):
+            answer = None
+        if answer == REFUSED or answer == b"":  # refused, or gone before adopting (an adoption answers first)
+            cycle.flow.resume_reading()
+            return "kept"
+        # adopted, or unknown: this process never touches the connection again
+        cycle.body = bytearray()
+        cycle.disconnected = True  # uvicorn sends nothing more on it (no 500 for a response never started)
+        cycle.transport.close()
+        if answer != ADOPTED:
+            log.warning("the multimodal api took a passed connection without answering; dropped it here")
+            return "lost"
+        return "passed"
+    finally:
+        link.close()
+
+
+async def serve_passed_connections(listener: socket.socket, protocol_factory: Callable[[], asyncio.Protocol],
+                                   on_adopted: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Accept passed connections on ``listener`` (a bound, listening unix socket) forever and adopt each into this
+    process's server: ``protocol_factory()`` builds a protocol of the server's own class, which is fed the
+    passed bytes before it reads the socket. ``on_adopted`` is awaited after each adoption (a metric)."""
+    loop = asyncio.get_running_loop()
+    listener.setblocking(False)
+    tasks: set[asyncio.Task] = set()
+    while True:
+        link, _addr = await loop.sock_accept(listener)
+        task = asyncio.ensure_future(_adopt(link, protocol_factory, on_adopted))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+
+async def _adopt(link: socket.socket, protocol_factory, on_adopted) -> None:
+    loop = asyncio.get_running_loop()
+    client = None
+    try:
+        link.setblocking(False)
+        await _readable(link)
+        head, fds, _flags, _addr = socket.recv_fds(link, _LENGTH.size, 1)
+        if not fds:
+            return
+        client = socket.socket(fileno=fds[0])
+        for extra in fds[1:]:
+            socket.close(extra)
+        while len(head) < _LENGTH.size:
+            more = await loop.sock_recv(link, _LENGTH.size - len(head))
+            if not more:
+                return
+            head += more
+        (n,) = _LENGTH.unpack(head)
+        if n > MAX_PREFIX_BYTES:
+            await loop.sock_sendall(link, REFUSED)
+            return
+        prefix = bytearray()
+        while len(prefix) < n:
+            more = await loop.sock_recv(link, min(n - len(prefix), 1 << 20))
+            if not more:
+                return  # the front went away: it kept the connection
+            prefix += more
+        if client.type != socket.SOCK_STREAM or client.family not in (socket.AF_INET, socket.AF_INET6):
+            await loop.sock_sendall(link, REFUSED)
+            return
+        client.setblocking(False)
+
+        def factory() -> asyncio.Protocol:
+            protocol = protocol_factory()
+            made = protocol.connection_made
+
+            def connection_made(transport) -> None:
+                made(transport)
+                # before the transport's reader is registered (both are call_soon'd, in this order), so the
+                # passed bytes are parsed before anything read from the socket
+                protocol.data_received(bytes(prefix))
+
+            protocol.connection_made = connection_made
+            return protocol
+
+        try:
+            await loop.connect_accepted_socket(factory, client)
+        except OSError:
+            log.warning("could not adopt a passed connection", exc_info=True)
+            await loop.sock_sendall(link, REFUSED)
+            return
+        client = None  # the transport owns it now
+        try:
+            await loop.sock_sendall(link, ADOPTED)
+        except OSError:
+            pass  # the front is gone; the connection is served here all the same
+        if on_adopted is not None:
+            await on_adopted()
+    except OSError:
+        log.warning("a connection pass failed", exc_info=True)
+    finally:
+        if client is not None:
+            client.close()
+        link.close()
+
+
+async def _readable(sock: socket.socket) -> None:
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(sock.fileno(), lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        loop.remove_reader(sock.fileno())

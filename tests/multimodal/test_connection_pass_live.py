@@ -1,0 +1,238 @@
+"""The front api passes the client connection of an image request to the multimodal api (gateway/connection_pass.py),
+as ``manage.py serve`` runs them (``python -m ops.mm_api``, here with two workers): the multimodal api answers on
+the client's own connection, keeps serving it afterwards, and the front does no more work for it; requests that
+cannot be passed are relayed or served by the front as before."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from ops.supervisor import unix_socket_accepts, wait_until
+from tests.multimodal.conftest import VL_MODEL
+from tests.multimodal.imgs import data_url, image_bytes
+from tests.multimodal.test_handoff_live import (IMAGE_TOKEN, admission_idle, engine_idle, handoffs, image_messages,
+                                                post)
+
+OUTCOMES = ("passed", "forwarded", "fallback", "failed")
+
+
+def big_image_messages(seed: int) -> list[dict]:
+    """An image chat whose body (481 KB) is larger than one socket read, so it is still arriving when the front
+    finds the image part: the case a connection can be passed in."""
+    return [{"role": "user", "content": [
+        {"type": "text", "text": "What is in the picture?"},
+        {"type": "image_url", "image_url": {"url": data_url(image_bytes(size=(400, 300), seed=seed))}}]}]
+
+
+def delta(before: dict, after: dict) -> dict:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in OUTCOMES}
+
+
+def _start_mm_api(live, sock: str, pass_sock: str):
+    child = live.sup.start("api-mm-pass", [sys.executable, "-m", "ops.mm_api", "--uds", sock, "--pass-socket",
+                                           pass_sock, "--workers", "2"])
+    wait_until(lambda: unix_socket_accepts(sock) and unix_socket_accepts(pass_sock), 60, "multimodal api sockets",
+               live.sup)
+    return child
+
+
+def _stop(live, child, sig=signal.SIGTERM) -> None:
+    try:
+        os.killpg(child.proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    child.proc.wait(timeout=30)
+    live.sup.children.remove(child)
+
+
+@pytest.fixture(scope="module")
+def passing(live_vl, tmp_path_factory):
+    """``{"base": front URL, "front": child, "mm": child, "sock", "pass_sock"}`` over ``live_vl``'s engines."""
+    d = tmp_path_factory.mktemp("mm-pass")
+    sock, pass_sock = str(d / "mm.sock"), str(d / "pass.sock")
+    state = {"sock": sock, "pass_sock": pass_sock, "mm": _start_mm_api(live_vl, sock, pass_sock)}
+    state["front"], state["base"] = live_vl.start_api("api-front-pass", env_extra={
+        "MULTIMODAL_API_SOCKET": sock, "MULTIMODAL_PASS_SOCKET": pass_sock})
+    yield state
+    _stop(live_vl, state["front"])
+    if state["mm"] in live_vl.sup.children:
+        _stop(live_vl, state["mm"])
+
+
+def test_passed_connection_is_served_by_the_multimodal_api_from_then_on(live_vl, passing):
+    base = passing["base"]
+    headers = {"Authorization": f"Bearer {live_vl.api_key}"}
+    before = handoffs(live_vl)
+    body = {"model": VL_MODEL, "messages": big_image_messages(51), "max_tokens": 2, "return_token_ids": True}
+    with httpx.Client(timeout=30, headers=headers) as http:
+        r = http.post(base + "/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["prompt_token_ids"].count(IMAGE_TOKEN) > 6
+        assert delta(before, handoffs(live_vl)) == {"passed": 1, "forwarded": 0, "fallback": 0, "failed": 0}
+        direct = post(live_vl.base_url, live_vl.api_key, "/v1/chat/completions", body)
+        assert direct.json()["prompt_token_ids"] == r.json()["prompt_token_ids"]
+        # the front api is frozen: a new connection to it gets nothing, the passed one is still answered
+        os.killpg(passing["front"].proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(base + "/tokenize", json={"model": VL_MODEL, "prompt": "hi"}, headers=headers, timeout=1)
+            for _ in range(3):
+                tok = http.post(base + "/tokenize", json={"model": VL_MODEL, "prompt": "hello"})
+                assert tok.status_code == 200 and tok.json()["count"] >= 1
+            again = http.post(base + "/v1/chat/completions", json=body)
+            assert again.status_code == 200 and again.json()["prompt_token_ids"] == r.json()["prompt_token_ids"]
+        finally:
+            os.killpg(passing["front"].proc.pid, signal.SIGCONT)
+    # one pass per connection: the later requests on it were not handed off again
+    assert delta(before, handoffs(live_vl))["passed"] == 1
+    metrics_key = live_vl.new_key(scopes="metrics")
+    text_metrics = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {metrics_key}"}).text
+    assert f'gateway_handoffs_total{{outcome="passed"}} {float(handoffs(live_vl)["passed"])}' in text_metrics
+
+
+def test_streamed_image_chat_on_a_passed_connection(live_vl, passing):
+    client = openai.OpenAI(base_url=passing["base"] + "/v1", api_key=live_vl.api_key, max_retries=0)
+    before = handoffs(live_vl)
+    chunks = list(client.chat.completions.create(model=VL_MODEL, messages=big_image_messages(52), max_tokens=5,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 5
+    assert delta(before, handoffs(live_vl))["passed"] == 1
+    client.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize", "/v1/chat/completions/render"])
+def test_answers_on_passed_connections_equal_direct_ones(live_vl, passing, path):
+    """Errors (status, envelope) and results equal those of an api serving the request itself; a wrong key is
+    refused by the multimodal api with the same 401."""
+    broken = data_url(image_bytes("PNG", size=(400, 300), seed=53)[:-5000])  # truncated: a 400 naming the part
+    bad = {"model": VL_MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": broken}}]}]}
+    good = {"model": VL_MODEL, "messages": big_image_messages(54)}
+    before = handoffs(live_vl)
+    for body in (bad, good):
+        if path == "/v1/chat/completions" and body is good:
+            continue  # generated text differs per request; covered above
+        via_front = post(passing["base"], live_vl.api_key, path, body)
+        direct = post(live_vl.base_url, live_vl.api_key, path, body)
+        assert via_front.status_code == direct.status_code, via_front.text
+        a, b = via_front.json(), direct.json()
+        if isinstance(a, dict):
+            a.pop("request_id", None), b.pop("request_id", None)
+        assert a == b
+    wrong = post(passing["base"], "sk-wrong", path, good)
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    n = 2 if path == "/v1/chat/completions" else 3
+    assert delta(before, handoffs(live_vl)) == {"passed": n, "forwarded": 0, "fallback": 0, "failed": 0}
+
+
+def test_client_disconnect_on_a_passed_connection_aborts_the_request(live_vl, passing):
+    body = {"model": VL_MODEL, "messages": big_image_messages(55), "max_tokens": 800, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", passing["base"] + "/v1/chat/completions", json=body,
+                         headers={"Authorization": f"Bearer {live_vl.api_key}"}) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            got = 0
+            while got < 2:
+                got += next(lines).startswith("data: ")
+            wait_until(lambda: max(s.num_running for s in live_vl.replicas(VL_MODEL)) >= 1, 5, "running request")
+    wait_until(lambda: engine_idle(live_vl), 10, "engine request aborted")
+    wait_until(lambda: admission_idle(live_vl), 5, "admission released")
+
+
+def test_large_body_on_a_passed_connection(live_vl, passing):
+    """A 4.3 MB image body: the multimodal api reads the rest of it from the client's socket."""
+    body = {"model": VL_MODEL, "max_tokens": 1, "return_token_ids": True, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(image_bytes(size=(1200, 900), seed=56))}},
+        {"type": "text", "text": "describe"}]}]}
+    before = handoffs(live_vl)
+    r = post(passing["base"], live_vl.api_key, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert delta(before, handoffs(live_vl))["passed"] == 1
+    direct = post(live_vl.base_url, live_vl.api_key, "/v1/chat/completions", body)
+    assert direct.json()["prompt_token_ids"] == r.json()["prompt_token_ids"]
+
+
+def _raw_request(port: int, key: str, raw: bytes, extra_headers: bytes = b"", pieces: int = 1) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as conn:
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Authorization: Bearer " + key.encode() + b"\r\nConnection: close\r\n" + extra_headers +
+                b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n")
+        if pieces == 1:
+            conn.sendall(head + raw)
+        else:
+            conn.sendall(head)
+            if b"100-continue" in extra_headers:
+                assert conn.recv(100).startswith(b"HTTP/1.1 100 Continue"), "no 100 Continue"
+            step = len(raw) // pieces + 1
+            for i in range(0, len(raw), step):
+                conn.sendall(raw[i:i + step])
+                time.sleep(0.1)
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    return reply
+
+
+def test_requests_that_cannot_be_passed_are_relayed(live_vl, passing):
+    """A body that had fully arrived when the image part was found (no byte of it is left on the socket, and a
+    pipelined request could already be read), and a chunked body, are relayed."""
+    port = int(passing["base"].rsplit(":", 1)[1])
+    small = json.dumps({"model": VL_MODEL, "max_tokens": 1, "messages": image_messages(57)}).encode()
+    before = handoffs(live_vl)
+    reply = _raw_request(port, live_vl.api_key, small)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
+    assert delta(before, handoffs(live_vl)) == {"passed": 0, "forwarded": 1, "fallback": 0, "failed": 0}
+
+    def chunked():
+        raw = json.dumps({"model": VL_MODEL, "max_tokens": 1, "messages": big_image_messages(58)}).encode()
+        for i in range(0, len(raw), 100_000):
+            yield raw[i:i + 100_000]
+
+    before = handoffs(live_vl)
+    r = httpx.post(passing["base"] + "/v1/chat/completions", content=chunked(), timeout=60,
+                   headers={"Authorization": f"Bearer {live_vl.api_key}", "Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert delta(before, handoffs(live_vl)) == {"passed": 0, "forwarded": 1, "fallback": 0, "failed": 0}
+
+
+def test_expect_100_continue_is_answered_once(live_vl, passing):
+    """The front answers ``100 Continue``; the request it passes on carries no ``Expect``, so the multimodal api
+    does not answer a second one into the response."""
+    port = int(passing["base"].rsplit(":", 1)[1])
+    raw = json.dumps({"model": VL_MODEL, "max_tokens": 1, "messages": big_image_messages(59)}).encode()
+    before = handoffs(live_vl)
+    reply = _raw_request(port, live_vl.api_key, raw, b"Expect: 100-continue\r\n", pieces=4)
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
+    assert b"100 Continue" not in reply
+    assert delta(before, handoffs(live_vl))["passed"] == 1
+
+
+def test_pass_is_skipped_while_the_multimodal_api_is_down(live_vl, passing):
+    """Passing and relaying both fail fast while the multimodal api is down: the front serves the request itself;
+    once it is back, connections are passed again."""
+    _stop(live_vl, passing["mm"], signal.SIGKILL)
+    before = handoffs(live_vl)
+    r = post(passing["base"], live_vl.api_key, "/v1/chat/completions",
+             {"model": VL_MODEL, "messages": big_image_messages(60), "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert delta(before, handoffs(live_vl)) == {"passed": 0, "forwarded": 0, "fallback": 1, "failed": 0}
+    passing["mm"] = _start_mm_api(live_vl, passing["sock"], passing["pass_sock"])
+    before = handoffs(live_vl)
+    r = post(passing["base"], live_vl.api_key, "/v1/chat/completions",
+             {"model": VL_MODEL, "messages": big_image_messages(61), "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert delta(before, handoffs(live_vl)) == {"passed": 1, "forwarded": 0, "fallback": 0, "failed": 0}
