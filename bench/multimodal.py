@@ -376,7 +376,7 @@ def main() -> int:
                     help="multimodal api processes the front api hands image chats to (0: the front serves them)")
     ap.add_argument("--handoff", choices=("pass", "relay"), default="pass",
                     help="how the front hands image chats over: their connection passed (serve's way) or relayed")
-    ap.add_argument("--emb-reps", type=int, default=12, help="batches of 32 per embeddings measurement")
+    ap.add_argument("--emb-reps", type=int, default=40, help="batches of 32 per embeddings measurement")
     ap.add_argument("--emb-rounds", type=int, default=5, help="alternating direct/api rounds (median reported)")
     args = ap.parse_args()
     ensure_vl_model()

@@ -20,7 +20,7 @@ from ops.supervisor import unix_socket_accepts, wait_until
 from tests.multimodal.conftest import VL_MODEL
 from tests.multimodal.imgs import data_url, image_bytes
 from tests.multimodal.test_handoff_live import (IMAGE_TOKEN, admission_idle, engine_idle, handoffs, image_messages,
-                                                post)
+                                                post, stop_child)
 
 OUTCOMES = ("passed", "forwarded", "fallback", "failed")
 
@@ -45,15 +45,6 @@ def _start_mm_api(live, sock: str, pass_sock: str):
     return child
 
 
-def _stop(live, child, sig=signal.SIGTERM) -> None:
-    try:
-        os.killpg(child.proc.pid, sig)
-    except ProcessLookupError:
-        pass
-    child.proc.wait(timeout=30)
-    live.sup.children.remove(child)
-
-
 @pytest.fixture(scope="module")
 def passing(live_vl, tmp_path_factory):
     """``{"base": front URL, "front": child, "mm": child, "sock", "pass_sock"}`` over ``live_vl``'s engines."""
@@ -63,9 +54,9 @@ def passing(live_vl, tmp_path_factory):
     state["front"], state["base"] = live_vl.start_api("api-front-pass", env_extra={
         "MULTIMODAL_API_SOCKET": sock, "MULTIMODAL_PASS_SOCKET": pass_sock})
     yield state
-    _stop(live_vl, state["front"])
+    stop_child(live_vl, state["front"])
     if state["mm"] in live_vl.sup.children:
-        _stop(live_vl, state["mm"])
+        stop_child(live_vl, state["mm"])
 
 
 def test_passed_connection_is_served_by_the_multimodal_api_from_then_on(live_vl, passing):
@@ -224,7 +215,7 @@ def test_expect_100_continue_is_answered_once(live_vl, passing):
 def test_pass_is_skipped_while_the_multimodal_api_is_down(live_vl, passing):
     """Passing and relaying both fail fast while the multimodal api is down: the front serves the request itself;
     once it is back, connections are passed again."""
-    _stop(live_vl, passing["mm"], signal.SIGKILL)
+    stop_child(live_vl, passing["mm"], signal.SIGKILL)
     before = handoffs(live_vl)
     r = post(passing["base"], live_vl.api_key, "/v1/chat/completions",
              {"model": VL_MODEL, "messages": big_image_messages(60), "max_tokens": 1})

@@ -32,7 +32,7 @@ def _start_mm_api(live, sock: str):
     return child
 
 
-def _stop(live, child, sig=signal.SIGTERM) -> None:
+def stop_child(live, child, sig=signal.SIGTERM) -> None:
     try:
         os.killpg(child.proc.pid, sig)
     except ProcessLookupError:
@@ -48,9 +48,9 @@ def split(live_vl, tmp_path_factory):
     holder = {"mm": _start_mm_api(live_vl, sock)}
     front, base = live_vl.start_api("api-front", env_extra={"MULTIMODAL_API_SOCKET": sock})
     yield base, sock, holder
-    _stop(live_vl, front)
+    stop_child(live_vl, front)
     if holder["mm"] in live_vl.sup.children:
-        _stop(live_vl, holder["mm"])
+        stop_child(live_vl, holder["mm"])
 
 
 def handoffs(live) -> dict[str, int]:
@@ -168,7 +168,7 @@ def test_client_disconnect_aborts_the_forwarded_request(live_vl, split):
 
 def test_front_serves_images_itself_while_the_multimodal_api_is_down(live_vl, split):
     base, sock, holder = split
-    _stop(live_vl, holder["mm"], signal.SIGKILL)
+    stop_child(live_vl, holder["mm"], signal.SIGKILL)
     before = handoffs(live_vl)
     for seed in (35, 36):
         r = post(base, live_vl.api_key, "/v1/chat/completions", {"model": VL_MODEL, "messages": image_messages(seed),
@@ -189,7 +189,7 @@ def test_multimodal_api_killed_mid_stream_ends_the_stream_with_an_error(live_vl,
     with httpx.Client(timeout=60) as http:
         ctx, lines = open_stream_and_read_two_events(http, base, live_vl.api_key, 38)
         try:
-            _stop(live_vl, holder["mm"], signal.SIGKILL)
+            stop_child(live_vl, holder["mm"], signal.SIGKILL)
             rest = [line for line in lines if line.startswith("data: ")]
         finally:
             ctx.__exit__(None, None, None)
