@@ -16,8 +16,9 @@ connection per passed client connection:
 2. the multimodal api adopts the socket into its uvicorn server (a protocol of the server's own class, fed those
    bytes first, then reading the socket itself) and answers one byte, ``1`` (adopted) or ``0`` (refused);
 3. on ``1`` the front drops its copy of the socket without writing to it (closing one of two descriptors of a
-   socket neither sends a FIN nor resets it); on ``0``, or when the multimodal api cannot be reached, the front
-   resumes reading and serves or relays the request as before. Before step 3 the front has paused reading the
+   socket neither sends a FIN nor resets it); on ``0`` the front resumes reading and relays the request; when
+   the multimodal api cannot be reached or takes longer than ``ACK_TIMEOUT_S`` to read the bytes, the front
+   resumes reading and serves the request itself. Before step 3 the front has paused reading the
    socket, so exactly one process reads it at any time.
 
 If the multimodal api adopted the socket but its answer is lost (it crashed or hung for ``ACK_TIMEOUT_S``), the
@@ -84,30 +85,44 @@ def request_head(scope: Scope) -> bytes:
 async def pass_connection(scope: Scope, cycle, body_read: list[bytes]) -> str:
     """Pass the client connection of ``cycle`` (from ``passable_cycle``) to the multimodal api, ``body_read`` being
     the body bytes this process has already taken from it. Returns ``"passed"`` (the multimodal api owns the
-    connection; the caller returns without sending anything), ``"kept"`` (nothing changed: serve or relay the
-    request here) or ``"lost"`` (the outcome is unknown; the front's copy was closed without a word)."""
+    connection; the caller returns without sending anything), ``"kept"`` (refused; nothing changed: relay or
+    serve the request here), ``"unreachable"`` (the multimodal api is down, hung or died mid-pass; nothing
+    changed: serve the request here) or ``"lost"`` (the outcome is unknown after ``ACK_TIMEOUT_S``; the front's
+    copy was closed without a word)."""
     loop = asyncio.get_running_loop()
     cycle.flow.pause_reading()
     prefix = request_head(scope) + b"".join(body_read) + bytes(cycle.body)
     client = cycle.transport.get_extra_info("socket")
     link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     link.setblocking(False)
+    deadline = loop.time() + ACK_TIMEOUT_S
+
+    async def send() -> None:
+        await loop.sock_connect(link, settings.MULTIMODAL_PASS_SOCKET)
+        # four bytes on a fresh connection never block; the descriptor travels with them
+        socket.send_fds(link, [_LENGTH.pack(len(prefix))], [client.fileno()])
+        await loop.sock_sendall(link, prefix)
+
     try:
         try:
-            await loop.sock_connect(link, settings.MULTIMODAL_PASS_SOCKET)
-            # four bytes on a fresh connection never block; the descriptor travels with them
-            socket.send_fds(link, [_LENGTH.pack(len(prefix))], [client.fileno()])
-            await loop.sock_sendall(link, prefix)
-        except OSError:
-            cycle.flow.resume_reading()
-            return "kept"
-        try:
-            answer = await asyncio.wait_for(loop.sock_recv(link, 1), ACK_TIMEOUT_S)
+            await asyncio.wait_for(send(), ACK_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError):
+            # not reachable, or too slow to take the bytes (stopped, overloaded): it adopts only after reading
+            # all of them, and on losing this link it drops its copy unread, so the connection is still ours
+            cycle.flow.resume_reading()
+            return "unreachable"
+        try:
+            answer = await asyncio.wait_for(loop.sock_recv(link, 1), max(0.0, deadline - loop.time()))
+        except asyncio.TimeoutError:
             answer = None
-        if answer == REFUSED or answer == b"":  # refused, or gone before adopting (an adoption answers first)
+        except OSError:  # reset: it died with our bytes unread, so before adopting
+            answer = b""
+        if answer == REFUSED:
             cycle.flow.resume_reading()
             return "kept"
+        if answer == b"":  # gone before adopting (an adoption is answered before anything is read from it)
+            cycle.flow.resume_reading()
+            return "unreachable"
         # adopted, or unknown: this process never touches the connection again
         cycle.body = bytearray()
         cycle.disconnected = True  # uvicorn sends nothing more on it (no 500 for a response never started)

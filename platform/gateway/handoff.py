@@ -119,7 +119,8 @@ def handed_off(scope: Scope) -> bool:
 
 async def route(scope: Scope, receive: Receive, send: Send, local_app: App, max_body_bytes: int) -> None:
     """Serve one ``HANDOFF_PATHS`` request. The body is read until ``IMAGE_MARKER`` shows up in it or it ends: with
-    the marker, the request is forwarded to the multimodal api, the part read so far and then the rest streamed as
+    the marker, the connection is passed to the multimodal api where it can be (gateway/connection_pass.py), else
+    the request is forwarded there, the part read so far and then the rest streamed as
     it arrives (a 4 MB image body is never held whole here, and the two hops overlap); without it, or when that api
     is down, ``local_app`` runs with what was read replayed. A body over ``max_body_bytes`` goes to ``local_app``
     unread past the limit (it answers 413); a forwarded one is refused the same way by the multimodal api."""
@@ -143,13 +144,15 @@ async def route(scope: Scope, receive: Receive, send: Send, local_app: App, max_
             break
     if found and size <= max_body_bytes:
         cycle = connection_pass.passable_cycle(scope, receive) if more else None
-        if cycle is not None:  # hand over the connection itself: the front does nothing more for it
-            outcome = await connection_pass.pass_connection(scope, cycle, chunks)
-            if outcome == "lost":
-                await count("failed")
-            if outcome != "kept":
-                return
-        if await _forward(scope, chunks, more, receive, send):
+        # hand over the connection itself where possible: the front then does nothing more for it
+        outcome = await connection_pass.pass_connection(scope, cycle, chunks) if cycle is not None else "kept"
+        if outcome == "lost":
+            await count("failed")
+        if outcome in ("passed", "lost"):
+            return
+        if outcome == "unreachable":  # down or hung: a relay would find the same, so serve it here
+            await count("fallback")
+        elif await _forward(scope, chunks, more, receive, send):
             return
     replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": more}]
     await local_app(scope, _replay(replay, receive), send)

@@ -227,3 +227,34 @@ def test_pass_is_skipped_while_the_multimodal_api_is_down(live_vl, passing):
              {"model": VL_MODEL, "messages": big_image_messages(61), "max_tokens": 1})
     assert r.status_code == 200, r.text
     assert delta(before, handoffs(live_vl)) == {"passed": 1, "forwarded": 0, "fallback": 0, "failed": 0}
+
+
+def test_a_hung_multimodal_api_costs_one_request_a_delay_not_the_front(live_vl, passing):
+    """With the multimodal api stopped (SIGSTOP), a pass waits at most ``ACK_TIMEOUT_S``: the request is then
+    served by the front (the bytes were not all taken) or, once the multimodal api runs again, by it (it had
+    taken them; the front dropped its copy unanswered). Either way the client gets one answer, and text requests
+    on the front are not held up meanwhile."""
+    import concurrent.futures
+
+    from gateway.connection_pass import ACK_TIMEOUT_S
+
+    body = {"model": VL_MODEL, "messages": big_image_messages(62), "max_tokens": 1}
+    before = handoffs(live_vl)
+    os.killpg(passing["mm"].proc.pid, signal.SIGSTOP)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(post, passing["base"], live_vl.api_key, "/v1/chat/completions", body)
+            time.sleep(1)
+            t0 = time.monotonic()
+            tok = post(passing["base"], live_vl.api_key, "/tokenize", {"model": VL_MODEL, "prompt": "hello"})
+            assert tok.status_code == 200 and time.monotonic() - t0 < 2
+            time.sleep(ACK_TIMEOUT_S)
+            os.killpg(passing["mm"].proc.pid, signal.SIGCONT)
+            r = pending.result(timeout=60)
+    finally:
+        os.killpg(passing["mm"].proc.pid, signal.SIGCONT)
+    assert r.status_code == 200, r.text
+    d = delta(before, handoffs(live_vl))
+    assert d in ({"passed": 0, "forwarded": 0, "fallback": 1, "failed": 0},
+                 {"passed": 1, "forwarded": 0, "fallback": 0, "failed": 1}), d
+    wait_until(lambda: admission_idle(live_vl), 10, "admission idle")
