@@ -272,6 +272,8 @@ async def _wait_disconnect(receive: Receive) -> None:
 async def _send_unavailable(send: Send) -> None:
     err = unavailable("The multimodal frontend failed while handling this request; retry the request.", 1,
                       "upstream_failed")
+    body = err.body()
     await send({"type": "http.response.start", "status": err.status, "headers": [
-        (b"content-type", b"application/json")] + [(k.encode(), v.encode()) for k, v in err.headers]})
-    await send({"type": "http.response.body", "body": err.body(), "more_body": False})
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        + [(k.encode(), v.encode()) for k, v in err.headers]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -135,22 +135,26 @@ class GatewayConsumer(AsyncHttpConsumer):
 
     async def send_json(self, status: int, payload: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:
         """Send a complete JSON response."""
-        await self.send_headers(status=status, headers=JSON_HEADERS + self.extra_headers + (headers or []))
-        await self.send_body(json.dumps(payload, separators=(",", ":"), allow_nan=False).encode())
+        await self._send_complete(status, json.dumps(payload, separators=(",", ":"), allow_nan=False).encode(),
+                                  headers or [])
+
+    async def _send_complete(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+        """Send a whole JSON ``body`` with its ``Content-Length`` (so HTTP/1.0 clients and proxies get a plain,
+        not a chunked, body)."""
+        await self.send_headers(status=status, headers=JSON_HEADERS + self.extra_headers + headers + [
+            (b"content-length", str(len(body)).encode())])
+        await self.send_body(body)
 
     async def send_json_fast(self, status: int, payload: Any,
                              headers: list[tuple[bytes, bytes]] | None = None) -> None:
         """``send_json`` through orjson, which also writes numpy arrays (float32 ones as the shortest
         decimals that read back to the same float32): ~25x faster than ``json`` on a batch of embeddings.
         The payload must hold only finite floats (orjson would write NaN as ``null``)."""
-        await self.send_headers(status=status, headers=JSON_HEADERS + self.extra_headers + (headers or []))
-        await self.send_body(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY))
+        await self._send_complete(status, orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), headers or [])
 
     async def send_error(self, err: ApiError) -> None:
         """Send ``err`` as a JSON envelope with its status and headers."""
-        headers = [(k.encode(), v.encode()) for k, v in err.headers]
-        await self.send_headers(status=err.status, headers=JSON_HEADERS + self.extra_headers + headers)
-        await self.send_body(err.body())
+        await self._send_complete(err.status, err.body(), [(k.encode(), v.encode()) for k, v in err.headers])
 
     async def start_sse(self, headers: list[tuple[bytes, bytes]] | None = None) -> None:
         """Send 200 + SSE headers; after this, errors go in-band."""

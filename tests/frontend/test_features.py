@@ -335,3 +335,30 @@ def test_abort_requests(http, live):
     finishes = [ch["finish_reason"] for e in events for ch in e["choices"] if ch["finish_reason"]]
     produced = sum(len(ch["token_ids"]) for e in events for ch in e["choices"])
     assert finishes == ["abort"] and produced < 400
+
+
+# ------------------------------------------------------------------ plain bodies for HTTP/1.0 clients
+@pytest.mark.parametrize("path,body,status", [
+    ("/tokenize", {"model": M, "prompt": "hello"}, 200),
+    ("/v1/chat/completions", {"model": M, "messages": MSGS, "max_tokens": 2}, 200),
+    ("/v1/chat/completions", {"model": M, "messages": "not a list"}, 400),
+])
+def test_http_1_0_clients_get_a_content_length_body(live, path, body, status):
+    """Whole JSON answers and errors carry ``Content-Length``: an HTTP/1.0 client (or proxy) cannot read a
+    chunked body."""
+    import socket
+
+    raw = json.dumps(body).encode()
+    port = int(live.base_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as conn:
+        conn.sendall(f"POST {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Authorization: Bearer {live.api_key}\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").lower().split("\r\n")
+    assert lines[0].split()[1] == str(status), reply[:300]
+    assert "transfer-encoding: chunked" not in lines
+    assert f"content-length: {len(payload)}" in lines
+    assert json.loads(payload)
