@@ -27,8 +27,8 @@ choice that can never put two answers on one connection.
 
 A connection can be passed only while its byte stream is still exact at the front: uvicorn's httptools protocol
 (the front's cycle is read directly: its pending body bytes go along), plain HTTP (a TLS session cannot move),
-a ``Content-Length`` body (a chunked one is mid-chunk) that has not fully arrived (so no pipelined request is
-already parsed). Other requests are relayed (gateway/handoff.py). These are uvicorn internals (pinned by
+a ``Content-Length`` body (a chunked one is mid-chunk), and no byte of a next (pipelined) request parsed yet.
+Other requests are relayed (gateway/handoff.py). These are uvicorn internals (pinned by
 ``tests/multimodal/test_connection_pass_live.py``); no server library exposes a way to pass a connection on.
 """
 
@@ -55,19 +55,26 @@ Receive = Callable[[], Awaitable[dict]]
 
 def passable_cycle(scope: Scope, receive: Receive):
     """The front's uvicorn httptools request cycle behind ``receive`` when this request's connection can be passed
-    (plain HTTP/1.x, a ``Content-Length`` body still arriving, a pass socket configured), else None."""
+    (plain HTTP/1.x, a ``Content-Length`` body, nothing of a next request read yet, a pass socket configured),
+    else None. Call it and ``pass_connection`` with no ``await`` between them."""
     if not settings.MULTIMODAL_PASS_SOCKET or scope.get("scheme") != "http":
         return None
     try:
-        from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
     except ImportError:  # httptools not installed: uvicorn runs h11, whose cycle is not read here
         return None
     cycle = getattr(receive, "__self__", None)
-    if not isinstance(cycle, RequestResponseCycle) or not cycle.more_body or cycle.disconnected:
+    if not isinstance(cycle, RequestResponseCycle) or cycle.disconnected or cycle.response_started:
         return None
     names = {k.lower() for k, _v in scope.get("headers", ())}
     if b"content-length" not in names or b"transfer-encoding" in names:
         return None
+    if not cycle.more_body:
+        # the whole body is in: the connection may already hold (part of) a pipelined request, parsed here and
+        # lost to the multimodal api; uvicorn starts a new scope for each request it begins to parse
+        protocol = getattr(cycle.on_response, "__self__", None)
+        if not isinstance(protocol, HttpToolsProtocol) or protocol.pipeline or protocol.scope is not cycle.scope:
+            return None
     return cycle
 
 
@@ -139,7 +146,8 @@ async def serve_passed_connections(listener: socket.socket, protocol_factory: Ca
                                    on_adopted: Callable[[], Awaitable[None]] | None = None) -> None:
     """Accept passed connections on ``listener`` (a bound, listening unix socket) forever and adopt each into this
     process's server: ``protocol_factory()`` builds a protocol of the server's own class, which is fed the
-    passed bytes before it reads the socket. ``on_adopted`` is awaited after each adoption (a metric)."""
+    passed bytes before it reads the socket. ``on_adopted`` is awaited once per adopted connection, before its
+    first request is served (a metric)."""
     loop = asyncio.get_running_loop()
     listener.setblocking(False)
     tasks: set[asyncio.Task] = set()
@@ -184,6 +192,8 @@ async def _adopt(link: socket.socket, protocol_factory, on_adopted) -> None:
 
         def factory() -> asyncio.Protocol:
             protocol = protocol_factory()
+            if on_adopted is not None:  # awaited before the first request on the connection is served
+                protocol.app = _first_call_preceded_by(protocol.app, on_adopted)
             made = protocol.connection_made
 
             def connection_made(transport) -> None:
@@ -206,14 +216,24 @@ async def _adopt(link: socket.socket, protocol_factory, on_adopted) -> None:
             await loop.sock_sendall(link, ADOPTED)
         except OSError:
             pass  # the front is gone; the connection is served here all the same
-        if on_adopted is not None:
-            await on_adopted()
     except OSError:
         log.warning("a connection pass failed", exc_info=True)
     finally:
         if client is not None:
             client.close()
         link.close()
+
+
+def _first_call_preceded_by(app, hook: Callable[[], Awaitable[None]]):
+    """``app`` (an ASGI application) with ``hook`` awaited before its first call."""
+    pending = [hook]
+
+    async def wrapped(scope, receive, send):
+        if pending:
+            await pending.pop()()
+        return await app(scope, receive, send)
+
+    return wrapped
 
 
 async def _readable(sock: socket.socket) -> None:

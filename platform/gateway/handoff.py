@@ -3,17 +3,18 @@
 Why: an image chat costs the api process that serves it 12-18 ms of CPU (body parsing and hashing, the feature
 cache, the mm queue, the engine link), a text ``/tokenize`` 1.7 ms (measured, issue 6). On one asyncio loop and
 one GIL, text requests queue behind that work, so their p99 grows with the image load. ``manage.py serve``
-therefore runs a second uvicorn ("api-mm", ``--mm-api-workers``) on a unix socket and points the front api at it
-with ``MULTIMODAL_API_SOCKET``; with ``--frontend-cores`` the two also run on different cores.
+therefore runs a second server ("api-mm", ``python -m ops.mm_api``, ``--mm-api-workers``) on unix sockets and
+points the front api at them (``MULTIMODAL_API_SOCKET``, ``MULTIMODAL_PASS_SOCKET``); with ``--frontend-cores``
+the two also run on different cores.
 
 The front api reads the request body of ``HANDOFF_PATHS`` (a chat body) until it names an ``"image_url"`` part.
 Where it can, it then passes the client's connection itself to the multimodal api (gateway/connection_pass.py,
-``MULTIMODAL_PASS_SOCKET``), which serves it from there on. Otherwise (a chunked or TLS request, a body that had
-fully arrived, no pass socket, the pass refused) it forwards the request unchanged (method, path, headers, the body read so far and the rest as it arrives) to
-the multimodal api and relays its answer byte for byte (status, headers, streamed body). The multimodal api is the same Django/Channels application: it
-authenticates the key, validates, admits, streams and records usage itself, so a forwarded request behaves
-exactly as one served by the front (same errors, same envelope, same stream). Other bodies are replayed to the
-local gateway.
+``MULTIMODAL_PASS_SOCKET``), which serves it from there on. Otherwise (a chunked or TLS request, one followed by
+a pipelined request, no pass socket, the pass refused) it forwards the request unchanged (method, path, headers,
+the body read so far and the rest as it arrives) to the multimodal api and relays its answer byte for byte
+(status, headers, streamed body). The multimodal api is the same Django/Channels application: it authenticates
+the key, validates, admits, streams and records usage itself, so a handed-off request behaves exactly as one
+served by the front (same errors, same envelope, same stream). Other bodies are replayed to the local gateway.
 
 Failure rules (nothing lost, nothing served twice):
 
@@ -143,7 +144,7 @@ async def route(scope: Scope, receive: Receive, send: Send, local_app: App, max_
         if size > max_body_bytes:  # let the gateway refuse it with its own 413
             break
     if found and size <= max_body_bytes:
-        cycle = connection_pass.passable_cycle(scope, receive) if more else None
+        cycle = connection_pass.passable_cycle(scope, receive)
         # hand over the connection itself where possible: the front then does nothing more for it
         outcome = await connection_pass.pass_connection(scope, cycle, chunks) if cycle is not None else "kept"
         if outcome == "lost":

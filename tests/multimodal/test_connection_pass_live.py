@@ -27,7 +27,7 @@ OUTCOMES = ("passed", "forwarded", "fallback", "failed")
 
 def big_image_messages(seed: int) -> list[dict]:
     """An image chat whose body (481 KB) is larger than one socket read, so it is still arriving when the front
-    finds the image part: the case a connection can be passed in."""
+    finds the image part."""
     return [{"role": "user", "content": [
         {"type": "text", "text": "What is in the picture?"},
         {"type": "image_url", "image_url": {"url": data_url(image_bytes(size=(400, 300), seed=seed))}}]}]
@@ -178,14 +178,31 @@ def _raw_request(port: int, key: str, raw: bytes, extra_headers: bytes = b"", pi
     return reply
 
 
-def test_requests_that_cannot_be_passed_are_relayed(live_vl, passing):
-    """A body that had fully arrived when the image part was found (no byte of it is left on the socket, and a
-    pipelined request could already be read), and a chunked body, are relayed."""
+def test_a_body_that_arrived_whole_is_passed_a_pipelined_one_relayed(live_vl, passing):
+    """A small image chat that arrived whole with its headers is passed too. When a second request follows it in
+    the same write (pipelining), the front has already read part of that one: it relays the first and answers
+    both itself, in order. A chunked body is relayed."""
     port = int(passing["base"].rsplit(":", 1)[1])
     small = json.dumps({"model": VL_MODEL, "max_tokens": 1, "messages": image_messages(57)}).encode()
     before = handoffs(live_vl)
     reply = _raw_request(port, live_vl.api_key, small)
     assert reply.startswith(b"HTTP/1.1 200"), reply[:300]
+    assert delta(before, handoffs(live_vl)) == {"passed": 1, "forwarded": 0, "fallback": 0, "failed": 0}
+
+    tok = json.dumps({"model": VL_MODEL, "prompt": "hello"}).encode()
+    head = (b"Host: 127.0.0.1\r\nContent-Type: application/json\r\nAuthorization: Bearer " + live_vl.api_key.encode()
+            + b"\r\nContent-Length: ")
+    before = handoffs(live_vl)
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\n" + head + str(len(small)).encode() + b"\r\n\r\n" + small
+                     + b"POST /tokenize HTTP/1.1\r\n" + head + str(len(tok)).encode()
+                     + b"\r\nConnection: close\r\n\r\n" + tok)
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    first, second = reply.split(b"HTTP/1.1 ")[1:]
+    assert first.startswith(b"200") and b'"chat.completion"' in first, first[:300]
+    assert second.startswith(b"200") and b'"tokens"' in second, second[:300]
     assert delta(before, handoffs(live_vl)) == {"passed": 0, "forwarded": 1, "fallback": 0, "failed": 0}
 
     def chunked():
