@@ -21,13 +21,15 @@ connection per passed client connection:
    resumes reading and serves the request itself. Before step 3 the front has paused reading the
    socket, so exactly one process reads it at any time.
 
-If the multimodal api adopted the socket but its answer is lost (it crashed or hung for ``ACK_TIMEOUT_S``), the
-front cannot know who owns the connection; it closes its copy without writing (counted ``failed``), the one
-choice that can never put two answers on one connection.
+If the answer has not come after ``ACK_TIMEOUT_S`` (the multimodal api is stopped or overloaded), the front
+cannot know who owns the connection; it closes its copy without writing (counted ``failed``), the one choice that
+can never put two answers on one connection. A multimodal api that comes back later still adopts the connection
+and serves the waiting client (then also counted ``passed``).
 
 A connection can be passed only while its byte stream is still exact at the front: uvicorn's httptools protocol
 (the front's cycle is read directly: its pending body bytes go along), plain HTTP (a TLS session cannot move),
-a ``Content-Length`` body (a chunked one is mid-chunk), and no byte of a next (pipelined) request parsed yet.
+a ``Content-Length`` body (a chunked one is mid-chunk), no byte of a next (pipelined) request parsed yet, and
+no byte of an earlier response still waiting in the front's write buffer.
 Other requests are relayed (gateway/handoff.py). These are uvicorn internals (pinned by
 ``tests/multimodal/test_connection_pass_live.py``); no server library exposes a way to pass a connection on.
 """
@@ -57,7 +59,7 @@ def passable_cycle(scope: Scope, receive: Receive):
     """The front's uvicorn httptools request cycle behind ``receive`` when this request's connection can be passed
     (plain HTTP/1.x, a ``Content-Length`` body, nothing of a next request read yet, a pass socket configured),
     else None. Call it and ``pass_connection`` with no ``await`` between them."""
-    if not settings.MULTIMODAL_PASS_SOCKET or scope.get("scheme") != "http":
+    if not settings.MULTIMODAL_PASS_SOCKET:
         return None
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -65,6 +67,12 @@ def passable_cycle(scope: Scope, receive: Receive):
         return None
     cycle = getattr(receive, "__self__", None)
     if not isinstance(cycle, RequestResponseCycle) or cycle.disconnected or cycle.response_started:
+        return None
+    if cycle.transport.get_extra_info("sslcontext") is not None:  # the scope's scheme may come from a proxy
+        return None
+    if cycle.transport.get_write_buffer_size():
+        # an earlier response on this connection is not all out yet (a pipelining client reading slowly): the
+        # multimodal api's answer would overtake it
         return None
     names = {k.lower() for k, _v in scope.get("headers", ())}
     if b"content-length" not in names or b"transfer-encoding" in names:
@@ -164,12 +172,13 @@ async def _adopt(link: socket.socket, protocol_factory, on_adopted) -> None:
     try:
         link.setblocking(False)
         await _readable(link)
-        head, fds, _flags, _addr = socket.recv_fds(link, _LENGTH.size, 1)
+        head, fds, _flags, _addr = socket.recv_fds(link, _LENGTH.size, 1, socket.MSG_CMSG_CLOEXEC)
         if not fds:
             return
         client = socket.socket(fileno=fds[0])
         for extra in fds[1:]:
             socket.close(extra)
+        client.set_inheritable(False)  # a process this one starts must never hold a client's connection
         while len(head) < _LENGTH.size:
             more = await loop.sock_recv(link, _LENGTH.size - len(head))
             if not more:

@@ -105,6 +105,11 @@ def _run_workers(args, http_sock: socket.socket, pass_sock: socket.socket) -> in
              for _ in range(args.workers)]
     for p in procs:
         p.start()
+    # the workers hold their own copies: once they all close theirs (a shutdown begins with that), connections
+    # waiting to be passed are refused at once and the front serves them itself, instead of waiting on a socket
+    # nobody accepts from
+    http_sock.close()
+    pass_sock.close()
 
     def stop(signum, _frame) -> None:
         for p in procs:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -275,3 +276,110 @@ def test_a_hung_multimodal_api_costs_one_request_a_delay_not_the_front(live_vl, 
     assert d in ({"passed": 0, "forwarded": 0, "fallback": 1, "failed": 0},
                  {"passed": 1, "forwarded": 0, "fallback": 0, "failed": 1}), d
     wait_until(lambda: admission_idle(live_vl), 10, "admission idle")
+
+
+def test_pipelined_image_chat_behind_a_large_unread_answer_is_not_passed(live_vl, passing):
+    """A pipelining client that reads slowly: the front still holds much of the first answer in its write buffer
+    when the image chat behind it is read. Passed, the multimodal api's answer would land inside the first one;
+    relayed, both arrive whole and in order."""
+    port = int(passing["base"].rsplit(":", 1)[1])
+    auth = b"Authorization: Bearer " + live_vl.api_key.encode() + b"\r\n"
+
+    def request(path: bytes, body: bytes) -> bytes:
+        return (b"POST " + path + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" + auth
+                + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+    # an answer of ~8 MB: more than the kernel's socket buffers hold, so the rest waits at the front
+    big = request(b"/tokenize", json.dumps({"model": VL_MODEL, "prompt": " hello" * 400_000,
+                                            "return_token_strs": True}).encode())
+    image = request(b"/v1/chat/completions", json.dumps({"model": VL_MODEL, "max_tokens": 1,
+                                                         "messages": big_image_messages(63)}).encode())
+    before = handoffs(live_vl)
+    with socket.socket() as conn:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        conn.settimeout(60)
+        conn.connect(("127.0.0.1", port))
+        conn.sendall(big + image[:len(image) // 4])
+        time.sleep(1.5)  # the first answer is being written; the image chat is read up to its image part
+        conn.sendall(image[len(image) // 4:])
+        data = bytearray()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (data.count(b"HTTP/1.1 ") < 2 or not data.rstrip().endswith(b"}")):
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+            if len(data) < 4_000_000:
+                time.sleep(0.002)  # slowly at first, so the front's buffer stays full while the pass is tried
+    head, _, rest = bytes(data).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head[:200]
+    length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+    first = json.loads(rest[:length])
+    assert first["count"] == 400_000
+    second = rest[length:]
+    assert second.startswith(b"HTTP/1.1 200"), second[:200]
+    assert delta(before, handoffs(live_vl)) == {"passed": 0, "forwarded": 1, "fallback": 0, "failed": 0}
+
+
+def _tcp_socket_fds(pid: int) -> dict[str, int]:
+    """``{fd: flags}`` of the TCP sockets ``pid`` holds."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        inodes |= {line.split()[9] for line in open(table).read().splitlines()[1:]}
+    out = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            flags = int(open(f"/proc/{pid}/fdinfo/{fd}").read().split("flags:")[1].split()[0], 8)
+        except (OSError, IndexError):
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            out[fd] = flags
+    return out
+
+
+def test_an_adopted_connection_is_not_inherited_by_child_processes(live_vl, passing):
+    parent = passing["mm"].proc.pid
+    workers = [int(p) for p in open(f"/proc/{parent}/task/{parent}/children").read().split()]
+    with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {live_vl.api_key}"}) as http:
+        r = http.post(passing["base"] + "/tokenize", json={"model": VL_MODEL, "messages": big_image_messages(69)})
+        assert r.status_code == 200, r.text
+        held = {pid: _tcp_socket_fds(pid) for pid in workers}
+    # the client's connection (plus the workers' Redis and database connections) all close on exec
+    assert sum(len(fds) for fds in held.values()) >= 1
+    assert all(flags & os.O_CLOEXEC for fds in held.values() for flags in fds.values()), held
+
+
+def _listening_inode(path: str) -> str:
+    for line in open("/proc/net/unix").read().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[7] == path:
+            return fields[6]
+    raise AssertionError(f"{path} is not a listening socket")
+
+
+def test_killing_one_multimodal_worker_leaves_no_client_waiting(live_vl, passing):
+    """kill -9 of one of the two workers stops the multimodal api (its supervisor restarts it whole); image chats
+    sent meanwhile are served. The launcher holds no copy of the pass socket: once the surviving worker begins
+    its graceful shutdown (which closes its copy first), a pass is refused at once and the front serves the
+    request, instead of waiting on a socket nobody accepts from until the launcher exits."""
+    parent = passing["mm"].proc.pid
+    children = [int(p) for p in open(f"/proc/{parent}/task/{parent}/children").read().split()]
+    workers = [p for p in children if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+    assert len(workers) == 2
+    inode = _listening_inode(passing["pass_sock"])
+    held = lambda pid: any(os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]"  # noqa: E731
+                           for fd in os.listdir(f"/proc/{pid}/fd"))
+    assert held(workers[0]) and held(workers[1]) and not held(parent)
+    os.kill(workers[0], signal.SIGKILL)
+    before = handoffs(live_vl)
+    for seed in (64, 65, 66, 67):
+        r = post(passing["base"], live_vl.api_key, "/v1/chat/completions",
+                 {"model": VL_MODEL, "messages": big_image_messages(seed), "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        time.sleep(0.3)
+    d = delta(before, handoffs(live_vl))
+    assert d["failed"] == 0 and d["passed"] + d["fallback"] == 4, d
+    passing["mm"].proc.wait(timeout=30)
+    live_vl.sup.children.remove(passing["mm"])
+    passing["mm"] = _start_mm_api(live_vl, passing["sock"], passing["pass_sock"])
