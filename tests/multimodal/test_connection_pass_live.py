@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -17,7 +19,8 @@ import httpx
 import openai
 import pytest
 
-from ops.supervisor import unix_socket_accepts, wait_until
+from ops.supervisor import port_open, unix_socket_accepts, wait_until
+from tests.live_platform import free_port
 from tests.multimodal.conftest import VL_MODEL
 from tests.multimodal.imgs import data_url, image_bytes
 from tests.multimodal.test_handoff_live import (IMAGE_TOKEN, admission_idle, engine_idle, handoffs, image_messages,
@@ -348,6 +351,30 @@ def test_an_adopted_connection_is_not_inherited_by_child_processes(live_vl, pass
     # the client's connection (plus the workers' Redis and database connections) all close on exec
     assert sum(len(fds) for fds in held.values()) >= 1
     assert all(flags & os.O_CLOEXEC for fds in held.values() for flags in fds.values()), held
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command for a test certificate")
+def test_a_tls_connection_is_relayed_not_passed(live_vl, passing, tmp_path):
+    """A TLS session cannot move to another process: over HTTPS the image chat is relayed (and answered)."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-subj", "/CN=127.0.0.1", "-days", "1"], check=True, capture_output=True, timeout=60)
+    port = free_port()
+    child = live_vl.sup.start("api-front-tls", [
+        sys.executable, "-m", "uvicorn", "config.asgi:application", "--host", "127.0.0.1", "--port", str(port),
+        "--no-access-log", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)],
+        env_extra={"MULTIMODAL_API_SOCKET": passing["sock"], "MULTIMODAL_PASS_SOCKET": passing["pass_sock"]})
+    try:
+        wait_until(lambda: port_open("127.0.0.1", port), 60, "the TLS front api", live_vl.sup)
+        before = handoffs(live_vl)
+        r = httpx.post(f"https://127.0.0.1:{port}/tokenize", verify=False, timeout=60,
+                       headers={"Authorization": f"Bearer {live_vl.api_key}"},
+                       json={"model": VL_MODEL, "messages": big_image_messages(70)})
+        assert r.status_code == 200, r.text
+        assert r.json()["tokens"].count(IMAGE_TOKEN) > 6
+        assert delta(before, handoffs(live_vl)) == {"passed": 0, "forwarded": 1, "fallback": 0, "failed": 0}
+    finally:
+        stop_child(live_vl, child)
 
 
 def _listening_inode(path: str) -> str:
