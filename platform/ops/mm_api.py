@@ -24,7 +24,8 @@ import uvicorn
 
 
 class PassingServer(uvicorn.Server):
-    """``uvicorn.Server`` that also adopts connections passed on ``pass_listener`` (a listening unix socket)."""
+    """``uvicorn.Server`` that also adopts connections passed on ``pass_listener`` (a bound unix socket, listened
+    on once the server has started)."""
 
     def __init__(self, config: uvicorn.Config, pass_listener: socket.socket) -> None:
         super().__init__(config)
@@ -41,6 +42,9 @@ class PassingServer(uvicorn.Server):
             return self.config.http_protocol_class(config=self.config, server_state=self.server_state,
                                                    app_state=self.lifespan.state)
 
+        # listening only now that the application is loaded: until then a pass is refused at once and the front
+        # serves the request itself, instead of the pass waiting on a process that is still starting
+        self.pass_listener.listen(2048)
         self._pass_task = asyncio.ensure_future(serve_passed_connections(self.pass_listener, protocol_factory,
                                                                          _count_passed))
 
@@ -58,14 +62,13 @@ async def _count_passed() -> None:
 
 
 def bind_unix(path: str, mode: int = 0o600) -> socket.socket:
-    """A listening unix stream socket at ``path`` (a stale file there is replaced), ``mode`` on the file."""
+    """A unix stream socket bound at ``path`` (a stale file there is replaced), ``mode`` on the file, not yet
+    listening (connections are refused until a server that is ready listens on it)."""
     if os.path.exists(path):
         os.unlink(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(path)
     os.chmod(path, mode)
-    sock.listen(2048)
-    sock.set_inheritable(True)
     return sock
 
 
