@@ -56,6 +56,16 @@ Receive = Callable[[], Awaitable[dict]]
 
 
 def passable_cycle(scope: Scope, receive: Receive):
+    """``_passable_cycle``, or None should uvicorn's internals differ from those read here (then the request is
+    relayed, never failed)."""
+    try:
+        return _passable_cycle(scope, receive)
+    except AttributeError:
+        log.warning("uvicorn's request cycle is not as expected; relaying instead of passing", exc_info=True)
+        return None
+
+
+def _passable_cycle(scope: Scope, receive: Receive):
     """The front's uvicorn httptools request cycle behind ``receive`` when this request's connection can be passed
     (plain HTTP/1.x, a ``Content-Length`` body, nothing of a next request read yet, a pass socket configured),
     else None. Call it and ``pass_connection`` with no ``await`` between them."""
