@@ -76,6 +76,10 @@ class EngineCore:
             still runs alone).
     """
 
+    # acceptance outputs (the api learns which replica holds a request) are sent before each step, which may be
+    # a long prefill; a subclass whose step is short may let them travel with the step's own outputs
+    FLUSH_BEFORE_STEP = True
+
     def __init__(self, model: str, runner: ModelRunner, redis_url: str, link_prefix: str = "llmp",
                  engine_id: str | None = None, max_num_seqs: int = 32, max_prefill_tokens: int = 4096):
         self.model = model
@@ -159,9 +163,12 @@ class EngineCore:
                 self._accept(fields.get(b"r"))
         if room - len(accepted_ids) > 0 and time.monotonic() >= self._next_reclaim:
             accepted_ids += self._reclaim(room - len(accepted_ids))
+        # the acknowledgement and the read of aborts share one round trip
+        pipe = self.redis.pipeline(transaction=False)
         if accepted_ids:
-            self.redis.xack(self.req_key, ENGINE_GROUP, *accepted_ids)
-        ctl = self.redis.xread({self.ctl_key: self._ctl_last}, count=1000)
+            pipe.xack(self.req_key, ENGINE_GROUP, *accepted_ids)
+        pipe.xread({self.ctl_key: self._ctl_last}, count=1000)
+        ctl = pipe.execute()[-1]
         for _stream, entries in ctl or []:
             for entry_id, fields in entries:
                 self._ctl_last = entry_id
@@ -391,7 +398,8 @@ class EngineCore:
                 try:
                     self._poll()
                     self._drop_dead_clients()
-                    self._flush()  # acceptance outputs go out before the (maybe long) step
+                    if self.FLUSH_BEFORE_STEP:
+                        self._flush()  # acceptance outputs go out before the (maybe long) step
                     if self.running or self.waiting:
                         self.step()
                     self._flush()

@@ -157,8 +157,12 @@ class PoolingEngineCore(EngineCore):
 
     Batching: each step takes waiting requests in arrival order while ``len(group) < max_num_seqs`` and the
     padded size ``len(group) × longest`` stays within ``max_prefill_tokens`` (the first always runs).
-    Every request leaves the engine in the step that runs it, so ``running`` stays empty.
+    Every request leaves the engine in the step that runs it, so ``running`` stays empty. Acceptance outputs go
+    out with the step's results (one Redis round trip per step, one message per api process): a step is a
+    single forward, far inside the api's acceptance grace.
     """
+
+    FLUSH_BEFORE_STEP = False
 
     def step(self) -> None:
         """Encode one batch of waiting requests and emit one finished output per request."""
