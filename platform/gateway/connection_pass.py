@@ -11,20 +11,21 @@ which runs the same application).
 The protocol, on a unix socket only this user can reach (``MULTIMODAL_PASS_SOCKET``, a 0700 directory), one
 connection per passed client connection:
 
-1. front -> multimodal api: a 4-byte big-endian length ``n`` with the client socket attached (``SCM_RIGHTS``),
-   then ``n`` bytes: the request as the client sent it so far (request line, headers, the body read so far);
-2. the multimodal api adopts the socket into its uvicorn server (a protocol of the server's own class, fed those
-   bytes first, then reading the socket itself) and answers one byte, ``1`` (adopted) or ``0`` (refused);
+1. front -> multimodal api: a header (the length ``n`` of what follows, a deadline on the host's monotonic clock,
+   ``PASS_DEADLINE_S`` from now) with the client socket attached (``SCM_RIGHTS``), then ``n`` bytes: the request
+   as the client sent it so far (request line, headers, the body read so far);
+2. the multimodal api, once it has all ``n`` bytes and if the deadline has not passed, adopts the socket into its
+   uvicorn server (a protocol of the server's own class, fed those bytes first, then reading the socket itself)
+   and answers one byte, ``1``; past the deadline, or unable to adopt, it drops its copy unread and answers ``0``;
 3. on ``1`` the front drops its copy of the socket without writing to it (closing one of two descriptors of a
-   socket neither sends a FIN nor resets it); on ``0`` the front resumes reading and relays the request; when
-   the multimodal api cannot be reached or takes longer than ``ACK_TIMEOUT_S`` to read the bytes, the front
-   resumes reading and serves the request itself. Before step 3 the front has paused reading the
-   socket, so exactly one process reads it at any time.
+   socket neither sends a FIN nor resets it). Otherwise it resumes reading the socket, which it paused before
+   step 1 (exactly one process reads it at any time), and serves the request: relayed on ``0``, itself when the
+   multimodal api cannot be reached, closed the link unanswered (died), or has not answered by the deadline plus
+   ``ADOPT_GRACE_S`` (stopped, hung, overloaded: it will refuse when it gets to the pass). So a client never
+   waits on a multimodal api that does not run for more than those two bounds.
 
-If the answer has not come after ``ACK_TIMEOUT_S`` (the multimodal api is stopped or overloaded), the front
-cannot know who owns the connection; it closes its copy without writing (counted ``failed``), the one choice that
-can never put two answers on one connection. A multimodal api that comes back later still adopts the connection
-and serves the waiting client (then also counted ``passed``).
+The one case left open: a multimodal api whose loop stalls for longer than ``ADOPT_GRACE_S`` in the single loop
+iteration between its deadline check and its answer; both processes would then answer the same request.
 
 A connection can be passed only while its byte stream is still exact at the front: uvicorn's httptools protocol
 (the front's cycle is read directly: its pending body bytes go along), plain HTTP (a TLS session cannot move),
@@ -40,15 +41,17 @@ import asyncio
 import logging
 import socket
 import struct
+import time
 from typing import Awaitable, Callable
 
 from django.conf import settings
 
 log = logging.getLogger(__name__)
 
-ACK_TIMEOUT_S = 10.0
+PASS_DEADLINE_S = 3.0  # the multimodal api adopts a connection only within this (a healthy one takes < 1 ms)
+ADOPT_GRACE_S = 3.0  # how long past the deadline the front still waits for its answer
 ADOPTED, REFUSED = b"1", b"0"
-_LENGTH = struct.Struct("!I")
+_HEAD = struct.Struct("!Id")  # prefix length, deadline (time.monotonic(): CLOCK_MONOTONIC, one per host)
 MAX_PREFIX_BYTES = 64 * 1024 * 1024  # a prefix is at most the front's body limit plus the headers
 
 Scope = dict
@@ -111,51 +114,42 @@ async def pass_connection(scope: Scope, cycle, body_read: list[bytes]) -> str:
     """Pass the client connection of ``cycle`` (from ``passable_cycle``) to the multimodal api, ``body_read`` being
     the body bytes this process has already taken from it. Returns ``"passed"`` (the multimodal api owns the
     connection; the caller returns without sending anything), ``"kept"`` (refused; nothing changed: relay or
-    serve the request here), ``"unreachable"`` (the multimodal api is down, hung or died mid-pass; nothing
-    changed: serve the request here) or ``"lost"`` (the outcome is unknown after ``ACK_TIMEOUT_S``; the front's
-    copy was closed without a word)."""
+    serve the request here) or ``"unreachable"`` (the multimodal api is down, dead, or did not answer in time;
+    nothing changed: serve the request here). Takes at most ``PASS_DEADLINE_S + ADOPT_GRACE_S``."""
     loop = asyncio.get_running_loop()
     cycle.flow.pause_reading()
     prefix = request_head(scope) + b"".join(body_read) + bytes(cycle.body)
     client = cycle.transport.get_extra_info("socket")
     link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     link.setblocking(False)
-    deadline = loop.time() + ACK_TIMEOUT_S
+    deadline = time.monotonic() + PASS_DEADLINE_S
 
     async def send() -> None:
         await loop.sock_connect(link, settings.MULTIMODAL_PASS_SOCKET)
-        # four bytes on a fresh connection never block; the descriptor travels with them
-        socket.send_fds(link, [_LENGTH.pack(len(prefix))], [client.fileno()])
+        # a few bytes on a fresh connection never block; the descriptor travels with them
+        socket.send_fds(link, [_HEAD.pack(len(prefix), deadline)], [client.fileno()])
         await loop.sock_sendall(link, prefix)
 
     try:
+        answer = None
         try:
-            await asyncio.wait_for(send(), ACK_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError):
-            # not reachable, or too slow to take the bytes (stopped, overloaded): it adopts only after reading
-            # all of them, and on losing this link it drops its copy unread, so the connection is still ours
-            cycle.flow.resume_reading()
-            return "unreachable"
-        try:
-            answer = await asyncio.wait_for(loop.sock_recv(link, 1), max(0.0, deadline - loop.time()))
+            await asyncio.wait_for(send(), PASS_DEADLINE_S)
+            answer = await asyncio.wait_for(loop.sock_recv(link, 1),
+                                            max(0.0, deadline + ADOPT_GRACE_S - time.monotonic()))
         except asyncio.TimeoutError:
-            answer = None
-        except OSError:  # reset: it died with our bytes unread, so before adopting
-            answer = b""
-        if answer == REFUSED:
-            cycle.flow.resume_reading()
-            return "kept"
-        if answer == b"":  # gone before adopting (an adoption is answered before anything is read from it)
-            cycle.flow.resume_reading()
-            return "unreachable"
-        # adopted, or unknown: this process never touches the connection again
-        cycle.body = bytearray()
-        cycle.disconnected = True  # uvicorn sends nothing more on it (no 500 for a response never started)
-        cycle.transport.close()
-        if answer != ADOPTED:
-            log.warning("the multimodal api took a passed connection without answering; dropped it here")
-            return "lost"
-        return "passed"
+            # not all bytes taken by the deadline: it can never adopt; taken, but unanswered past the grace: it
+            # is stalled, and refuses when it gets to the pass (deadline passed)
+            log.warning("the multimodal api did not take a passed connection in time; serving it here")
+        except OSError:  # not reachable, or died before answering (a reset: our bytes unread)
+            pass
+        if answer == ADOPTED:
+            # this process never touches the connection again
+            cycle.body = bytearray()
+            cycle.disconnected = True  # uvicorn sends nothing more on it (no 500 for a response never started)
+            cycle.transport.close()
+            return "passed"
+        cycle.flow.resume_reading()
+        return "kept" if answer == REFUSED else "unreachable"
     finally:
         link.close()
 
@@ -182,19 +176,19 @@ async def _adopt(link: socket.socket, protocol_factory, on_adopted) -> None:
     try:
         link.setblocking(False)
         await _readable(link)
-        head, fds, _flags, _addr = socket.recv_fds(link, _LENGTH.size, 1, socket.MSG_CMSG_CLOEXEC)
+        head, fds, _flags, _addr = socket.recv_fds(link, _HEAD.size, 1, socket.MSG_CMSG_CLOEXEC)
         if not fds:
             return
         client = socket.socket(fileno=fds[0])
         for extra in fds[1:]:
             socket.close(extra)
         client.set_inheritable(False)  # a process this one starts must never hold a client's connection
-        while len(head) < _LENGTH.size:
-            more = await loop.sock_recv(link, _LENGTH.size - len(head))
+        while len(head) < _HEAD.size:
+            more = await loop.sock_recv(link, _HEAD.size - len(head))
             if not more:
                 return
             head += more
-        (n,) = _LENGTH.unpack(head)
+        n, deadline = _HEAD.unpack(head)
         if n > MAX_PREFIX_BYTES:
             await loop.sock_sendall(link, REFUSED)
             return
@@ -205,6 +199,10 @@ async def _adopt(link: socket.socket, protocol_factory, on_adopted) -> None:
                 return  # the front went away: it kept the connection
             prefix += more
         if client.type != socket.SOCK_STREAM or client.family not in (socket.AF_INET, socket.AF_INET6):
+            await loop.sock_sendall(link, REFUSED)
+            return
+        if time.monotonic() > deadline:  # the front has given up, or will before this answer reaches it
+            log.warning("a passed connection arrived after its deadline; left to the front")
             await loop.sock_sendall(link, REFUSED)
             return
         client.setblocking(False)

@@ -30,7 +30,7 @@ Failure rules (nothing lost, nothing served twice):
 Counts per outcome are kept in Redis (``<prefix>:handoff``) and exported by ``/metrics`` as
 ``gateway_handoffs_total{outcome}``: ``passed`` (connections) is counted by the multimodal api as it adopts one,
 ``forwarded`` by the multimodal api as a relayed request arrives (so the front spends no Redis round trip on
-either), ``fallback`` and ``failed`` by the front (``failed`` also counts a pass whose outcome was lost).
+either), ``fallback`` and ``failed`` by the front.
 """
 
 from __future__ import annotations
@@ -147,9 +147,7 @@ async def route(scope: Scope, receive: Receive, send: Send, local_app: App, max_
         cycle = connection_pass.passable_cycle(scope, receive)
         # hand over the connection itself where possible: the front then does nothing more for it
         outcome = await connection_pass.pass_connection(scope, cycle, chunks) if cycle is not None else "kept"
-        if outcome == "lost":
-            await count("failed")
-        if outcome in ("passed", "lost"):
+        if outcome == "passed":
             return
         if outcome == "unreachable":  # down or hung: a relay would find the same, so serve it here
             await count("fallback")

@@ -79,17 +79,28 @@ class Supervisor:
         return None
 
     def restart(self, child: Child) -> Child:
-        """Start ``child``'s command again in its place (same name, same log file)."""
+        """Start ``child``'s command again in its place (same name, same log file), after killing what is left of
+        the old one's process group (workers its leader started outlive a leader killed with SIGKILL)."""
+        self.kill_group(child)
         self.children.remove(child)
         return self.start(child.name, child.argv, env_extra=child.env_extra, cpus=child.cpus)
+
+    @staticmethod
+    def kill_group(child: Child) -> None:
+        """SIGKILL every process left in ``child``'s process group (its own session, so nothing else)."""
+        if child.proc is not None:
+            try:
+                os.killpg(child.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def stop_all(self, grace_s: float = 10.0) -> None:
         """SIGTERM every child (newest first), wait up to ``grace_s``, then SIGKILL the rest."""
         for child in reversed(self.children):
-            if child.proc and child.proc.poll() is None:
+            if child.proc:  # also when the leader has exited: processes it started may still be in its group
                 try:
                     os.killpg(child.proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
+                except (ProcessLookupError, PermissionError):
                     pass
         deadline = time.monotonic() + grace_s
         for child in reversed(self.children):
@@ -103,6 +114,8 @@ class Supervisor:
                 except ProcessLookupError:
                     pass
                 child.proc.wait()
+        for child in self.children:
+            self.kill_group(child)  # stragglers whose leader has exited
         self.children.clear()
 
 

@@ -113,7 +113,7 @@ class Command(BaseCommand):
                 "--redis-url", redis_url, "--device", m.device, "--dtype", m.dtype if m.dtype != "auto" else "float32",
                 "--max-num-seqs", str(m.max_num_seqs), "--max-model-len", str(m.max_model_len),
                 "--link-prefix", settings.LINK_PREFIX, "--task", m.task], cpus=back_cpus)
-        front_env, mm_socket = {}, None
+        front_env, mm_socket, pass_socket = {}, None, None
         if opts["mm_api_workers"] > 0:
             mm_socket = _mm_socket_path(var_dir)
             pass_socket = str(Path(mm_socket).with_name("mm-pass.sock"))
@@ -149,13 +149,16 @@ class Command(BaseCommand):
                 # multimodal api is down, the front api serves image chats itself (gateway/handoff.py), so one
                 # that keeps crashing is set aside and tried again after the restart window, not fatal.
                 code = dead.proc.returncode
-                if dead.name == "api-mm" and mm_socket and os.path.exists(mm_socket):
-                    os.unlink(mm_socket)  # a killed uvicorn leaves its socket file (ops.mm_api replaces both)
+                if dead.name == "api-mm":
+                    for path in (mm_socket, pass_socket):  # a killed launcher leaves its socket files
+                        if path and os.path.exists(path):
+                            os.unlink(path)
                 if dead.name in ("redis", "api"):
                     raise RuntimeError(f"{dead.name} exited with code {code}; see {dead.log_path}")
                 if not policy.allow(dead.name, time.monotonic()):
                     if dead.name != "api-mm":
                         raise RuntimeError(f"{dead.name} exited with code {code}; see {dead.log_path}")
+                    sup.kill_group(dead)
                     sup.children.remove(dead)
                     parked = (dead, time.monotonic() + policy.window_s)
                     self.stderr.write(f"api-mm exited with code {code} and keeps crashing; the front api serves image "
