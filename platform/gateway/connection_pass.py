@@ -83,6 +83,8 @@ def _passable_cycle(scope: Scope, receive: Receive):
         return None
     if cycle.transport.get_extra_info("sslcontext") is not None:  # the scope's scheme may come from a proxy
         return None
+    if cycle.transport.get_extra_info("socket") is None:  # nothing to pass (not a socket transport)
+        return None
     if cycle.transport.get_write_buffer_size():
         # an earlier response on this connection is not all out yet (a pipelining client reading slowly): the
         # multimodal api's answer would overtake it

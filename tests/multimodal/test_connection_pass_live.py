@@ -16,15 +16,14 @@ import sys
 import time
 
 import httpx
-import openai
 import pytest
 
 from ops.supervisor import port_open, unix_socket_accepts, wait_until
 from tests.live_platform import free_port
 from tests.multimodal.conftest import VL_MODEL
 from tests.multimodal.imgs import data_url, image_bytes
-from tests.multimodal.test_handoff_live import (IMAGE_TOKEN, admission_idle, engine_idle, handoffs, image_messages,
-                                                post, stop_child)
+from tests.multimodal.test_handoff_live import (IMAGE_TOKEN, admission_idle, assert_same_answer, engine_idle,
+                                                handoffs, image_messages, post, stop_child, stream_image_chat)
 
 OUTCOMES = ("passed", "forwarded", "fallback", "failed")
 
@@ -95,16 +94,9 @@ def test_passed_connection_is_served_by_the_multimodal_api_from_then_on(live_vl,
 
 
 def test_streamed_image_chat_on_a_passed_connection(live_vl, passing):
-    client = openai.OpenAI(base_url=passing["base"] + "/v1", api_key=live_vl.api_key, max_retries=0)
     before = handoffs(live_vl)
-    chunks = list(client.chat.completions.create(model=VL_MODEL, messages=big_image_messages(52), max_tokens=5,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert chunks[-2].choices[0].finish_reason == "length"
-    assert chunks[-1].usage.completion_tokens == 5
+    stream_image_chat(passing["base"], live_vl.api_key, big_image_messages(52))
     assert delta(before, handoffs(live_vl))["passed"] == 1
-    client.close()
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize", "/v1/chat/completions/render"])
@@ -119,13 +111,7 @@ def test_answers_on_passed_connections_equal_direct_ones(live_vl, passing, path)
     for body in (bad, good):
         if path == "/v1/chat/completions" and body is good:
             continue  # generated text differs per request; covered above
-        via_front = post(passing["base"], live_vl.api_key, path, body)
-        direct = post(live_vl.base_url, live_vl.api_key, path, body)
-        assert via_front.status_code == direct.status_code, via_front.text
-        a, b = via_front.json(), direct.json()
-        if isinstance(a, dict):
-            a.pop("request_id", None), b.pop("request_id", None)
-        assert a == b
+        assert_same_answer(live_vl, passing["base"], path, body)
     wrong = post(passing["base"], "sk-wrong", path, good)
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
     n = 2 if path == "/v1/chat/completions" else 3

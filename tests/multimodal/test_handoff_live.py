@@ -120,16 +120,32 @@ def test_image_chat_is_served_by_the_multimodal_api_and_text_stays(live_vl, spli
     assert f'gateway_handoffs_total{{outcome="forwarded"}} {float(handoffs(live_vl)["forwarded"])}' in text_metrics
 
 
-def test_streamed_image_chat_through_the_front(live_vl, split):
-    base, _sock, _h = split
-    client = openai.OpenAI(base_url=base + "/v1", api_key=live_vl.api_key, max_retries=0)
-    before = handoffs(live_vl)
-    chunks = list(client.chat.completions.create(model=VL_MODEL, messages=image_messages(32), max_tokens=5,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))
+def assert_same_answer(live, base: str, path: str, body: dict) -> None:
+    """``body`` posted to ``base`` gets the status and JSON (request ids aside) an api serving it itself gives."""
+    via_front = post(base, live.api_key, path, body)
+    direct = post(live.base_url, live.api_key, path, body)
+    assert via_front.status_code == direct.status_code, via_front.text
+    a, b = via_front.json(), direct.json()
+    if isinstance(a, dict):
+        a.pop("request_id", None), b.pop("request_id", None)
+    assert a == b
+
+
+def stream_image_chat(base: str, key: str, messages: list[dict]) -> None:
+    """Stream a 5-token image chat through ``base`` with the official client and check the whole stream."""
+    with openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0) as client:
+        chunks = list(client.chat.completions.create(model=VL_MODEL, messages=messages, max_tokens=5, stream=True,
+                                                     stream_options={"include_usage": True},
+                                                     extra_body={"ignore_eos": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.prompt_tokens > 6
+
+
+def test_streamed_image_chat_through_the_front(live_vl, split):
+    base, _sock, _h = split
+    before = handoffs(live_vl)
+    stream_image_chat(base, live_vl.api_key, image_messages(32))
     assert delta(before, handoffs(live_vl))["forwarded"] == 1
 
 
@@ -143,13 +159,7 @@ def test_forwarded_answers_equal_direct_ones(live_vl, split, path):
     for body in (bad, good):
         if path == "/v1/chat/completions" and body is good:
             continue  # generated text and ids differ per request; covered above
-        via_front = post(base, live_vl.api_key, path, body)
-        direct = post(live_vl.base_url, live_vl.api_key, path, body)
-        assert via_front.status_code == direct.status_code, via_front.text
-        a, b = via_front.json(), direct.json()
-        if isinstance(a, dict):
-            a.pop("request_id", None), b.pop("request_id", None)
-        assert a == b
+        assert_same_answer(live_vl, base, path, body)
     assert post(base, "sk-wrong", path, good).status_code == 401
 
 
