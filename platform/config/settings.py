@@ -69,7 +69,8 @@ def _env_list(*names: str, default: str) -> list[str]:
 
 
 def _secret_key_load_or_create(path: Path) -> str:
-    """Read the secret key file, creating it atomically (first writer wins) when absent.
+    """Read the secret key file (also the embedded Redis's password file), creating it atomically (first writer
+    wins, mode 0600, 50 random bytes URL-safe base64) when absent or empty.
 
     Several processes may start at once: each writes a temporary file and hard-links it into place;
     ``os.link`` fails if the target exists, so exactly one key ever becomes the stored one.
@@ -80,7 +81,7 @@ def _secret_key_load_or_create(path: Path) -> str:
             return value
     except FileNotFoundError:
         pass
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as fh:
@@ -177,7 +178,7 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         }
     )
     if not os.environ.get("DATABASE_URL"):
-        VAR_DIR.mkdir(parents=True, exist_ok=True)
+        VAR_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 if _env_first("DATABASE_TEST_NAME"):
     # Lets concurrent test runs against one PostgreSQL server use distinct test databases.
@@ -200,7 +201,7 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 # Served by WhiteNoise straight from the apps' static folders: no collectstatic step on a fresh machine.
-STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # WhiteNoise warns about a missing STATIC_ROOT
+STATIC_ROOT.mkdir(mode=0o700, parents=True, exist_ok=True)  # WhiteNoise warns about a missing STATIC_ROOT
 WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = False
 
