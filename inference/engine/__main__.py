@@ -23,7 +23,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m inference.engine", description="LLM engine replica")
     ap.add_argument("--model", required=True, help="served model name (engine link keys)")
     ap.add_argument("--model-dir", required=True, help="Hugging Face-format model directory")
-    ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+                    help="default: $REDIS_URL; pass a URL holding a password in REDIS_URL, since a command line "
+                         "is visible to every local user (ps)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     ap.add_argument("--max-num-seqs", type=int, default=32)

