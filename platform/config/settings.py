@@ -23,6 +23,8 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
                             connections the front passes to it (gateway/connection_pass.py). Set by
                             ``manage.py serve``. Default empty: image chats are relayed, not passed.
 ``DJANGO_CSRF_TRUSTED_ORIGINS``  comma-separated origins for the admin behind a proxy. Default empty.
+``MAX_API_KEYS_PER_TENANT``  most active (not revoked, not expired) API keys a tenant may hold; creating or
+                            rotating with grace past it answers 403 ``api_key_limit_reached``. Default 1000.
 ==========================  =================================================================================
 """
 
@@ -278,6 +280,9 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
 }
+
+# --- API key management limits (tenancy.services) ------------------------------------------------------
+MAX_API_KEYS_PER_TENANT = int(_env_first("MAX_API_KEYS_PER_TENANT", default="1000"))
 
 # --- logging to stderr ---------------------------------------------------------------------------------
 LOG_LEVEL = (_env_first("LOG_LEVEL", default="INFO") or "INFO").upper()
