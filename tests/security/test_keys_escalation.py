@@ -12,6 +12,7 @@ from django.core.management import CommandError, call_command
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from tenancy.api.serializers import ApiKeyWriteSerializer
 from tenancy.models import ApiKey, Tenant
 from tenancy.selectors import api_key_authenticate
 from tenancy.services import api_key_create
@@ -188,6 +189,8 @@ def test_unsafe_key_names_are_refused(tenant, name):
     _, admin_secret = api_key_create(tenant=tenant, name="tenant-admin", scopes=["inference", "keys:write"])
     c = _client(admin_secret)
     _refused(c.post("/api/v1/keys", {"name": name}, format="json"), 400, "name")
+    ser = ApiKeyWriteSerializer(data={"name": name})
+    assert not ser.is_valid() and "name" in ser.errors  # the serializer refuses it already, not only the service
     ok = c.post("/api/v1/keys", {"name": "ok"}, format="json").json()
     _refused(c.patch(f"/api/v1/keys/{ok['id']}", {"name": name}, format="json"), 400, "name")
     with pytest.raises(ValueError, match="name"):
