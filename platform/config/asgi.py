@@ -13,12 +13,17 @@ django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
+from django.conf import settings  # noqa: E402
+
+from config.body_limit import BodyLimitMiddleware  # noqa: E402
 from gateway import handoff  # noqa: E402
 from gateway.http import MAX_BODY_BYTES  # noqa: E402
 from gateway.routing import GATEWAY_PREFIXES, http_urlpatterns  # noqa: E402
 from usage.routing import websocket_application  # noqa: E402  (live dashboard updates)
 
 _gateway = URLRouter(http_urlpatterns)
+# Django's routes: bodies over DJANGO_MAX_BODY_BYTES are refused before they are read (config/body_limit.py).
+_django = BodyLimitMiddleware(django_asgi_app, settings.DJANGO_MAX_BODY_BYTES)
 
 
 async def http_router(scope, receive, send):
@@ -30,7 +35,7 @@ async def http_router(scope, receive, send):
         if handoff.handed_off(scope):
             await handoff.count("forwarded")
         return await _gateway(scope, receive, send)
-    return await django_asgi_app(scope, receive, send)
+    return await _django(scope, receive, send)
 
 
 application = ProtocolTypeRouter({"http": http_router, "websocket": websocket_application})

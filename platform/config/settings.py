@@ -26,6 +26,22 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
                             connections the front passes to it (gateway/connection_pass.py). Set by
                             ``manage.py serve``. Default empty: image chats are relayed, not passed.
 ``DJANGO_CSRF_TRUSTED_ORIGINS``  comma-separated origins for the admin behind a proxy. Default empty.
+``DJANGO_BEHIND_TLS_PROXY``  (or ``DJANGO_SECURE``) ``1`` for a deployment served over HTTPS through a proxy that
+                            sets ``X-Forwarded-Proto`` (and strips it from clients): secure-only session and
+                            CSRF cookies, HSTS (``DJANGO_HSTS_SECONDS``, default 31536000, subdomains included),
+                            ``SECURE_PROXY_SSL_HEADER``. Default off (plain HTTP on loopback, the quickstart).
+``DJANGO_SSL_REDIRECT``     ``1`` redirects plain-HTTP requests to Django's routes to HTTPS (with the switch
+                            above). Default off.
+``LOGIN_FAILURE_LIMIT``     failed logins (admin and dashboard) per username and client address before that pair
+                            is locked out (django-axes; the address is uvicorn's client, which honours
+                            ``X-Forwarded-For`` only from ``FORWARDED_ALLOW_IPS``, default 127.0.0.1). Default 5.
+``LOGIN_COOLOFF_MINUTES``   how long such a lockout lasts. Default 15.
+``DJANGO_ADMIN_OTP``        ``1``: the admin asks staff for a TOTP code too (django-otp's ``OTPAdminSite``); enrol a
+                            device first with ``manage.py enrol_totp USERNAME``. Default off.
+``DJANGO_MAX_BODY_BYTES``   largest request body Django's routes (admin, ``/api/v1``, dashboards) accept; larger
+                            ones get 413 before they are read. Default 2621440 (2.5 MiB).
+``MAX_API_KEYS_PER_TENANT``  most active (not revoked, not expired) API keys a tenant may hold; creating or
+                            rotating with grace past it answers 403 ``api_key_limit_reached``. Default 1000.
 ==========================  =================================================================================
 """
 
@@ -35,6 +51,7 @@ import hashlib
 import hmac
 import os
 import secrets
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -286,6 +303,49 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
 }
+
+# --- API key management limits (tenancy.services) ------------------------------------------------------
+MAX_API_KEYS_PER_TENANT = int(_env_first("MAX_API_KEYS_PER_TENANT", default="1000"))
+
+# --- TLS deployments, cookies, login throttling, admin second factor, body size (issue 14) --------------
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = "Lax"
+CSRF_COOKIE_SAMESITE = "Lax"
+# New keys' secrets are shown once through ``messages``: keep messages server-side, never in a cookie.
+MESSAGE_STORAGE = "django.contrib.messages.storage.session.SessionStorage"
+BEHIND_TLS_PROXY = _env_bool("DJANGO_BEHIND_TLS_PROXY", "DJANGO_SECURE")
+if BEHIND_TLS_PROXY:
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_HSTS_SECONDS = int(_env_first("DJANGO_HSTS_SECONDS", default="31536000"))
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    SECURE_SSL_REDIRECT = _env_bool("DJANGO_SSL_REDIRECT")
+
+# django-axes: lock a (username, client address) pair out after LOGIN_FAILURE_LIMIT failed logins.
+INSTALLED_APPS += ["axes"]
+AUTHENTICATION_BACKENDS = ["axes.backends.AxesStandaloneBackend", "django.contrib.auth.backends.ModelBackend"]
+MIDDLEWARE += ["axes.middleware.AxesMiddleware"]  # last, as django-axes asks
+AXES_FAILURE_LIMIT = int(_env_first("LOGIN_FAILURE_LIMIT", default="5"))
+AXES_COOLOFF_TIME = timedelta(minutes=float(_env_first("LOGIN_COOLOFF_MINUTES", default="15")))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_CLIENT_IP_CALLABLE = None  # REMOTE_ADDR: uvicorn's client address (proxy headers from FORWARDED_ALLOW_IPS)
+
+# django-otp: TOTP devices always installed (their tables exist either way); the admin demands them when on.
+ADMIN_OTP = _env_bool("DJANGO_ADMIN_OTP")
+INSTALLED_APPS += ["django_otp", "django_otp.plugins.otp_totp"]
+OTP_TOTP_ISSUER = "LLM serving platform"
+if ADMIN_OTP:
+    INSTALLED_APPS[INSTALLED_APPS.index("django.contrib.admin")] = "config.admin_apps.OTPAdminConfig"
+    MIDDLEWARE.insert(MIDDLEWARE.index("django.contrib.auth.middleware.AuthenticationMiddleware") + 1,
+                      "django_otp.middleware.OTPMiddleware")
+
+# Request bodies on Django's routes: refused past DJANGO_MAX_BODY_BYTES before they are read
+# (config.body_limit), and never spooled to disk below it.
+DJANGO_MAX_BODY_BYTES = int(_env_first("DJANGO_MAX_BODY_BYTES", default=str(2_621_440)))
+DATA_UPLOAD_MAX_MEMORY_SIZE = DJANGO_MAX_BODY_BYTES
+FILE_UPLOAD_MAX_MEMORY_SIZE = DJANGO_MAX_BODY_BYTES
 
 # --- logging to stderr ---------------------------------------------------------------------------------
 LOG_LEVEL = (_env_first("LOG_LEVEL", default="INFO") or "INFO").upper()

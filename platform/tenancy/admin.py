@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from django import forms
+from django.conf import settings
 from django.contrib import admin, messages
 
 from .models import ApiKey, Tenant
 
 LIMIT_FIELDS = ("rpm_limit", "tpm_limit", "max_concurrent_requests", "token_budget", "budget_period")
-from .services import api_key_create, api_key_revoke
+from .services import KeyRuleError, api_key_create, api_key_name_validate, api_key_revoke, api_keys_active_count
 
 
 class CommaListField(forms.CharField):
@@ -33,6 +34,23 @@ class ApiKeyAdminForm(forms.ModelForm):
     class Meta:
         model = ApiKey
         fields = ("tenant", "name", "allowed_models", "scopes", "expires_at", *LIMIT_FIELDS)
+
+    def clean_name(self):
+        """The name rule of ``tenancy.services.api_key_name_validate`` (a form error, not a 500)."""
+        try:
+            return api_key_name_validate(self.cleaned_data.get("name"))
+        except KeyRuleError as exc:
+            raise forms.ValidationError(str(exc)) from exc
+
+    def clean(self):
+        """On add: the tenant must be under ``settings.MAX_API_KEYS_PER_TENANT`` active keys."""
+        cleaned = super().clean()
+        tenant = cleaned.get("tenant")
+        cap = getattr(settings, "MAX_API_KEYS_PER_TENANT", 1000)
+        if self.instance._state.adding and tenant is not None and api_keys_active_count(tenant.pk) >= cap:
+            raise forms.ValidationError(f"Tenant {tenant.name} already has {cap} active API keys "
+                                        "(MAX_API_KEYS_PER_TENANT); revoke one first.")
+        return cleaned
 
 
 class ApiKeyInline(admin.TabularInline):

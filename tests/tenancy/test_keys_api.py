@@ -23,7 +23,8 @@ def tenant():
 
 @pytest.fixture
 def admin_key(tenant):
-    _, plaintext = api_key_create(tenant=tenant, name="admin", scopes=["keys:write", "usage:read"])
+    # holds "inference" too: a key may only create keys with scopes it holds itself
+    _, plaintext = api_key_create(tenant=tenant, name="admin", scopes=["inference", "keys:write", "usage:read"])
     return plaintext
 
 

@@ -58,6 +58,7 @@ def envelope_exception_handler(exc, context):
             param = None
     elif isinstance(data, dict) and "detail" in data:
         message = str(data["detail"])
+        param = getattr(exc, "param", None)
     else:
         message = str(data)
     code = getattr(exc, "default_code", None)
@@ -68,6 +69,16 @@ def envelope_exception_handler(exc, context):
     response.data = {"error": {"message": message, "type": _ERROR_TYPES.get(response.status_code, "api_error"),
                                "param": param, "code": code}}
     return response
+
+
+class KeyRuleDenied(exceptions.APIException):
+    """A ``tenancy.services.KeyRuleError`` as a DRF error: its status (400 or 403), message, ``param``, ``code``."""
+
+    def __init__(self, error):
+        self.status_code = error.status
+        self.param = error.param
+        super().__init__(detail=str(error), code=error.code or ("permission_denied" if error.status == 403
+                                                                else "invalid"))
 
 
 class TenantPrincipal:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from django.core.validators import RegexValidator
 from django.utils import timezone
 from rest_framework import serializers
 
 from tenancy.models import BUDGET_PERIOD_CHOICES, ApiKey
-from tenancy.services import SCOPES_TENANT
+from tenancy.services import API_KEY_NAME_MAX_LEN, API_KEY_NAME_RE, API_KEY_NAME_RULE, SCOPES_TENANT
 
 
 class ApiKeySerializer(serializers.ModelSerializer):
@@ -43,7 +44,9 @@ class ApiKeyCreatedSerializer(ApiKeySerializer):
 class ApiKeyWriteSerializer(serializers.Serializer):
     """Fields a tenant may set on create (``name`` required) or change on PATCH."""
 
-    name = serializers.CharField(max_length=128)
+    name = serializers.CharField(max_length=API_KEY_NAME_MAX_LEN, trim_whitespace=False, help_text=API_KEY_NAME_RULE,
+                                 validators=[RegexValidator(API_KEY_NAME_RE, message=f"must be {API_KEY_NAME_RULE}"),
+                                             RegexValidator(r"\S", message=f"must be {API_KEY_NAME_RULE}")])
     scopes = serializers.ListField(child=serializers.ChoiceField(choices=SCOPES_TENANT), required=False,
                                    allow_empty=False, help_text="default ['inference']; operator scopes refused")
     allowed_models = serializers.ListField(child=serializers.CharField(max_length=128), required=False,

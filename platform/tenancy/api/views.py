@@ -10,6 +10,8 @@
 =========================================  ==========================================================
 
 Every change is in force in every api process within 1 s (``gateway.auth`` caches for at most 1 s).
+The rules on who may change which key live in ``tenancy.services`` (``KeyActor``): a key never creates, changes
+or rotates a key wider than itself, never changes or rotates itself, never touches operator-scoped keys.
 """
 
 from __future__ import annotations
@@ -19,9 +21,16 @@ from rest_framework import exceptions
 from rest_framework.response import Response
 
 from tenancy.models import ApiKey
-from tenancy.services import api_key_create, api_key_revoke, api_key_rotate, api_key_update
+from tenancy.services import (
+    KeyActor,
+    KeyRuleError,
+    api_key_create,
+    api_key_revoke,
+    api_key_rotate,
+    api_key_update,
+)
 
-from .base import TenantAPIView, api_doc, created
+from .base import KeyRuleDenied, TenantAPIView, api_doc, created
 from .serializers import ApiKeyCreatedSerializer, ApiKeySerializer, ApiKeyWriteSerializer, RotateSerializer
 
 
@@ -31,10 +40,31 @@ def _created_payload(api_key: ApiKey, plaintext: str) -> dict:
     return data
 
 
-class KeyListView(TenantAPIView):
-    """List or create the tenant's API keys."""
+class KeyAPIView(TenantAPIView):
+    """Base of the key views: the caller as a ``KeyActor``; service rule errors answered in the envelope."""
 
     required_scope = "keys:write"
+
+    def actor(self) -> KeyActor:
+        """The tenant-side actor: the acting key as stored now (not the authenticated snapshot), or the owner."""
+        principal = self.principal
+        key = None
+        if principal.key_id is not None:
+            key = ApiKey.objects.filter(pk=principal.key_id, tenant=principal.tenant).first()
+            if key is None:
+                raise exceptions.AuthenticationFailed("Invalid API key.")
+        return KeyActor(tenant_id=principal.tenant.pk, key=key)
+
+    def handle_exception(self, exc):
+        if isinstance(exc, KeyRuleError):
+            exc = KeyRuleDenied(exc)
+        elif isinstance(exc, ValueError):
+            exc = exceptions.ValidationError({"non_field_errors": [str(exc)]})
+        return super().handle_exception(exc)
+
+
+class KeyListView(KeyAPIView):
+    """List or create the tenant's API keys."""
 
     @api_doc(responses=ApiKeySerializer(many=True), summary="List the tenant's API keys")
     def get(self, request):
@@ -50,14 +80,12 @@ class KeyListView(TenantAPIView):
         limits = {k: data.pop(k) for k in list(data) if k not in ("name", "scopes", "allowed_models", "expires_at")}
         api_key, plaintext = api_key_create(tenant=self.principal.tenant, name=data["name"],
                                             scopes=data.get("scopes"), allowed_models=data.get("allowed_models"),
-                                            expires_at=data.get("expires_at"), limits=limits)
+                                            expires_at=data.get("expires_at"), limits=limits, actor=self.actor())
         return created(_created_payload(api_key, plaintext))
 
 
-class KeyDetailView(TenantAPIView):
+class KeyDetailView(KeyAPIView):
     """One of the tenant's keys (another tenant's key id answers 404)."""
-
-    required_scope = "keys:write"
 
     def _key(self, pk: int) -> ApiKey:
         return get_object_or_404(ApiKey.objects.select_related("tenant"), pk=pk, tenant=self.principal.tenant)
@@ -73,12 +101,12 @@ class KeyDetailView(TenantAPIView):
             raise exceptions.ValidationError({"non_field_errors": ["a revoked key cannot be changed"]})
         ser = ApiKeyWriteSerializer(data=request.data, partial=True)
         ser.is_valid(raise_exception=True)
-        api_key_update(api_key=api_key, **ser.validated_data)
+        api_key_update(api_key=api_key, actor=self.actor(), **ser.validated_data)
         return Response(ApiKeySerializer(api_key).data)
 
     @api_doc(request=None, responses=ApiKeySerializer, summary="Revoke an API key")
     def delete(self, request, pk: int):
-        return Response(ApiKeySerializer(api_key_revoke(api_key=self._key(pk))).data)
+        return Response(ApiKeySerializer(api_key_revoke(api_key=self._key(pk), actor=self.actor())).data)
 
 
 class KeyRevokeView(KeyDetailView):
@@ -88,7 +116,7 @@ class KeyRevokeView(KeyDetailView):
 
     @api_doc(request=None, responses=ApiKeySerializer, summary="Revoke an API key")
     def post(self, request, pk: int):
-        return Response(ApiKeySerializer(api_key_revoke(api_key=self._key(pk))).data)
+        return Response(ApiKeySerializer(api_key_revoke(api_key=self._key(pk), actor=self.actor())).data)
 
 
 class KeyRotateView(KeyDetailView):
@@ -101,8 +129,6 @@ class KeyRotateView(KeyDetailView):
     def post(self, request, pk: int):
         ser = RotateSerializer(data=request.data)
         ser.is_valid(raise_exception=True)
-        try:
-            new, plaintext = api_key_rotate(api_key=self._key(pk), grace_s=ser.validated_data["grace_period_s"])
-        except ValueError as exc:
-            raise exceptions.ValidationError({"non_field_errors": [str(exc)]}) from exc
+        new, plaintext = api_key_rotate(api_key=self._key(pk), grace_s=ser.validated_data["grace_period_s"],
+                                        actor=self.actor())
         return created(_created_payload(new, plaintext))

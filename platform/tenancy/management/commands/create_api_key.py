@@ -8,7 +8,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils.dateparse import parse_datetime
 from django.utils import timezone
 
-from tenancy.services import api_key_create, tenant_get_or_create
+from tenancy.services import KeyRuleError, api_key_create, api_key_name_validate, tenant_get_or_create
 
 
 def _csv(value: str | None) -> list[str] | None:
@@ -35,6 +35,10 @@ class Command(BaseCommand):
                 raise CommandError(f"--expires-at: not an ISO-8601 datetime: {options['expires_at']}")
             if timezone.is_naive(expires_at):
                 expires_at = timezone.make_aware(expires_at, dt.timezone.utc)
+        try:
+            api_key_name_validate(options["name"])  # before the tenant is created
+        except KeyRuleError as exc:
+            raise CommandError(str(exc)) from exc
         tenant = tenant_get_or_create(name=options["tenant"])
         try:
             api_key, plaintext = api_key_create(
@@ -44,7 +48,7 @@ class Command(BaseCommand):
                 scopes=_csv(options["scopes"]),
                 expires_at=expires_at,
             )
-        except ValueError as exc:
+        except (ValueError, KeyRuleError) as exc:
             raise CommandError(str(exc)) from exc
         self.stderr.write(
             f"created key {api_key.prefix} for tenant {tenant.name!r}: scopes={api_key.scopes} "

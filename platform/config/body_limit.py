@@ -1,0 +1,60 @@
+"""ASGI middleware capping request bodies on Django's routes (``settings.DJANGO_MAX_BODY_BYTES``).
+
+Django's ``ASGIHandler`` reads a whole request body before the view runs, spooling what exceeds
+``FILE_UPLOAD_MAX_MEMORY_SIZE`` to a temporary file, whatever its size. This middleware, in front of it,
+answers 413 in the OpenAI error envelope without reading a body whose ``Content-Length`` is over the cap, and
+stops reading a body without one (chunked) as soon as it passes the cap; bodies within it are read into
+memory and handed to Django unchanged.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+class BodyLimitMiddleware:
+    """Wrap an ASGI app: HTTP bodies over ``max_bytes`` get 413 (``request_too_large``) before the app runs."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def _refuse(self, send) -> None:
+        body = orjson.dumps({"error": {"message": f"Request body larger than {self.max_bytes} bytes.",
+                                       "type": "invalid_request_error", "param": None,
+                                       "code": "request_too_large"}})
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = self.max_bytes + 1
+                if declared > self.max_bytes:
+                    return await self._refuse(send)
+        messages = []
+        size = 0
+        while True:  # bounded: ends at the body's end, a disconnect, or past max_bytes
+            message = await receive()
+            if message["type"] != "http.request":
+                messages.append(message)  # http.disconnect: let the app see it
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return await self._refuse(send)
+            messages.append(message)
+            if not message.get("more_body", False):
+                break
+
+        async def replay():
+            if messages:
+                return messages.pop(0)
+            return await receive()
+
+        return await self.app(scope, replay, send)
