@@ -88,6 +88,7 @@ def _dashboard_checks(page) -> None:
         assert any(name in text for text in cells), cells
     # the page's scripts work under the policy: the WebSocket (connect-src 'self') goes live
     page.wait_for_function("document.getElementById('usage-live').textContent === 'live'", timeout=15_000)
+    assert page.eval_on_selector("#usage-dash", "d => getComputedStyle(d).maxWidth") == "1200px"  # dashboard.css
     assert page.csp_violations == []
 
 
@@ -151,3 +152,11 @@ def test_every_django_page_has_the_policy(site):
         for path in ("/accounts/login/", "/admin/login/", "/api/v1/docs", "/admin/usage-data", "/nope"):
             r = http.get(path)
             assert "script-src 'self'" in r.headers.get("content-security-policy", ""), (path, r.headers)
+
+
+def test_login_page_works_under_the_policy(site, operator):
+    response = _open(operator, site.base_url + "/accounts/login/")
+    assert response.status == 200
+    _assert_csp(response)
+    assert operator.eval_on_selector("body", "b => getComputedStyle(b).maxWidth") != "none"  # page.css applied
+    assert operator.csp_violations == []
