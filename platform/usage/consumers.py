@@ -120,6 +120,8 @@ class UsageLiveConsumer(AsyncJsonWebsocketConsumer):
         tenant_id, key_id = resolved
         data = await sync_to_async(dashboard_payload, thread_sensitive=False)(
             range_name=view["range"], tenant_id=tenant_id, api_key_id=key_id)
+        if self.refused:  # refused by a push that overtook this one
+            return
         self.last_sent = time.monotonic()
         await self.send_json(data)
 

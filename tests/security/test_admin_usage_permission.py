@@ -3,8 +3,8 @@
 
 The WebSocket tests drive ``usage.routing.websocket_application`` (session auth, origin check, the consumer)
 through asgiref's ``ApplicationCommunicator`` (channels' ``WebsocketCommunicator`` is the same thing, but
-``channels.testing`` imports daphne, which is not installed) and a real Redis channel layer (``REDIS_URL`` or db 4 of the local
-Redis, under a random prefix); the pushes read a real (transactional) test database.
+``channels.testing`` imports daphne, which is not installed) and a real Redis channel layer (``REDIS_URL``
+or db 4 of the local Redis, under a random prefix); the pushes read a real (transactional) test database.
 """
 
 from __future__ import annotations

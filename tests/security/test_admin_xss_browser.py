@@ -78,7 +78,7 @@ def _assert_no_script_ran(page) -> None:
 
 def _dashboard_checks(page) -> None:
     _assert_no_script_ran(page)
-    page.wait_for_function("window.usageDashboard && window.usageDashboard.data")
+    page.wait_for_function("() => window.usageDashboard && window.usageDashboard.data")
     _assert_no_script_ran(page)
     options = page.locator("#usage-key option").all_inner_texts()
     for name in HOSTILE_KEY_NAMES:  # the names are shown, as text, in the key menu and the per-key table
@@ -87,7 +87,7 @@ def _dashboard_checks(page) -> None:
     for name in HOSTILE_KEY_NAMES:
         assert any(name in text for text in cells), cells
     # the page's scripts work under the policy: the WebSocket (connect-src 'self') goes live
-    page.wait_for_function("document.getElementById('usage-live').textContent === 'live'", timeout=15_000)
+    page.wait_for_function("() => document.getElementById('usage-live').textContent === 'live'", timeout=15_000)
     assert page.eval_on_selector("#usage-dash", "d => getComputedStyle(d).maxWidth") == "1200px"  # dashboard.css
     assert page.csp_violations == []
 
@@ -160,3 +160,19 @@ def test_login_page_works_under_the_policy(site, operator):
     _assert_csp(response)
     assert operator.eval_on_selector("body", "b => getComputedStyle(b).maxWidth") != "none"  # page.css applied
     assert operator.csp_violations == []
+
+
+def test_open_operator_dashboard_stops_when_the_staff_flag_goes(site, operator):
+    """Last in this module (it takes the operator's staff flag away, then gives it back)."""
+    _open(operator, site.base_url + "/admin/usage/usagerollup/")
+    operator.wait_for_function("() => document.getElementById('usage-live').textContent === 'live'", timeout=15_000)
+    updates = operator.evaluate("window.usageDashboard.updates")
+    flag = "from django.contrib.auth import get_user_model; get_user_model().objects.filter(username='op')"
+    site.manage("shell", "-c", f"{flag}.update(is_staff=False)")
+    try:
+        # the consumer's fallback push (every 10 s) re-reads the user: error, close 4403, no reconnect loop
+        operator.wait_for_function("() => document.getElementById('usage-live').textContent === 'not allowed'",
+                                   timeout=40_000)
+        assert operator.evaluate("window.usageDashboard.updates") <= updates + 1
+    finally:
+        site.manage("shell", "-c", f"{flag}.update(is_staff=True)")
