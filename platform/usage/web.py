@@ -3,12 +3,12 @@
 - ``/usage/`` tenant page: login required; shows only the keys of the tenant the user owns.
 - ``/admin/usage/rollup/`` (the admin's "Usage dashboard"): across all tenants, for active staff users holding
   ``usage.view_usagerollup`` (superusers do; ``can_view_all_tenants``); its JSON at ``/admin/usage-data``.
-
-Query parameters of the dashboards: ``range`` (``hour``/``day``/``30d``), ``api_key_id`` and ``tenant`` (positive
-64-bit integers), ``model``. Any other value answers 400 in the OpenAI error envelope naming the parameter.
 - ``/api/v1/docs`` Swagger UI and ``/api/v1/redoc`` ReDoc, from drf-spectacular-sidecar's files (no CDN).
 - ``/static/<path>``: app static files (admin, Chart.js, dashboard JS) and the sidecar's, so the
   platform works offline under plain uvicorn (no separate web server, any ``DEBUG``).
+
+Query parameters of the dashboards: ``range`` (``hour``/``day``/``30d``), ``api_key_id`` and ``tenant`` (positive
+64-bit integers), ``model``. Any other value answers 400 in the OpenAI error envelope naming the parameter.
 """
 
 from __future__ import annotations
