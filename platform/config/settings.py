@@ -363,3 +363,28 @@ LOGGING = {
         "django.db.backends": {"level": "INFO"},
     },
 }
+
+# --- Content-Security-Policy (django-csp) on every response Django serves: admin, dashboards, API docs ------
+# No page needs an inline script (JSON goes into pages through json_script; scripts are static files) and
+# nothing loads from another origin. connect-src 'self' covers the same-origin ws:/wss: of /ws/usage/ (CSP
+# Level 3). No inline style either (CSS files only), except on the API docs pages, whose bundles inject <style>
+# (usage.web.api_docs adds 'unsafe-inline' styles there, and ReDoc's blob: search worker). X-Frame-Options, nosniff and
+# Referrer-Policy still come from Django's middleware. Placed right after SecurityMiddleware so responses made
+# by later middleware (CSRF failures, redirects) carry the header too.
+MIDDLEWARE.insert(MIDDLEWARE.index("django.middleware.security.SecurityMiddleware") + 1,
+                  "csp.middleware.CSPMiddleware")
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": ["'self'"],
+        "script-src": ["'self'"],
+        "style-src": ["'self'"],
+        "img-src": ["'self'", "data:"],
+        "font-src": ["'self'", "data:"],
+        "connect-src": ["'self'"],
+        "worker-src": ["'self'"],
+        "object-src": ["'none'"],
+        "base-uri": ["'self'"],
+        "form-action": ["'self'"],
+        "frame-ancestors": ["'none'"],
+    },
+}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.contrib import admin
+from django.core.exceptions import PermissionDenied
 from django.template.response import TemplateResponse
 
 from .models import UsageRecord, UsageRollup
@@ -35,14 +36,22 @@ class UsageDashboardAdmin(admin.ModelAdmin):
     """"Usage dashboard" in the admin index: charts over the rollups of every tenant, live over WebSocket."""
 
     def changelist_view(self, request, extra_context=None):
-        from .web import operator_dashboard_context
+        from .web import BadParam, bad_param_response, can_view_all_tenants, operator_dashboard_context
 
-        context = {**self.admin_site.each_context(request), **operator_dashboard_context(request),
-                   "opts": self.model._meta}
+        if not can_view_all_tenants(request.user):
+            raise PermissionDenied
+        try:
+            dashboard = operator_dashboard_context(request)
+        except BadParam as exc:
+            return bad_param_response(exc)
+        context = {**self.admin_site.each_context(request), **dashboard, "opts": self.model._meta}
         return TemplateResponse(request, "admin/usage/dashboard.html", context)
 
     def has_view_permission(self, request, obj=None):
-        return request.user.is_active and request.user.is_staff
+        """All-tenant usage: ``usage.view_usagerollup`` (not merely staff); see ``usage.web.can_view_all_tenants``."""
+        from .web import can_view_all_tenants
+
+        return can_view_all_tenants(request.user)
 
     def has_add_permission(self, request):
         return False

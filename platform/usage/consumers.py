@@ -1,7 +1,11 @@
 """WebSocket ``/ws/usage/``: pushes dashboard figures on connect and whenever new rollups exist.
 
-Auth: the Django session (``AuthMiddlewareStack``). A staff user may ask for ``"operator": true`` (all
-tenants); anyone else gets only the tenant they own. Client → server JSON: ``{"range": "hour"|"day"|"30d",
+Auth: the Django session (``AuthMiddlewareStack``). A user for whom ``usage.web.can_view_all_tenants`` holds
+(active staff with ``usage.view_usagerollup``) may ask for ``"operator": true`` (all tenants); anyone else gets
+only the tenant they own. The user is read afresh from the database (in a worker thread) before every push:
+one deactivated, or asking for all tenants after losing the staff flag or the permission, gets an error
+(``{"error": {"message", "type": "permission_error", "param": null, "code": "forbidden"}}``) and the socket
+is closed with code 4403. Client → server JSON: ``{"range": "hour"|"day"|"30d",
 "api_key_id": int|null, "operator": bool}`` (any time; answered at once). Server → client: the same
 payload as the page's JSON (``usage.web.dashboard_payload``), at most once per ``MIN_INTERVAL_S``
 after a ``usage.updated`` group message, and every ``REFRESH_S`` seconds as a fallback.
@@ -21,12 +25,26 @@ MIN_INTERVAL_S = 0.5
 REFRESH_S = 10.0
 
 
-def _resolve(user, want_operator: bool, key_id):
-    """``(tenant_id, key_id)`` this user may watch (``tenant_id`` None = all tenants), or None if nothing."""
+CLOSE_FORBIDDEN = 4403  # WebSocket close code: the user may no longer watch what it asked for
+_REFUSED = "refused"  # _resolve: send the error and close
+
+
+def _resolve(user_pk, want_operator: bool, key_id):
+    """``(tenant_id, key_id)`` the user ``user_pk`` (read now from the database) may watch (``tenant_id``
+    None = all tenants); False when it owns no such tenant/key; ``_REFUSED`` when the user is gone or
+    inactive, or asks for all tenants without ``usage.web.can_view_all_tenants``. Blocking: call it off the
+    event loop."""
+    from django.contrib.auth import get_user_model
+
     from tenancy.models import ApiKey, Tenant
 
-    if want_operator and user.is_staff:
-        return None, key_id
+    from .web import can_view_all_tenants
+
+    user = get_user_model().objects.filter(pk=user_pk).first()
+    if user is None or not user.is_active:
+        return _REFUSED
+    if want_operator:
+        return (None, key_id) if can_view_all_tenants(user) else _REFUSED
     tenant = Tenant.objects.filter(owner=user, is_active=True).order_by("pk").first()
     if tenant is None:
         return False
@@ -44,6 +62,7 @@ class UsageLiveConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=4401)
             return
         self.view = {"range": "hour", "api_key_id": None, "operator": False}
+        self.refused = False
         self.last_sent = 0.0
         self.pending: asyncio.Task | None = None
         await self.channel_layer.group_add(LIVE_GROUP, self.channel_name)
@@ -63,7 +82,7 @@ class UsageLiveConsumer(AsyncJsonWebsocketConsumer):
         rng = content.get("range", self.view["range"])
         key = content.get("api_key_id")
         self.view = {"range": rng if rng in ("hour", "day", "30d") else "hour",
-                     "api_key_id": key if isinstance(key, int) else None,
+                     "api_key_id": key if type(key) is int and 0 < key < 2**63 else None,
                      "operator": bool(content.get("operator"))}
         await self._push()
 
@@ -86,14 +105,35 @@ class UsageLiveConsumer(AsyncJsonWebsocketConsumer):
     async def _push(self):
         from .web import dashboard_payload
 
-        user = self.scope["user"]
+        if self.refused:
+            return
+        user_pk = self.scope["user"].pk
         view = dict(self.view)
-        resolved = await sync_to_async(_resolve, thread_sensitive=False)(user, view["operator"], view["api_key_id"])
+        resolved = await sync_to_async(_resolve, thread_sensitive=False)(user_pk, view["operator"],
+                                                                         view["api_key_id"])
+        if resolved is _REFUSED:
+            await self._refuse()
+            return
         if resolved is False:
             await self.send_json({"error": "forbidden"})
             return
         tenant_id, key_id = resolved
         data = await sync_to_async(dashboard_payload, thread_sensitive=False)(
             range_name=view["range"], tenant_id=tenant_id, api_key_id=key_id)
+        if self.refused:  # refused by a push that overtook this one
+            return
         self.last_sent = time.monotonic()
         await self.send_json(data)
+
+    async def _refuse(self):
+        """Send the permission error once, stop the timers and close with ``CLOSE_FORBIDDEN``."""
+        if self.refused:
+            return
+        self.refused = True
+        current = asyncio.current_task()
+        for task in (getattr(self, "ticker", None), getattr(self, "pending", None)):
+            if task is not None and task is not current:
+                task.cancel()
+        await self.send_json({"error": {"message": "This user may no longer watch this usage.",
+                                        "type": "permission_error", "param": None, "code": "forbidden"}})
+        await self.close(code=CLOSE_FORBIDDEN)

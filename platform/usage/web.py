@@ -1,21 +1,26 @@
 """Dashboard pages and their JSON, the offline API docs page, and static files served by the platform.
 
 - ``/usage/`` tenant page: login required; shows only the keys of the tenant the user owns.
-- ``/admin/usage/rollup/`` (the admin's "Usage dashboard"): staff, across all tenants; its JSON at
-  ``/admin/usage-data``.
+- ``/admin/usage/rollup/`` (the admin's "Usage dashboard"): across all tenants, for active staff users holding
+  ``usage.view_usagerollup`` (superusers do; ``can_view_all_tenants``); its JSON at ``/admin/usage-data``.
 - ``/api/v1/docs`` Swagger UI and ``/api/v1/redoc`` ReDoc, from drf-spectacular-sidecar's files (no CDN).
 - ``/static/<path>``: app static files (admin, Chart.js, dashboard JS) and the sidecar's, so the
   platform works offline under plain uvicorn (no separate web server, any ``DEBUG``).
+
+Query parameters of the dashboards: ``range`` (``hour``/``day``/``30d``), ``api_key_id`` and ``tenant`` (positive
+64-bit integers), ``model``. Any other value answers 400 in the OpenAI error envelope naming the parameter.
 """
 
 from __future__ import annotations
 
-import json
+from functools import wraps
 from pathlib import Path
 
+from csp.decorators import csp_update
 from django.contrib.admin.views.decorators import staff_member_required
 from django.contrib.auth.decorators import login_required
 from django.contrib.staticfiles import finders
+from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpResponseForbidden, JsonResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
@@ -46,11 +51,60 @@ def static_serve(request, path: str):
     raise Http404(path)
 
 
+OPERATOR_PERMISSION = "usage.view_usagerollup"
+_ID_MAX = 2**63 - 1  # BigAutoField
+
+
+class BadParam(ValueError):
+    """A dashboard query parameter that is not acceptable; ``param`` names it (answered 400)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def bad_param_response(exc: BadParam) -> JsonResponse:
+    """400 in the OpenAI error envelope for ``exc``."""
+    return JsonResponse({"error": {"message": f"{exc.param}: {exc}", "type": "invalid_request_error",
+                                   "param": exc.param, "code": "invalid_value"}}, status=400)
+
+
+def can_view_all_tenants(user) -> bool:
+    """Whether ``user`` may see every tenant's usage: active staff holding ``usage.view_usagerollup``
+    (an active superuser holds every permission). Pass a user fresh from the database to see changes of
+    its flags or permissions (``has_perm`` caches on the instance)."""
+    return bool(user is not None and user.is_authenticated and user.is_active and user.is_staff
+                and user.has_perm(OPERATOR_PERMISSION))
+
+
+def id_param(params, name: str) -> int | None:
+    """Query parameter ``name`` as a positive database id, or None when absent/empty.
+
+    Raises ``BadParam`` for anything but ASCII digits within 1..2**63-1 (``"²".isdigit()`` is true in
+    Python, and a 20-digit id overflows the database's integer).
+    """
+    raw = params.get(name) or ""
+    if not raw:
+        return None
+    if not (raw.isascii() and raw.isdigit()) or not 0 < int(raw) <= _ID_MAX:
+        raise BadParam(name, "must be a positive integer id")
+    return int(raw)
+
+
+def text_param(params, name: str, max_length: int = 256) -> str | None:
+    """Query parameter ``name`` as text (None when absent/empty); ``BadParam`` when longer than
+    ``max_length`` or holding a NUL (PostgreSQL refuses NUL in text)."""
+    raw = params.get(name) or None
+    if raw is not None and (len(raw) > max_length or "\x00" in raw):
+        raise BadParam(name, f"must be at most {max_length} characters without NUL")
+    return raw
+
+
 def _owned_tenant(request) -> Tenant | None:
     tenants = Tenant.objects.filter(owner=request.user, is_active=True).order_by("pk")
-    wanted = request.GET.get("tenant")
-    if wanted and wanted.isdigit():
-        tenants = tenants.filter(pk=int(wanted))
+    wanted = id_param(request.GET, "tenant")
+    if wanted is not None:
+        tenants = tenants.filter(pk=wanted)
     return tenants.first()
 
 
@@ -74,15 +128,28 @@ def _keys_of(tenant_id: int | None):
 
 
 def _params(request):
+    """``(range, api_key_id, model)`` of the dashboard query; ``BadParam`` on bad values."""
     range_name = request.GET.get("range") or "hour"
     if range_name not in RANGES:
-        raise Http404("unknown range")
-    key = request.GET.get("api_key_id") or ""
-    return range_name, int(key) if key.isdigit() else None, request.GET.get("model") or None
+        raise BadParam("range", f"must be one of {sorted(RANGES)}")
+    return range_name, id_param(request.GET, "api_key_id"), text_param(request.GET, "model")
+
+
+def _answers_bad_params(view):
+    """Decorator: a ``BadParam`` raised by ``view`` answers 400 in the error envelope."""
+    @wraps(view)
+    def wrapped(request, *args, **kwargs):
+        try:
+            return view(request, *args, **kwargs)
+        except BadParam as exc:
+            return bad_param_response(exc)
+
+    return wrapped
 
 
 @login_required
 @require_GET
+@_answers_bad_params
 def tenant_dashboard(request):
     """The tenant page: only the keys of the tenant the logged-in user owns."""
     tenant = _owned_tenant(request)
@@ -96,13 +163,13 @@ def tenant_dashboard(request):
     return render(request, "usage/dashboard.html", {
         "title": f"Usage — {tenant.name}", "operator": False, "tenant": tenant, "keys": keys,
         "range": range_name, "api_key_id": key_id, "ranges": list(RANGES),
-        "initial_json": json.dumps(data), "data_url": f"/usage/data?tenant={tenant.pk}",
-        "ws_path": "/ws/usage/", "data": data, "keys_json": json.dumps(keys),
+        "data_url": f"/usage/data?tenant={tenant.pk}", "ws_path": "/ws/usage/", "data": data,
     })
 
 
 @login_required
 @require_GET
+@_answers_bad_params
 def tenant_dashboard_data(request):
     """JSON of the tenant page (same figures as the page)."""
     tenant = _owned_tenant(request)
@@ -118,27 +185,51 @@ def tenant_dashboard_data(request):
 
 @staff_member_required
 @require_GET
+@_answers_bad_params
 def operator_dashboard_data(request):
-    """JSON of the operator page: every tenant, optionally one ``tenant`` or ``api_key_id``."""
+    """JSON of the operator page: every tenant, optionally one ``tenant`` or ``api_key_id``.
+
+    403 (error envelope) unless ``can_view_all_tenants(request.user)``."""
+    if not can_view_all_tenants(request.user):
+        return JsonResponse({"error": {"message": f"The all-tenant usage needs the '{OPERATOR_PERMISSION}' "
+                                                  "permission.", "type": "permission_error", "param": None,
+                                       "code": None}}, status=403)
     range_name, key_id, model = _params(request)
-    tenant = request.GET.get("tenant")
-    return JsonResponse(dashboard_payload(range_name=range_name, tenant_id=int(tenant) if tenant and tenant.isdigit()
-                                          else None, api_key_id=key_id, model=model))
+    tenant_id = id_param(request.GET, "tenant")
+    return JsonResponse(dashboard_payload(range_name=range_name, tenant_id=tenant_id, api_key_id=key_id,
+                                          model=model))
 
 
 def operator_dashboard_context(request) -> dict:
-    """Template context of the operator page (used by the admin's changelist view of ``UsageRollup``)."""
+    """Template context of the operator page (used by the admin's changelist view of ``UsageRollup``).
+
+    Raises ``PermissionDenied`` unless ``can_view_all_tenants(request.user)``, ``BadParam`` on bad query
+    parameters."""
+    if not can_view_all_tenants(request.user):
+        raise PermissionDenied(f"needs the '{OPERATOR_PERMISSION}' permission")
     range_name, key_id, model = _params(request)
     data = dashboard_payload(range_name=range_name, tenant_id=None, api_key_id=key_id, model=model)
     return {
         "title": "Usage dashboard (all tenants)", "operator": True, "keys": _keys_of(None), "range": range_name,
-        "api_key_id": key_id, "ranges": list(RANGES), "initial_json": json.dumps(data),
-        "data_url": "/admin/usage-data?", "ws_path": "/ws/usage/", "data": data,
-        "keys_json": json.dumps(_keys_of(None)),
+        "api_key_id": key_id, "ranges": list(RANGES), "data_url": "/admin/usage-data?", "ws_path": "/ws/usage/",
+        "data": data,
     }
 
 
 @login_required
 def api_docs(request, kind: str = "swagger"):
     """Swagger UI (``kind="swagger"``) or ReDoc page for ``/api/v1/schema``, with locally served assets."""
-    return render(request, f"api/{kind}.html", {"schema_url": "/api/v1/schema"})
+    return (_redoc_page if kind == "redoc" else _swagger_page)(request)
+
+
+# The API docs pages' bundles inject <style> elements (ReDoc: styled-components): inline style is allowed
+# there only. Scripts stay 'self'.
+@csp_update({"style-src": ["'unsafe-inline'"]})
+def _swagger_page(request):
+    return render(request, "api/swagger.html", {"schema_url": "/api/v1/schema"})
+
+
+@csp_update({"style-src": ["'unsafe-inline'"], "worker-src": ["blob:"]})
+def _redoc_page(request):
+    """ReDoc also runs its search index in a worker it makes from a ``blob:`` URL of its own script."""
+    return render(request, "api/redoc.html", {"schema_url": "/api/v1/schema"})

@@ -1,7 +1,9 @@
 """Live: revocation in force in two api processes within 1 s; dashboards in headless Chromium.
 
 Real processes (tests/live_platform.py): Redis, Celery worker + beat (usage flush + rollups), engine, uvicorn.
-The browser is Debian's ``chromium`` driven by Playwright (never ``playwright install``).
+The browser is Debian's ``chromium`` driven by Playwright (never ``playwright install``). Predicates given to
+``wait_for_function`` are functions (``"() => ..."``): a bare expression is re-evaluated with ``eval`` while
+polling, which the pages' Content-Security-Policy (no 'unsafe-eval') refuses.
 """
 
 from __future__ import annotations
@@ -167,7 +169,7 @@ def test_dashboards_in_chromium_match_the_database_and_update_live(live, dash, m
             page.fill("input[name=password]", "pw-owner-123")
             page.click("#login-submit")
             page.wait_for_url("**/usage/**")
-            page.wait_for_function("window.usageDashboard && window.usageDashboard.data")
+            page.wait_for_function("() => window.usageDashboard && window.usageDashboard.data")
             figs = {f: page.inner_text(f"#fig-{f}") for f in ("requests", "prompt_tokens", "completion_tokens",
                                                              "status_429", "status_503")}
             assert figs == {"requests": str(db["n"]), "prompt_tokens": str(db["p"]),
@@ -177,9 +179,10 @@ def test_dashboards_in_chromium_match_the_database_and_update_live(live, dash, m
             assert page.locator("#usage-keys tbody tr").count() == 1  # only this tenant's key
             assert float(page.inner_text("#fig-ttft_p50_ms")) > 0
             # the WebSocket is connected, and new traffic reaches the page without a reload
-            page.wait_for_function("document.getElementById('usage-live').textContent === 'live'", timeout=15_000)
+            page.wait_for_function("() => document.getElementById('usage-live').textContent === 'live'",
+                                   timeout=15_000)
             assert _chat(base, dash["key"], model_name, 3) == [200] * 3
-            page.wait_for_function("window.usageDashboard.updates > 0 && "
+            page.wait_for_function("() => window.usageDashboard.updates > 0 && "
                                    "window.usageDashboard.data.totals.requests === 10", timeout=30_000)
             db = _db_totals(live, dash["tenant_id"])
             assert page.inner_text("#fig-requests") == str(db["n"]) == "10"
@@ -197,7 +200,7 @@ def test_dashboards_in_chromium_match_the_database_and_update_live(live, dash, m
             op.fill("input[name=password]", "pw-op-123")
             op.click("input[type=submit]")
             op.wait_for_url("**/admin/usage/usagerollup/**")
-            op.wait_for_function("window.usageDashboard && window.usageDashboard.data")
+            op.wait_for_function("() => window.usageDashboard && window.usageDashboard.data")
             everyone = _db_totals(live, None)
             assert op.inner_text("#fig-requests") == str(everyone["n"])
             assert op.inner_text("#fig-prompt_tokens") == str(everyone["p"])

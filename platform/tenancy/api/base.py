@@ -105,7 +105,7 @@ def tenant_principal(request) -> TenantPrincipal:
     tenants = Tenant.objects.filter(owner=user, is_active=True).order_by("pk")
     wanted = request.query_params.get("tenant")
     if wanted:
-        if not wanted.isdigit():
+        if not (wanted.isascii() and wanted.isdigit()):
             raise exceptions.ValidationError({"tenant": "must be an integer id"})
         tenants = tenants.filter(pk=int(wanted))
     tenant = tenants.first()

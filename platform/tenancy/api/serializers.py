@@ -52,10 +52,13 @@ class ApiKeyWriteSerializer(serializers.Serializer):
     allowed_models = serializers.ListField(child=serializers.CharField(max_length=128), required=False,
                                            help_text="served model names; empty = every model")
     expires_at = serializers.DateTimeField(required=False, allow_null=True)
-    rpm_limit = serializers.IntegerField(required=False, allow_null=True, min_value=1)
-    tpm_limit = serializers.IntegerField(required=False, allow_null=True, min_value=1)
-    max_concurrent_requests = serializers.IntegerField(required=False, allow_null=True, min_value=1)
-    token_budget = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    # max_value: the columns' range on every database (PositiveIntegerField is a 32-bit integer on PostgreSQL);
+    # a larger value answers 400 instead of failing in the database (500).
+    rpm_limit = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=2**31 - 1)
+    tpm_limit = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=2**31 - 1)
+    max_concurrent_requests = serializers.IntegerField(required=False, allow_null=True, min_value=1,
+                                                       max_value=2**31 - 1)
+    token_budget = serializers.IntegerField(required=False, allow_null=True, min_value=1, max_value=2**63 - 1)
     budget_period = serializers.ChoiceField(choices=[c for c, _ in BUDGET_PERIOD_CHOICES], required=False)
 
 

@@ -45,9 +45,18 @@ _SERIES = inline_serializer("UsageSeries", {
 
 
 def _when(value: str, name: str):
-    parsed = parse_datetime(value)
+    """``value`` as an aware datetime (UTC when it has no offset); 400 naming ``name`` when it is not an
+    ISO-8601 datetime, names an impossible date or time (``2026-13-45T99:00``: ``parse_datetime`` raises
+    ``ValueError``), or lies outside years 1000-9998 (keeps the bucket arithmetic clear of ``datetime``'s
+    limits)."""
+    try:
+        parsed = parse_datetime(value)
+    except ValueError as exc:
+        raise exceptions.ValidationError({name: f"not a valid ISO-8601 datetime ({exc})"}) from exc
     if parsed is None:
         raise exceptions.ValidationError({name: "not an ISO-8601 datetime"})
+    if not 1000 <= parsed.year <= 9998:
+        raise exceptions.ValidationError({name: "year must be within 1000-9998"})
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt_timezone.utc)
 
 
@@ -67,7 +76,10 @@ def series_params(params) -> dict:
     group_by = params.get("group_by") or None
     if group_by not in (None, "key", "model"):
         raise exceptions.ValidationError({"group_by": "must be key or model"})
-    return {"granularity": granularity, "start": start, "end": end, "served_model_name": params.get("model") or None,
+    model = params.get("model") or None
+    if model is not None and (len(model) > 256 or "\x00" in model):
+        raise exceptions.ValidationError({"model": "must be at most 256 characters without NUL"})
+    return {"granularity": granularity, "start": start, "end": end, "served_model_name": model,
             "group_by": group_by}
 
 
@@ -93,7 +105,9 @@ class UsageView(TenantAPIView):
         key_ids = None
         raw_key = request.query_params.get("api_key_id")
         if raw_key:
-            if not raw_key.isdigit() or not ApiKey.objects.filter(pk=int(raw_key), tenant=tenant).exists():
+            if not (raw_key.isascii() and raw_key.isdigit() and 0 < int(raw_key) < 2**63):
+                raise exceptions.ValidationError({"api_key_id": "must be a positive integer id"})
+            if not ApiKey.objects.filter(pk=int(raw_key), tenant=tenant).exists():
                 raise exceptions.NotFound("No such API key for this tenant.")
             key_ids = [int(raw_key)]
         try:

@@ -98,7 +98,11 @@
       const msg = JSON.parse(ev.data);
       if (msg && msg.points) { window.usageDashboard.updates += 1; render(msg); }
     };
-    ws.onclose = () => { live.textContent = "offline"; live.classList.remove("on"); ws = null; setTimeout(connect, 3000); };
+    ws.onclose = (ev) => {
+      live.textContent = "offline"; live.classList.remove("on"); ws = null;
+      if (ev.code === 4401 || ev.code === 4403) { live.textContent = "not allowed"; return; }  // no retry loop
+      setTimeout(connect, 3000);
+    };
   }
 
   async function refetch() {

