@@ -353,6 +353,9 @@ _ITERATING_FILTERS = frozenset({
     "max", "list", "reverse", "dictsort", "batch", "slice", "items", "xmlattr", "urlencode",
 })
 
+# On a string (already within max_chars) these run at C speed: not charged per character.
+_C_SPEED_ON_STR = frozenset({"join", "list", "reverse"})
+
 _PRINTF_SPEC = re.compile(r"%(?:\((?P<key>[^)]*)\))?[#0\- +]*(?P<width>\*|\d+)?(?:\.(?P<prec>\*|\d+))?[hlL]?(?P<type>.)",
                           re.S)
 
@@ -408,7 +411,7 @@ def _guard_filter(name, f):
         budget = _BUDGET.get()
         if budget is not None:
             budget.spend()
-            if iterating:
+            if iterating and not (isinstance(value, str) and name in _C_SPEED_ON_STR):
                 value = budget.charge_items(value)
             if name == "join":
                 value, args, kwargs = _join_items(context, value, args, kwargs)
