@@ -19,25 +19,50 @@ What we add, for templates that are not well-behaved:
   template cannot reach or shadow.
 * A size cap on every intermediate string/list built by ``*``, ``+``, ``%``, ``~``, calls and
   filters (``max_chars``), and on the rendered output (checked chunk by chunk by the caller).
-* ``range`` is capped by Jinja's sandbox (``MAX_RANGE`` = 100000 items per call).
+  Wherever the size of a result can be known from the arguments it is checked BEFORE the result is
+  built (issue 14), so a refused template never allocates it: widths of ``center``, ``indent``,
+  ``wordwrap``, ``tojson(indent=...)``, ``batch(fill_with=...)``, printf-style ``%``/``format``
+  widths and precisions (``"%100000000s"``), ``str.format`` specs (``"{:>100000000}"``), the
+  ``ljust``/``rjust``/``center``/``zfill``/``expandtabs``/``join``/``replace``/``translate``
+  methods, ``join``/``replace`` results, and the text of any value turned into a string (output,
+  ``~``, ``%``, ``string``...: a list of 100,000 references to one 1 MB string is measured, not
+  printed; ``RenderBudget.text_size``).
+* Iterable filters (``join``, ``sort``, ``unique``, ``map``, ``select``/``reject``,
+  ``selectattr``/``rejectattr``, ``groupby``, ``sum``, ``min``/``max``, ``list``, ``reverse``,
+  ``dictsort``, ``batch``, ``slice``, ``items``, ``tojson``...) cost one unit per element they walk,
+  not one per call, and iterators they return cost one unit per element produced.
+* No compile-time evaluation: Jinja folds constant expressions at compile time, outside any budget
+  (``{{ ""|center(100000000) }}`` was built while compiling). The environment is created with
+  ``optimized=False`` (no optimizer pass), and every filter and ``finalize`` take the render
+  context (``pass_context``), which Jinja never calls at compile time (``nodes.Filter.as_const``
+  and ``CodeGenerator.visit_Output`` refuse them); only template text is still folded.
+* ``range`` is capped by Jinja's sandbox (``MAX_RANGE`` = 100000 items per call, ``OverflowError``
+  -> ``TemplateLimitError``); ``lipsum`` is refused past ``max_chars`` estimated characters.
 
 Budgets are per render, held in a ``ContextVar`` so one compiled template is shared by threads.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import math
+import re
+import types
+from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
 from contextvars import ContextVar
 from datetime import datetime
 from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.filters
 import jinja2.nodes
+import jinja2.utils
 import jinja2.visitor
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter
+from jinja2.utils import _PassArg
 
 from .errors import TemplateLimitError, TemplateSecurityError
 
@@ -67,6 +92,73 @@ class RenderBudget:
                 f"chat template built a value of {len(value)} items, over the limit of {self.max_chars}"
             )
         return value
+
+    def check_planned(self, n: int, what: str = "value") -> None:
+        """Refuse, before it is built, a ``what`` estimated at ``n`` characters/items (> ``max_chars``)."""
+        if n > self.max_chars:
+            raise TemplateLimitError(
+                f"chat template would build a {what} of about {n} characters/items, over the limit of {self.max_chars}"
+            )
+
+    def charge_items(self, value: Any) -> Any:
+        """One unit per element of ``value`` that a filter will walk: ``len(value)`` at once when it is sized,
+        else ``value`` wrapped in a generator paying per element produced. Returns what to pass on."""
+        if isinstance(value, (str, list, tuple, dict, set, frozenset, range, KeysView, ValuesView, ItemsView)):
+            self.spend(len(value))
+            return value
+        if isinstance(value, Iterator):
+            return self.charged(value)
+        return value
+
+    def charged(self, iterator):
+        """``iterator`` re-yielded at one unit per element."""
+        for item in iterator:
+            self.spend()
+            yield item
+
+    def text_size(self, value: Any, *, json_indent: int = 0, item_sep: int = 2) -> int:
+        """Estimated length of ``str(value)`` (``json_indent`` > 0: of ``json.dumps(value, indent=...)``), found
+        without building it: strings count their length (+2 quotes inside containers), numbers their digits,
+        containers their items plus ``item_sep`` per item (plus a newline and ``json_indent`` x depth when
+        indenting). One unit per container item walked; raises ``TemplateLimitError`` as soon as the estimate
+        passes ``max_chars`` (shared references are counted each time, as printing repeats them)."""
+        if isinstance(value, str):
+            self.check_planned(len(value), "string")
+            return len(value)
+        limit = self.max_chars
+        total = 0
+        stack = [(value, 0)]
+        while stack:
+            v, depth = stack.pop()
+            if isinstance(v, str):
+                total += len(v) + 2
+            elif isinstance(v, (bool, type(None))):
+                total += 5
+            elif isinstance(v, int):
+                total += v.bit_length() * 30103 // 100000 + 2
+            elif isinstance(v, float):
+                total += 24
+            elif isinstance(v, (Mapping, ItemsView)):
+                items = v.items() if isinstance(v, Mapping) else v
+                self.spend(len(items))
+                total += 2 + len(items) * (2 * item_sep + (1 + json_indent * (depth + 1) if json_indent else 0))
+                for k, x in items:
+                    stack.append((k, depth + 1))
+                    stack.append((x, depth + 1))
+            elif isinstance(v, (list, tuple, set, frozenset, KeysView, ValuesView)):
+                self.spend(len(v))
+                total += 2 + len(v) * (item_sep + (1 + json_indent * (depth + 1) if json_indent else 0))
+                stack.extend((x, depth + 1) for x in v)
+            elif isinstance(v, jinja2.utils.Namespace):
+                total += 14
+                stack.append((object.__getattribute__(v, "_Namespace__attrs"), depth))
+            elif isinstance(v, jinja2.Undefined):
+                pass
+            else:  # functions, loop objects, iterators, ...: a short repr
+                total += 80
+            if total > limit:
+                self.check_planned(total, "string")
+        return total
 
 
 _BUDGET: ContextVar[RenderBudget | None] = ContextVar("chat_template_budget", default=None)
@@ -141,18 +233,287 @@ class _TemplateNamespace(jinja2.utils.Namespace):
             )
 
 
-def _guard_filter(f):
-    @functools.wraps(f)  # copies jinja_pass_arg, so pass_context/pass_eval_context still work
-    def guarded(*args, **kwargs):
+# -- filter prechecks: same parameters as Jinja's filters (jinja2/filters.py); each raises
+# TemplateLimitError before the filter builds a result over budget.max_chars ---------------------------------
+def _width(budget, width, what):
+    if isinstance(width, int):
+        budget.check_planned(width, what)
+    elif isinstance(width, str):
+        budget.check_planned(len(width), what)
+
+
+def _pre_center(budget, value, width=80):
+    n = budget.text_size(value)
+    if isinstance(width, int):
+        budget.check_planned(max(n, width), "centered string")
+
+
+def _pre_indent(budget, s, width=4, first=False, blank=False):
+    n = budget.text_size(s)
+    lines = s.count("\n") + 1 if isinstance(s, str) else 1
+    pad = width if isinstance(width, int) else len(width) if isinstance(width, str) else 0
+    budget.check_planned(n + lines * max(pad, 0), "indented string")
+
+
+def _pre_wordwrap(budget, s, width=79, break_long_words=True, wrapstring=None, break_on_hyphens=True):
+    n = budget.text_size(s)
+    if isinstance(width, int) and width > 0:
+        lines = (s.count("\n") + 1 if isinstance(s, str) else 1) + 2 * n // width + 1
+        sep = len(wrapstring) if isinstance(wrapstring, str) else 1
+        budget.spend(min(lines, n + 1))
+        budget.check_planned(n + min(lines, n + 1) * sep, "wrapped string")
+
+
+def _pre_tojson(budget, x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    width = indent if isinstance(indent, int) else len(indent) if isinstance(indent, str) else 0
+    budget.check_planned(width, "JSON indentation")
+    sep = 2
+    if isinstance(separators, (list, tuple)):
+        sep = sum(len(p) for p in separators if isinstance(p, str))
+    budget.text_size(x, json_indent=max(width, 1) if indent is not None else 0, item_sep=sep)
+
+
+def _pre_replace(budget, s, old, new, count=None):
+    n = budget.text_size(s)
+    text = s if isinstance(s, str) else None
+    o = old if isinstance(old, str) else None
+    w = new if isinstance(new, str) else None
+    if text is None or o is None or w is None:
+        budget.check_planned(n + budget.text_size(new) * (n + 1), "replaced string")
+        return
+    hits = text.count(o) if o else len(text) + 1
+    if isinstance(count, int) and count >= 0:
+        hits = min(hits, count)
+    budget.check_planned(n + hits * (len(w) - len(o)), "replaced string")
+
+
+def _join_items(context, value, args, kwargs):
+    """``join``'s arguments with the items listed and, for ``join(d, attribute)``, looked up first (what
+    Jinja's ``do_join`` would join), so the precheck measures the very strings that get joined."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset, Mapping, KeysView,
+                                                         ValuesView, ItemsView, Iterator)):
+        return value, args, kwargs
+    args, kwargs = list(args), dict(kwargs)
+    attribute = kwargs.pop("attribute", None)
+    if len(args) > 1:
+        attribute = args.pop(1)
+    value = list(value)
+    if attribute is not None:
+        value = list(map(jinja2.filters.make_attrgetter(context.environment, attribute), value))
+    return value, tuple(args), kwargs
+
+
+def _pre_join(budget, value, d="", attribute=None):
+    # value already charged per element and listed by _join_items: the strings joined must fit max_chars.
+    if not isinstance(value, list):
+        return
+    total = max(len(value) - 1, 0) * budget.text_size(d)
+    budget.check_planned(total, "joined string")
+    for x in value:
+        total += budget.text_size(x)
+        budget.check_planned(total, "joined string")
+
+
+def _pre_batch(budget, value, linecount, fill_with=None):
+    if fill_with is not None and isinstance(linecount, int):
+        budget.check_planned(linecount, "batch")
+
+
+def _pre_format(budget, value, *args, **kwargs):
+    check_printf(budget, value, kwargs or args)
+
+
+def _pre_stringify(budget, value, *args, **kwargs):
+    budget.text_size(value)
+
+
+def _pre_pprint(budget, value, *args, **kwargs):
+    budget.check_planned(2 * budget.text_size(value), "pretty-printed string")
+
+
+_PRECHECKS = {
+    "center": _pre_center,
+    "indent": _pre_indent,
+    "wordwrap": _pre_wordwrap,
+    "tojson": _pre_tojson,
+    "replace": _pre_replace,
+    "join": _pre_join,
+    "batch": _pre_batch,
+    "format": _pre_format,
+    "pprint": _pre_pprint,
+}
+# Filters that turn their value into a string (soft_str/str): the text is measured first.
+for _name in ("capitalize", "e", "escape", "forceescape", "lower", "upper", "title", "trim", "striptags", "string",
+              "truncate", "urlize", "urlencode", "wordcount", "safe", "xmlattr", "filesizeformat", "int", "float"):
+    _PRECHECKS[_name] = _pre_stringify
+
+# Filters that walk their whole input: one unit per element (issue 14).
+_ITERATING_FILTERS = frozenset({
+    "join", "sort", "unique", "map", "select", "reject", "selectattr", "rejectattr", "groupby", "sum", "min",
+    "max", "list", "reverse", "dictsort", "batch", "slice", "items", "xmlattr", "urlencode",
+})
+
+# On a string (already within max_chars) these run at C speed: not charged per character.
+_C_SPEED_ON_STR = frozenset({"join", "list", "reverse"})
+
+_PRINTF_SPEC = re.compile(r"%(?:\((?P<key>[^)]*)\))?[#0\- +]*(?P<width>\*|\d+)?(?:\.(?P<prec>\*|\d+))?[hlL]?(?P<type>.)",
+                          re.S)
+
+
+def check_printf(budget: RenderBudget, fmt: Any, args: Any) -> None:
+    """Refuse ``fmt % args`` (printf-style, Python's ``%`` rules: a tuple is the argument list, a mapping
+    serves ``%(key)s``, anything else is the one argument) when its estimated length passes ``max_chars``:
+    the format's own text, each width and precision, and the text of each argument it converts."""
+    if not isinstance(fmt, str):
+        return
+    total = len(fmt)
+    budget.check_planned(total, "formatted string")
+    if isinstance(args, tuple):
+        positional = list(args)
+    elif isinstance(args, Mapping):
+        positional = [args]
+    else:
+        positional = [args]
+    index = 0
+    for m in _PRINTF_SPEC.finditer(fmt):
+        if m.group("type") == "%":
+            continue
+        for part in ("width", "prec"):
+            spec = m.group(part)
+            if spec == "*":
+                n = positional[index] if index < len(positional) else 0
+                index += 1
+            else:
+                n = int(spec) if spec else 0
+            if isinstance(n, int):
+                total += abs(n)
+                budget.check_planned(total, "formatted string")
+        key = m.group("key")
+        if key is not None and isinstance(args, Mapping):
+            value = args.get(key, "")
+        else:
+            value = positional[index] if index < len(positional) else ""
+            index += 1
+        total += budget.text_size(value)
+        budget.check_planned(total, "formatted string")
+
+
+def _guard_filter(name, f):
+    """``f`` (a Jinja filter) as a ``pass_context`` filter (never folded at compile time) that costs one unit
+    plus one per element it walks (``_ITERATING_FILTERS``), runs ``_PRECHECKS[name]`` before ``f`` and checks
+    the size of the result (an iterator result pays per element produced)."""
+    pass_arg = _PassArg.from_obj(f)
+    precheck = _PRECHECKS.get(name)
+    iterating = name in _ITERATING_FILTERS
+
+    @functools.wraps(f)
+    def guarded(context, value, *args, **kwargs):
         budget = _BUDGET.get()
         if budget is not None:
             budget.spend()
-        result = f(*args, **kwargs)
+            if iterating and not (isinstance(value, str) and name in _C_SPEED_ON_STR):
+                value = budget.charge_items(value)
+            if name == "join":
+                value, args, kwargs = _join_items(context, value, args, kwargs)
+            if precheck is not None:
+                precheck(budget, value, *args, **kwargs)
+        if pass_arg is _PassArg.context:
+            result = f(context, value, *args, **kwargs)
+        elif pass_arg is _PassArg.eval_context:
+            result = f(context.eval_ctx, value, *args, **kwargs)
+        elif pass_arg is _PassArg.environment:
+            result = f(context.environment, value, *args, **kwargs)
+        else:
+            result = f(value, *args, **kwargs)
         if budget is not None:
+            if isinstance(result, Iterator) and not isinstance(result, str):
+                return budget.charged(result)
             budget.check_size(result)
         return result
 
-    return guarded
+    return jinja2.pass_context(guarded)
+
+
+@jinja2.pass_context
+def _finalize(context, value):
+    """Every ``{{ ... }}`` value, before Jinja turns it into a string: its text is measured first."""
+    if not isinstance(value, str):
+        budget = _BUDGET.get()
+        if budget is not None:
+            budget.text_size(value)
+    return value
+
+
+class _BudgetedFormatter(SandboxedFormatter):
+    """Jinja's sandboxed ``str.format`` formatter, refusing a field (``{:>100000000}``, ``{:.100000000f}``)
+    or a running total over ``max_chars`` before it is built."""
+
+    def __init__(self, env, budget):
+        super().__init__(env)
+        self._budget = budget
+        self._total = 0
+
+    def convert_field(self, value, conversion):
+        if conversion is not None:
+            self._budget.check_planned(self._total + self._budget.text_size(value), "formatted string")
+        return super().convert_field(value, conversion)
+
+    def format_field(self, value, format_spec):
+        budget = self._budget
+        budget.spend()
+        widths = [int(d) for d in re.findall(r"\d+", format_spec or "")]
+        self._total += budget.text_size(value) + sum(widths)
+        budget.check_planned(self._total, "formatted string")
+        return super().format_field(value, format_spec)
+
+
+def _check_str_method(budget, method, args, kwargs):
+    """Precheck of a call to a ``str`` method (``args``/``kwargs`` as given); returns the args to call with."""
+    s, name = method.__self__, method.__name__
+    if name in ("ljust", "rjust", "center", "zfill"):
+        if args and isinstance(args[0], int):
+            budget.check_planned(max(len(s), args[0]), "padded string")
+    elif name == "expandtabs":
+        tab = args[0] if args else kwargs.get("tabsize", 8)
+        if isinstance(tab, int):
+            budget.check_planned(len(s) + s.count("\t") * max(tab, 0), "expanded string")
+    elif name == "join" and len(args) == 1 and not kwargs:
+        items = budget.charge_items(args[0])
+        items = list(items) if not isinstance(items, (list, tuple)) else items
+        total = max(len(items) - 1, 0) * len(s)
+        budget.check_planned(total, "joined string")
+        for x in items:
+            total += len(x) if isinstance(x, str) else 0
+            budget.check_planned(total, "joined string")
+        return (items,)
+    elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        hits = s.count(args[0]) if args[0] else len(s) + 1
+        count = args[2] if len(args) > 2 else kwargs.get("count", -1)
+        if isinstance(count, int) and count >= 0:
+            hits = min(hits, count)
+        budget.check_planned(len(s) + hits * (len(args[1]) - len(args[0])), "replaced string")
+    elif name == "translate" and args and isinstance(args[0], Mapping):
+        table = args[0]
+        total = 0
+        for ch, n in collections.Counter(s).items():
+            out = table.get(ord(ch), ch)
+            total += n * (len(out) if isinstance(out, str) else 1)
+            budget.check_planned(total, "translated string")
+    return args
+
+
+def _lipsum(n=5, html=True, min=20, max=100):  # noqa: A002 - Jinja's parameter names
+    budget = _BUDGET.get()
+    if budget is not None and isinstance(n, int) and isinstance(max, int):
+        budget.check_planned(n * max * 12, "lorem ipsum")
+    return jinja2.utils.generate_lorem_ipsum(n=n, html=html, min=min, max=max)
+
+
+def _strftime_now_budgeted(fmt):
+    budget = _BUDGET.get()
+    if budget is not None and isinstance(fmt, str):
+        budget.check_planned(len(fmt) + fmt.count("%") * 64, "date string")
+    return _strftime_now(fmt)
 
 
 _MAX_POW_BITS = 4096
@@ -168,11 +529,14 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
             trim_blocks=True,
             lstrip_blocks=True,
             extensions=[GenerationTag, jinja2.ext.loopcontrols],
+            optimized=False,  # no compile-time constant folding (module docstring)
+            finalize=_finalize,
         )
         self.filters["tojson"] = _tojson
-        self.filters = {name: _guard_filter(f) for name, f in self.filters.items()}
+        self.filters = {name: _guard_filter(name, f) for name, f in self.filters.items()}
         self.globals["raise_exception"] = _raise_exception
-        self.globals["strftime_now"] = _strftime_now
+        self.globals["strftime_now"] = _strftime_now_budgeted
+        self.globals["lipsum"] = _lipsum
         self.globals["dict"] = _TemplateDict()
         self.globals["namespace"] = _TemplateNamespace
 
@@ -187,22 +551,57 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
         budget = _BUDGET.get()
         if budget is not None:
             budget.spend()
+            if isinstance(__obj, types.BuiltinMethodType) and isinstance(getattr(__obj, "__self__", None), str):
+                args = _check_str_method(budget, __obj, args, kwargs)
         result = super().call(__context, __obj, *args, **kwargs)
         if budget is not None:
+            if isinstance(result, list):
+                budget.spend(len(result))
             budget.check_size(result)
         return result
+
+    def wrap_str_format(self, value):
+        """``str.format``/``format_map`` of a template string, with ``_BudgetedFormatter`` (Jinja's
+        ``SandboxedEnvironment.wrap_str_format`` otherwise)."""
+        budget = _BUDGET.get()
+        if (
+            budget is None
+            or not isinstance(value, (types.MethodType, types.BuiltinMethodType))
+            or value.__name__ not in ("format", "format_map")
+            or type(getattr(value, "__self__", None)) is not str
+        ):
+            return super().wrap_str_format(value)
+        fmt, is_format_map = value.__self__, value.__name__ == "format_map"
+        formatter = _BudgetedFormatter(self, budget)
+
+        def wrapper(*args, **kwargs):
+            if is_format_map:
+                if kwargs:
+                    raise TypeError("format_map() takes no keyword arguments")
+                if len(args) != 1:
+                    raise TypeError(f"format_map() takes exactly one argument ({len(args)} given)")
+                kwargs, args = args[0], ()
+            return formatter.vformat(fmt, args, kwargs)
+
+        return functools.update_wrapper(wrapper, value)
 
     def call_binop(self, context, op, left, right):
         budget = _BUDGET.get()
         if budget is not None:
             budget.spend()
             limit = budget.max_chars
-            if op == "*":
+            if op == "*" and isinstance(left, int) and isinstance(right, int):
+                if left.bit_length() + right.bit_length() > _MAX_POW_BITS:
+                    raise TemplateLimitError("chat template computed a number that is too large")
+            elif op == "*":
                 for seq, n in ((left, right), (right, left)):
                     if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * max(n, 0) > limit:
                         raise TemplateLimitError(
                             f"chat template built a value of {len(seq) * n} items, over the limit of {limit}"
                         )
+            elif op == "%":
+                if isinstance(left, str):
+                    check_printf(budget, left, right)
             elif op == "**":
                 if isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
                     if right * math.log2(abs(left)) > _MAX_POW_BITS:
@@ -229,11 +628,16 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
             yield item
 
     def concat_guard(self, *parts):
-        """``a ~ b ~ c`` (Jinja's str_join), with the size cap."""
-        result = "".join(map(str, parts))
+        """``a ~ b ~ c`` (Jinja's str_join), with the size cap (measured before the parts become strings)."""
         budget = _BUDGET.get()
         if budget is not None:
             budget.spend()
+            total = 0
+            for part in parts:
+                total += budget.text_size(part)
+                budget.check_planned(total, "concatenated string")
+        result = "".join(map(str, parts))
+        if budget is not None:
             budget.check_size(result)
         return result
 

@@ -44,6 +44,7 @@ def render_payload(model: dict, req: ChatCompletionRequest) -> dict:
         "tools": [t.model_dump(exclude_unset=True) for t in req.tools] if req.tools else None,
         "documents": req.documents,
         "chat_template": chat_template_for(model, req),
+        "client_chat_template": req.chat_template is not None,  # never rendered inline (gateway.render.runs_inline)
         "chat_template_kwargs": req.chat_template_kwargs or None,
         "add_special_tokens": bool(req.add_special_tokens),
     }

@@ -8,7 +8,10 @@ variable, read at call time):
   limits (the worker child is replaced).
 * ``inline``: the same task bodies (``inference.tasks.run_*``) on this process's thread pool via
   ``asyncio.to_thread``. No broker round trip; runaway templates are bounded by the sandbox's operation
-  and output budgets only (no process kill).
+  and output budgets only (no process kill). A client-supplied ``chat_template`` (a request's, allowed
+  only where the registry allows it; payload flag ``client_chat_template``) is never run here, whatever
+  the route: it always goes to the Celery workers, whose time limit kills a render stuck where the
+  sandbox's budgets do not reach (issue 14).
 
 Both routes run the very same function on the same payload, so they give the same bytes and token ids
 (tests/frontend/test_tokenize_routes.py checks it).
@@ -81,7 +84,13 @@ def runs_inline(task: str, payload: dict[str, Any]) -> bool:
     thousand tokens, tens of microseconds of tokenizer time; 0 turns it off). No untrusted code runs in that
     case, so nothing needs the worker's time limits; the broker round trip (two processes to wake, ~6 ms of the
     8 ms of a text ``/tokenize`` on the 2-core box, and the part that grows first when the box is busy with
-    image requests) is skipped. Chat templates always go to the workers."""
+    image requests) is skipped. Chat templates always go to the workers.
+
+    A payload with ``client_chat_template`` set (the request carried its own ``chat_template``) is never run
+    inline, on either route: untrusted template code runs only in a worker process under the task's time
+    limits."""
+    if is_client_template(task, payload):
+        return False
     if render_route() == "inline":
         return True
     limit = getattr(settings, "RENDER_INLINE_MAX_CHARS", None)
@@ -90,12 +99,22 @@ def runs_inline(task: str, payload: dict[str, Any]) -> bool:
     return task == "inference.tokenize_prompt" and isinstance(prompt, str) and len(prompt) <= limit
 
 
+def is_client_template(task: str, payload: dict[str, Any]) -> bool:
+    """True when ``payload`` of ``task`` renders a client-supplied chat template (``client_chat_template``,
+    set by ``gateway.chat.render_payload`` when the request had a ``chat_template``)."""
+    return task == "inference.render_chat" and bool(payload.get("client_chat_template"))
+
+
 async def call_inline(task: str, payload: dict[str, Any]) -> dict[str, Any]:
     """Run the body of Celery task ``task`` in-process on a worker thread; returns its result dict
-    (``{"ok": True, ...}`` or ``{"ok": False, "error": {...}}``, exactly what the task would return)."""
+    (``{"ok": True, ...}`` or ``{"ok": False, "error": {...}}``, exactly what the task would return).
+    Raises ``ValueError`` for a task without an inline body and for a client-supplied chat template
+    (those run only on the workers, see ``runs_inline``)."""
     fn = _INLINE.get(task)
     if fn is None:
         raise ValueError(f"no inline route for task {task!r}")
+    if is_client_template(task, payload):
+        raise ValueError("a client-supplied chat template is never rendered in the api process")
     return await asyncio.get_running_loop().run_in_executor(_inline_pool(), fn, payload)
 
 
