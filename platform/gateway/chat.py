@@ -46,6 +46,8 @@ def render_payload(model: dict, req: ChatCompletionRequest) -> dict:
         "chat_template": chat_template_for(model, req),
         "chat_template_kwargs": req.chat_template_kwargs or None,
         "add_special_tokens": bool(req.add_special_tokens),
+        # issue 14: control-token strings in request text stay text unless the operator opted this model out
+        "allow_control_tokens": bool(model.get("allow_control_tokens_in_content")),
     }
 
 
