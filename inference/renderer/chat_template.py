@@ -367,7 +367,8 @@ def render_template(
 
 
 def warm_up(tokenizer_dir: str, chat_template: str | None = None) -> None:
-    """Load ``tokenizer_dir``'s tokenizer and compile its chat template into this process's caches, so the
+    """Load ``tokenizer_dir``'s tokenizer (and its text-only copy, ``LoadedTokenizer.text_only_tokenizer``) and
+    compile its chat template into this process's caches, so the
     first request a worker serves does not pay for them inside its time limit. Errors are the caller's to
     log: ``TokenizerLoadError``, ``TemplateSyntaxError`` (a model without a chat template warms its tokenizer
     only)."""
@@ -378,6 +379,8 @@ def warm_up(tokenizer_dir: str, chat_template: str | None = None) -> None:
         return
     compile_template(source)
     detect_content_format(source)
+    if tok.control_regex is not None:  # the text-only copy a request with control strings needs (~1 s, ~17 MiB)
+        tok.text_only_tokenizer()
 
 
 def render_chat(
