@@ -213,8 +213,10 @@ def build_sampling_params(req, *, max_tokens: int, defaults: GenerationDefaults,
 def process_inputs(req, *, external_id: str, prompt_token_ids: list[int], prompt_param: str,
                    max_model_len: int, vocab_size: int, defaults: GenerationDefaults, client_id: str,
                    arrival_time: float | None = None, eos_token_ids: list[int] | None = None,
-                   logprobs: int | None = None) -> ProcessedInput:
+                   logprobs: int | None = None, cache_salt: str | None = None) -> ProcessedInput:
     """Turn a validated chat/completion request plus its prompt ids into ``n`` ``EngineCoreRequest``s.
+
+    ``cache_salt`` goes on every request (the prefix-cache salt, see ``EngineCoreRequest.cache_salt``).
 
     ``eos_token_ids`` (the tokenizer's EOS) is used when the model's generation config names none.
     Raises ``RequestValidationError`` (HTTP 400) for every length, vocabulary or parameter error.
@@ -244,5 +246,6 @@ def process_inputs(req, *, external_id: str, prompt_token_ids: list[int], prompt
             sampling_params=child,
             client_id=client_id,
             arrival_time=arrival,
+            cache_salt=cache_salt,
         ))
     return out

@@ -48,11 +48,13 @@ def mm_tasks_counter_key(prefix: str) -> str:
 
 def run_mm_preprocess(payload: dict) -> dict[str, Any]:
     """payload ``{"redis_url", "prefix", "model_dir", "items": [{"part", "url"}], "allowed_domains"?:
-    [str], "max_bytes"?: int}`` → result dict (module docstring). Never raises for client errors."""
+    [str], "max_bytes"?: int, "cache_salt"?: str}`` → result dict (module docstring). Never raises for client
+    errors."""
     try:
         _redis(payload["redis_url"]).incr(mm_tasks_counter_key(payload["prefix"]))
         items = preprocess_images(_redis(payload["redis_url"]), payload["prefix"], payload["model_dir"],
-                                  payload["items"], payload.get("allowed_domains"), payload.get("max_bytes"))
+                                  payload["items"], payload.get("allowed_domains"), payload.get("max_bytes"),
+                                  payload.get("cache_salt"))
         return {"ok": True, "items": items}
     except ImageError as exc:
         return {"ok": False, "error": exc.to_dict()}

@@ -50,6 +50,7 @@ _RENDER_ARGS = (
     "chat_template",
     "chat_template_kwargs",
     "add_special_tokens",
+    "allow_control_tokens",
 )
 
 
@@ -82,8 +83,10 @@ def run_render_chat(payload: dict) -> dict:
     payload: ``{"tokenizer_dir": str, "messages": list, "add_generation_prompt"?: bool,
     "continue_final_message"?: bool, "tools"?: list|None, "documents"?: list|None,
     "chat_template"?: str|None, "chat_template_kwargs"?: dict|None, "add_special_tokens"?: bool,
-    "client_chat_template"?: bool}`` (the last one is routing only: set when ``chat_template`` came from the
-    client, so the api never runs it in-process, ``gateway.render.runs_inline``; ignored here).
+    "client_chat_template"?: bool, "allow_control_tokens"?: bool}``. ``client_chat_template`` is routing only:
+    set when ``chat_template`` came from the client, so the api never runs it in-process
+    (``gateway.render.runs_inline``; ignored here). ``allow_control_tokens`` (default False): control-token
+    strings in request text stay text.
     Returns ``{"ok": True, "prompt_text": str, "prompt_token_ids": list[int]}`` or an error dict.
     """
     reset_template_seconds()

@@ -45,11 +45,15 @@ class ImageSpan:
     key: str
 
 
-def block_hashes(token_ids: list[int], spans: list[ImageSpan] = (), block_size: int = BLOCK_SIZE) -> list[bytes]:
+def block_hashes(token_ids: list[int], spans: list[ImageSpan] = (), block_size: int = BLOCK_SIZE,
+                 cache_salt: str | None = None) -> list[bytes]:
     """Chained hashes of the full blocks of ``token_ids``: entry ``i`` names tokens ``[0, (i+1)·block_size)``.
 
     Block ``i``'s hash covers the previous hash, its ``block_size`` ids (int64) and the keys of the images whose
     spans overlap the block, so equal hashes mean equal tokens and equal images up to that block's end.
+    A non-empty ``cache_salt`` is mixed into the first block's hash only (the chain carries it to every later
+    block), as vLLM does (``generate_block_hash_extra_keys`` in ``vllm/v1/core/kv_cache_utils.py``): prompts
+    with different salts never share a block (issue 14: tenant isolation).
     A trailing partial block has no hash (it is never reused).
     """
     ids = np.asarray(token_ids, dtype=np.int64)
@@ -59,6 +63,8 @@ def block_hashes(token_ids: list[int], spans: list[ImageSpan] = (), block_size: 
         lo, hi = i * block_size, (i + 1) * block_size
         h = hashlib.blake2b(prev, digest_size=16)
         h.update(ids[lo:hi].tobytes())
+        if i == 0 and cache_salt:
+            h.update(b"\x00salt:" + cache_salt.encode())
         for sp in spans:
             if sp.start < hi and sp.end > lo:
                 h.update(b"\x00img:" + sp.key.encode())

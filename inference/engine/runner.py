@@ -272,7 +272,7 @@ class ModelRunner:
         for s in seqs:
             ids = s.request.prompt_token_ids
             spans = self.image_spans(s)
-            s.block_hashes = block_hashes(ids, spans, self.prefix_cache.block_size)
+            s.block_hashes = block_hashes(ids, spans, self.prefix_cache.block_size, s.request.cache_salt)
             entry, n = self.prefix_cache.lookup(s.block_hashes)
             n = min(n, len(ids) - 1)
             s.prefix_entry, s.num_cached_tokens = (entry, n) if entry is not None and n > 0 else (None, 0)

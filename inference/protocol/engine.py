@@ -148,6 +148,10 @@ class EngineCoreRequest:
     # the pixels never cross the link.
     pooling: bool = False
     mm_cache_keys: list[str] = field(default_factory=list)
+    # ``cache_salt`` (issue 14; vLLM's ``EngineCoreRequest.cache_salt``): mixed into the hash of the prompt's
+    # first prefix-cache block, so cached prefixes are shared only between requests with the same salt. The
+    # gateway sets it from the caller's cache group (and the request's own ``cache_salt``); ``None`` = unsalted.
+    cache_salt: str | None = None
 
     def to_wire(self) -> bytes:
         """Serialise to msgpack bytes (fields as a map; ``sampling_params`` as a nested map). Built from the

@@ -282,6 +282,10 @@ class _SamplingFields(_Base):
     stream_options: StreamOptions | None = None
     user: str | None = None
     request_id: str | None = Field(default=None, max_length=MAX_REQUEST_ID_LEN)
+    # vLLM's ``cache_salt`` (``vllm/entrypoints/openai/protocol.py``: a non-empty string when given): salts the
+    # prefix cache so only requests with the same salt share cached prefixes. Here it narrows sharing further
+    # within the caller's cache group; it never replaces the tenant salt the gateway adds (issue 14).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     return_token_ids: bool | None = False
     response_format: dict[str, Any] | None = None
 

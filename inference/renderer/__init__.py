@@ -2,8 +2,9 @@
 transformers-free). Public API:
 
 * ``render_chat(tokenizer_dir, messages, *, add_generation_prompt=True, continue_final_message=False,
-  tools=None, documents=None, chat_template=None, chat_template_kwargs=None, add_special_tokens=False)
-  -> RenderedPrompt(prompt_text, prompt_token_ids)``  (``chat_template.py``)
+  tools=None, documents=None, chat_template=None, chat_template_kwargs=None, add_special_tokens=False,
+  allow_control_tokens=False) -> RenderedPrompt(prompt_text, prompt_token_ids)``  (``chat_template.py``;
+  control-token strings in request text are encoded as text unless ``allow_control_tokens``)
 * ``tokenize_prompt(tokenizer_dir, prompt, add_special_tokens=True) -> list[int]``
 * ``detokenize(tokenizer_dir, ids, skip_special_tokens=False) -> str``
 * ``get_tokenizer(tokenizer_dir) -> LoadedTokenizer``  (``tokenizer_cache.py``)

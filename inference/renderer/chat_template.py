@@ -27,6 +27,10 @@ Pipeline of ``render_chat`` (sources in brackets):
    after it [``render_jinja_template``].
 4. ``prompt_token_ids = encode(prompt_text, add_special_tokens=add_special_tokens)`` (default
    False: no second BOS on top of the template's).
+   When a string of the request holds a control-token string (a special token of the tokenizer), the
+   template is rendered a second time with those strings neutralised and only the control tokens of that
+   render (the template's markup) become control ids; the rest is encoded as text (``encode_rendered``,
+   issue 14; ``allow_control_tokens=True`` restores the one-string encode).
 """
 
 from __future__ import annotations
@@ -363,7 +367,8 @@ def render_template(
 
 
 def warm_up(tokenizer_dir: str, chat_template: str | None = None) -> None:
-    """Load ``tokenizer_dir``'s tokenizer and compile its chat template into this process's caches, so the
+    """Load ``tokenizer_dir``'s tokenizer (and its text-only copy, ``LoadedTokenizer.text_only_tokenizer``) and
+    compile its chat template into this process's caches, so the
     first request a worker serves does not pay for them inside its time limit. Errors are the caller's to
     log: ``TokenizerLoadError``, ``TemplateSyntaxError`` (a model without a chat template warms its tokenizer
     only)."""
@@ -374,6 +379,8 @@ def warm_up(tokenizer_dir: str, chat_template: str | None = None) -> None:
         return
     compile_template(source)
     detect_content_format(source)
+    if tok.control_regex is not None:  # the text-only copy a request with control strings needs (~1 s, ~17 MiB)
+        tok.text_only_tokenizer()
 
 
 def render_chat(
@@ -389,8 +396,119 @@ def render_chat(
     add_special_tokens: bool = False,
     max_output_chars: int | None = None,
     max_ops: int | None = None,
+    allow_control_tokens: bool = False,
 ) -> RenderedPrompt:
     """Render ``messages`` with the model's chat template and tokenize the result.
+
+    Arguments as ``render_chat_text``, plus:
+
+        add_special_tokens: add the tokenizer's BOS/EOS on top of the rendered text (default no).
+        allow_control_tokens: ``False`` (default): control-token strings (the tokenizer's special added
+            tokens) inside request text (messages, tools, documents, chat_template_kwargs) are encoded as
+            plain text, never as control ids, so a user message holding ``<|im_end|>\n<|im_start|>system``
+            cannot forge a system turn; only the template's own markup yields control ids (see
+            ``encode_rendered``; issue 14). A request whose text holds no control-token string is tokenized
+            exactly as before (one ``encode`` of the rendered text, transformers' ids). ``True``: the whole
+            rendered text is tokenized at once, specials recognised wherever they are (what transformers'
+            ``apply_chat_template(tokenize=True)`` and vLLM do).
+
+    Returns ``RenderedPrompt(prompt_text, prompt_token_ids)``.
+    Raises a ``RenderError`` subclass (see ``errors.py``); all are ``ValueError``; ``InvalidMessagesError``
+    (param ``messages``) when the template renders the request differently once its control-token strings are
+    neutralised (the trusted markup cannot be told apart then).
+    """
+    tok = get_tokenizer(tokenizer_dir)
+    args = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                chat_template=chat_template, max_output_chars=max_output_chars, max_ops=max_ops)
+    text = render_chat_text(tokenizer_dir, messages, tools=tools, documents=documents,
+                            chat_template_kwargs=chat_template_kwargs, **args)
+    inputs = (messages, tools, documents, chat_template_kwargs)
+    if allow_control_tokens or tok.control_regex is None or not _holds_control(tok.control_regex, inputs):
+        ids = tok.encode(text, add_special_tokens=add_special_tokens)
+    else:
+        n_messages, n_tools, n_documents, n_kwargs = _neutralize(tok, inputs)
+        neutral = render_chat_text(tokenizer_dir, n_messages, tools=n_tools, documents=n_documents,
+                                   chat_template_kwargs=n_kwargs, **args)
+        ids = encode_rendered(tok, text, neutral, add_special_tokens=add_special_tokens)
+    return RenderedPrompt(prompt_text=text, prompt_token_ids=ids)
+
+
+# A neutral stand-in for one character of a control-token string in request text: a private-use character
+# (not whitespace, no case, kept as is by ``tojson``, in no tokenizer's special tokens).
+_NEUTRAL_CHAR = "\ue000"
+
+
+def _holds_control(pattern, value: Any) -> bool:
+    """True when any string in ``value`` (nested dicts/lists/tuples, keys included) contains a match of
+    ``pattern``."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if pattern.search(v):
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+            stack.extend(k for k in v if isinstance(k, str))
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif callable(getattr(v, "model_dump", None)):
+            stack.append(v.model_dump())
+    return False
+
+
+def _neutralize(tok: LoadedTokenizer, value: Any) -> Any:
+    """Copy of ``value`` with every control-token string inside its strings (keys included) replaced by as
+    many ``_NEUTRAL_CHAR`` characters (same length, so the template's output keeps its layout)."""
+    pattern = tok.control_regex
+    if isinstance(value, str):
+        return pattern.sub(lambda m: _NEUTRAL_CHAR * len(m.group()), value)
+    if isinstance(value, dict):
+        return {_neutralize(tok, k): _neutralize(tok, v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return tuple(_neutralize(tok, v) for v in value)
+    if isinstance(value, list):
+        return [_neutralize(tok, v) for v in value]
+    if callable(getattr(value, "model_dump", None)):
+        return _neutralize(tok, value.model_dump())
+    return value
+
+
+def encode_rendered(tok: LoadedTokenizer, text: str, neutral: str, add_special_tokens: bool = False) -> list[int]:
+    """Ids of the rendered ``text`` in which only the template's own control tokens are control ids.
+
+    ``neutral`` is the same template rendered with every control-token string inside the request text replaced
+    by same-length neutral characters: the control-token occurrences found in it are the template's markup
+    (the trusted ones). ``text`` is split at those positions; the trusted occurrences get their ids and the
+    text between them is encoded with special-token matching off (``tokenizers``' ``encode_special_tokens``,
+    transformers' ``split_special_tokens=True``), see ``LoadedTokenizer.encode_with_trusted``.
+
+    Raises ``InvalidMessagesError`` (param ``messages``) when the two renders differ in length or a trusted
+    occurrence is not in ``text`` (the template branches on the control-token strings, so its markup cannot be
+    located): refused rather than guessed.
+    """
+    trusted = [(m.start(), m.end()) for m in tok.control_regex.finditer(neutral)]
+    if len(neutral) != len(text) or any(text[a:b] != neutral[a:b] for a, b in trusted):
+        raise InvalidMessagesError(
+            "the request text contains control-token strings (special tokens of this model's tokenizer) that "
+            "change how its chat template lays out the conversation; remove them", param="messages")
+    return tok.encode_with_trusted(text, trusted, add_special_tokens=add_special_tokens)
+
+
+def render_chat_text(
+    tokenizer_dir: str,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    tools: list[dict] | None = None,
+    documents: list[dict] | None = None,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    max_output_chars: int | None = None,
+    max_ops: int | None = None,
+) -> str:
+    """Render ``messages`` with the model's chat template (the text ``render_chat`` tokenizes).
 
     Args:
         tokenizer_dir: directory with tokenizer.json / tokenizer_config.json (cached per process).
@@ -401,7 +519,6 @@ def render_chat(
         chat_template: a template name (``"tool_use"``) or a literal template; ``None`` = the model's.
         chat_template_kwargs: extra template variables (e.g. ``{"enable_thinking": False}``); they
             override special-token variables; reserved names are refused.
-        add_special_tokens: add the tokenizer's BOS/EOS on top of the rendered text (default no).
         max_output_chars: cap on the rendered text; default ``RENDER_MAX_OUTPUT_CHARS`` (1 MiB)
             plus 4x the characters of the inputs (large conversations are legitimate, template
             amplification is not).
@@ -411,7 +528,7 @@ def render_chat(
             DeepSeek-V3 measured on 2001 messages); an empty nested ``range(99999)`` loop stops
             after ~0.2 s.
 
-    Returns ``RenderedPrompt(prompt_text, prompt_token_ids)``.
+    Returns the rendered text.
     Raises a ``RenderError`` subclass (see ``errors.py``); all are ``ValueError``.
     """
     tok = get_tokenizer(tokenizer_dir)
@@ -497,8 +614,7 @@ def render_chat(
         else:
             text = text[:loc].rstrip()
 
-    ids = tok.encode(text, add_special_tokens=add_special_tokens)
-    return RenderedPrompt(prompt_text=text, prompt_token_ids=ids)
+    return text
 
 
 def tokenize_prompt(tokenizer_dir: str, prompt: str, add_special_tokens: bool = True) -> list[int]:

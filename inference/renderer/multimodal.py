@@ -172,14 +172,16 @@ def processor_settings(model_dir: str) -> dict:
     return settings
 
 
-def data_url_cache_entry(model_dir: str, url: str, part: str, max_bytes: int | None = None) -> tuple[str, bytes]:
+def data_url_cache_entry(model_dir: str, url: str, part: str, max_bytes: int | None = None,
+                         cache_salt: str | None = None) -> tuple[str, bytes]:
     """``(feature-cache key, image bytes)`` of a ``data:`` URL image (base64 decode + SHA-256; no pixel
     decoding), so the api process can find a cache hit without sending the image to an ``mm`` worker.
+    ``cache_salt``: the caller's cache salt (``mm_cache_key``).
     Raises ``ImageError`` (400) for a malformed or oversized ``data:`` URL, with the message the worker
     would give."""
     limit = int(max_bytes or FetchPolicy.max_bytes)
     data = parse_data_url(url, part, limit)
-    return mm_cache_key(data, processor_settings(model_dir)), data
+    return mm_cache_key(data, processor_settings(model_dir), cache_salt), data
 
 
 def mm_blob_key(prefix: str, key: str) -> str:
@@ -201,19 +203,22 @@ def process_image(model_dir: str, data: bytes, part: str) -> ImageFeatures:
                          num_tokens=grid[0] * grid[1] * grid[2] // (merge * merge))
 
 
-def _url_cache_key(prefix: str, url: str, policy: FetchPolicy, settings_hash: str) -> str:
+def _url_cache_key(prefix: str, url: str, policy: FetchPolicy, settings_hash: str, cache_salt: str | None) -> str:
     h = hashlib.sha256(json.dumps([url, [str(n) for n in policy.allow_nets], policy.allowed_domains,
-                                   settings_hash]).encode()).hexdigest()
+                                   settings_hash, cache_salt or ""]).encode()).hexdigest()
     return f"{prefix}:mm:url:{h}"
 
 
 def preprocess_images(redis_client, prefix: str, model_dir: str, urls: list[dict],
-                      allowed_domains: list[str] | None = None, max_bytes: int | None = None) -> list[dict]:
+                      allowed_domains: list[str] | None = None, max_bytes: int | None = None,
+                      cache_salt: str | None = None) -> list[dict]:
     """Preprocess the images of one request (blocking; runs on an ``mm`` worker).
 
     ``urls``: in prompt order, ``{"part": str, "url": str}`` or ``{"part", "key", "blob"}`` (bytes the api
     process stored under Redis key ``blob``, their feature-cache key already computed; the blob is deleted
-    once used). Returns ``[{"key": str, "num_tokens": int,
+    once used). ``cache_salt``: the caller's cache salt, part of every key computed here (``mm_cache_key``) and of
+    the remembered-URL key, so one tenant's fetches and features are never another's hits (issue 14).
+    Returns ``[{"key": str, "num_tokens": int,
     "cached": bool}]``. Processor runs are counted in ``{prefix}:mm:processor_calls``. Raises ``ImageError``
     (400) for the first bad item.
     """
@@ -245,7 +250,7 @@ def preprocess_images(redis_client, prefix: str, model_dir: str, urls: list[dict
         key = None
         url_key = None
         if not url.startswith("data:"):
-            url_key = _url_cache_key(prefix, url, policy, settings_hash)
+            url_key = _url_cache_key(prefix, url, policy, settings_hash, cache_salt)
             cached = redis_client.get(url_key)
             if cached is not None:
                 meta = cache.get_meta(cached.decode())
@@ -258,7 +263,7 @@ def preprocess_images(redis_client, prefix: str, model_dir: str, urls: list[dict
             data = fetch_url(url, part, policy)
         else:
             raise ImageError(f"{part}: image URLs must be data:, http: or https:", part, "image_url_blocked")
-        key = mm_cache_key(data, settings)
+        key = mm_cache_key(data, settings, cache_salt)
         meta = cache.get_meta(key)
         if meta is not None:
             results.append({"key": key, "num_tokens": meta["num_tokens"], "cached": True})

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,6 +152,9 @@ class LoadedTokenizer:
             tokenizers without expanding/contracting normalizers (NFC can contract), so it is a
             cheap pre-check bound, not an exact count.
         add_bos_token/add_eos_token: whether ``encode(add_special_tokens=True)`` adds BOS/EOS.
+        control_tokens: the strings of the added tokens marked ``special`` in ``tokenizer.json`` (what
+            ``encode_special_tokens`` switches off), sorted; ``control_regex`` finds them (leftmost-longest),
+            ``None`` when there are none.
     """
 
     path: str
@@ -166,7 +170,10 @@ class LoadedTokenizer:
     add_bos_token: bool
     add_eos_token: bool
     clean_up_tokenization_spaces: bool
+    control_tokens: tuple[str, ...] = ()
+    control_regex: re.Pattern | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _text_only: tokenizers.Tokenizer | None = field(default=None, repr=False)
 
     # -- special tokens -------------------------------------------------------------------------
     @property
@@ -234,6 +241,43 @@ class LoadedTokenizer:
         if self.clean_up_tokenization_spaces:
             text = _clean_up_tokenization(text)
         return text
+
+    # -- control tokens (issue 14) ---------------------------------------------------------------
+    def text_only_tokenizer(self) -> tokenizers.Tokenizer:
+        """A copy of ``tokenizer`` with ``encode_special_tokens = True``: special added tokens inside the text
+        it encodes are split as ordinary text (transformers' ``split_special_tokens=True``). Built on first use,
+        once per process; the shared ``tokenizer`` is never switched (other threads encode with it)."""
+        with self._lock:
+            if self._text_only is None:
+                copy = tokenizers.Tokenizer.from_str(self.tokenizer.to_str())
+                copy.no_padding()
+                copy.no_truncation()
+                copy.encode_special_tokens = True
+                self._text_only = copy
+            return self._text_only
+
+    def encode_with_trusted(self, text: str, trusted: list[tuple[int, int]],
+                            add_special_tokens: bool = False) -> list[int]:
+        """Ids of ``text`` where only the control-token occurrences at the character spans ``trusted``
+        (sorted, non-overlapping ``(start, end)``, each exactly one of ``control_tokens``) become control ids;
+        every other character is encoded with special-token matching off.
+
+        Added tokens are split off before the normalizer and pre-tokenizer, so with every occurrence trusted
+        this equals ``encode(text)`` (checked on the six reference tokenizers in
+        ``tests/security/test_isolation_control_tokens.py``); ``add_special_tokens`` applies the
+        post-processor (BOS/EOS) to the joined encoding as ``encode`` would."""
+        plain = self.text_only_tokenizer()
+        parts: list[tokenizers.Encoding] = []
+        pos = 0
+        for start, end in trusted:
+            if start > pos:
+                parts.append(plain.encode(text[pos:start], add_special_tokens=False))
+            parts.append(self.tokenizer.encode(text[start:end], add_special_tokens=False))
+            pos = end
+        if pos < len(text) or not parts:
+            parts.append(plain.encode(text[pos:], add_special_tokens=False))
+        merged = tokenizers.Encoding.merge(parts, growing_offsets=True)
+        return self.tokenizer.post_process(merged, add_special_tokens=add_special_tokens).ids
 
     def id_to_token(self, token_id: int) -> str | None:
         """The token string of an id (byte-level/▁ form), or None if out of range."""
@@ -330,6 +374,8 @@ def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
         if chat_template is not None:
             named.setdefault("default", chat_template)
 
+    control = tuple(sorted({t.content for t in added.values() if t.special and t.content}))
+
     vocab = tok.get_vocab(with_added_tokens=True)
     max_chars = max((len(s) for s in vocab), default=1)
 
@@ -360,7 +406,31 @@ def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
         add_bos_token=add_bos,
         add_eos_token=add_eos,
         clean_up_tokenization_spaces=cleanup,
+        control_tokens=control,
+        control_regex=literal_trie_regex(control) if control else None,
     )
+
+
+def literal_trie_regex(strings: tuple[str, ...] | list[str]) -> re.Pattern:
+    """A compiled regex matching any of ``strings`` (literals), built as a trie so that a search costs about
+    one pass over the text however many strings there are (DeepSeek-V3 has 804 special tokens). At a given
+    start the longest string wins, and ``finditer`` scans left to right: the leftmost-longest matching of the
+    ``tokenizers`` added vocabulary (Aho-Corasick ``LeftmostLongest``)."""
+    trie: dict = {}
+    for s in strings:
+        node = trie
+        for ch in s:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def build(node: dict) -> str:
+        alts = [re.escape(ch) + build(child) for ch, child in sorted(node.items()) if ch]
+        if not alts:
+            return ""
+        body = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        return f"(?:{body})?" if "" in node else body
+
+    return re.compile(build(trie))
 
 
 _CACHE: dict[tuple[str, float, float], LoadedTokenizer] = {}

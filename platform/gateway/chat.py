@@ -10,6 +10,7 @@ from gateway.generation import (
     admission_precheck,
     authenticated_request,
     admission_reserve,
+    cache_salt_for,
     key_limits_acquire,
     chat_template_for,
     check_prompt_chars,
@@ -47,6 +48,8 @@ def render_payload(model: dict, req: ChatCompletionRequest) -> dict:
         "client_chat_template": req.chat_template is not None,  # never rendered inline (gateway.render.runs_inline)
         "chat_template_kwargs": req.chat_template_kwargs or None,
         "add_special_tokens": bool(req.add_special_tokens),
+        # issue 14: control-token strings in request text stay text unless the operator opted this model out
+        "allow_control_tokens": bool(model.get("allow_control_tokens_in_content")),
     }
 
 
@@ -62,14 +65,15 @@ class ChatCompletionsConsumer(GatewayConsumer):
             scope.reservation = await admission_precheck(model, scope.recorder.request_id, req.n or 1, len(body))
             tokenizer = await load_tokenizer(model)
             check_prompt_chars(model, tokenizer, message_chars(req.messages), "messages")
-            rendered = await render_chat_media(model, render_payload(model, req))  # images: + queue mm
+            salt = cache_salt_for(ctx, req.cache_salt)
+            rendered = await render_chat_media(model, render_payload(model, req), cache_salt=salt)  # images: + mm
             try:
                 processed = process_inputs(
                     req, external_id=external_id, prompt_token_ids=rendered["prompt_token_ids"],
                     prompt_param="messages", max_model_len=model["max_model_len"],
                     vocab_size=vocab_size_of(tokenizer, model), defaults=generation_defaults(model["model_dir"]),
                     client_id=link().client_id, arrival_time=arrival, eos_token_ids=eos_ids_of(tokenizer),
-                    logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+                    logprobs=(req.top_logprobs or 0) if req.logprobs else None, cache_salt=salt)
             except RequestValidationError as exc:
                 raise to_request_error(exc) from None
             scope.grant = await key_limits_acquire(self, ctx, prompt_tokens=len(processed.prompt_token_ids),

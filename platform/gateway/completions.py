@@ -10,6 +10,7 @@ from gateway.generation import (
     admission_precheck,
     authenticated_request,
     admission_reserve,
+    cache_salt_for,
     key_limits_acquire,
     call_render,
     check_prompt_chars,
@@ -61,7 +62,8 @@ class CompletionsConsumer(GatewayConsumer):
                     req, external_id=external_id, prompt_token_ids=prompt_ids, prompt_param="prompt",
                     max_model_len=model["max_model_len"], vocab_size=vocab_size_of(tokenizer, model),
                     defaults=generation_defaults(model["model_dir"]), client_id=link().client_id,
-                    arrival_time=arrival, eos_token_ids=eos_ids_of(tokenizer), logprobs=req.logprobs)
+                    arrival_time=arrival, eos_token_ids=eos_ids_of(tokenizer), logprobs=req.logprobs,
+                    cache_salt=cache_salt_for(ctx, req.cache_salt))
             except RequestValidationError as exc:
                 raise to_request_error(exc) from None
             scope.grant = await key_limits_acquire(self, ctx, prompt_tokens=len(processed.prompt_token_ids),

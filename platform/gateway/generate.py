@@ -41,6 +41,7 @@ from gateway.generation import (
     GenerationRun,
     admission_precheck,
     admission_reserve,
+    cache_salt_for,
     key_limits_acquire,
     client_request_id,
     eos_ids_of,
@@ -127,7 +128,8 @@ class GenerateConsumer(GatewayConsumer):
                         _ParamsView(sp), external_id=external_id, prompt_token_ids=list(req.token_ids),
                         prompt_param="token_ids", max_model_len=model["max_model_len"],
                         vocab_size=vocab_size_of(tokenizer, model), defaults=defaults, client_id=link().client_id,
-                        arrival_time=arrival, eos_token_ids=eos_ids_of(tokenizer), logprobs=sp.logprobs)
+                        arrival_time=arrival, eos_token_ids=eos_ids_of(tokenizer), logprobs=sp.logprobs,
+                        cache_salt=cache_salt_for(ctx))
                 except RequestValidationError as exc:
                     param = exc.param if exc.param in (None, "token_ids") else f"sampling_params.{exc.param}"
                     raise bad_request(exc.message, param) from None

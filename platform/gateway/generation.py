@@ -8,6 +8,7 @@ into text (incremental detokenization, stop strings) and records usage exactly o
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import secrets
 import time
@@ -211,6 +212,19 @@ def chat_template_for(model: dict, req) -> str | None:
                               "chat_template_not_allowed")
         return req.chat_template
     return model.get("chat_template") or None
+
+
+def cache_salt_for(ctx, request_salt: str | None = None) -> str:
+    """The cache salt of a request (issue 14): 64 hex characters, SHA-256 over the caller's cache scope
+    (``AuthContext.cache_scope``: its tenant, or the operator-set cache group it shares) and, when given, the
+    request's own ``cache_salt`` (vLLM's field, which narrows sharing further; it never replaces the tenant
+    part). Carried as ``EngineCoreRequest.cache_salt`` into the first prefix-cache block hash, and mixed into
+    the image feature-cache keys, so cached prefixes and image features are shared only within one scope
+    (and one request salt) and ``cached_tokens`` tells a caller nothing about other tenants' prompts."""
+    h = hashlib.sha256(b"llmp-cache-salt\x00" + ctx.cache_scope.encode())
+    if request_salt:
+        h.update(b"\x00request:" + request_salt.encode())
+    return h.hexdigest()
 
 
 def vocab_size_of(tokenizer, model: dict) -> int:

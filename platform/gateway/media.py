@@ -47,13 +47,14 @@ def allowed_domains_for(model_name: str) -> list[str]:
     return [str(v) for v in value] if isinstance(value, list) else []
 
 
-async def call_mm(model: dict, items: list[dict]) -> list[dict]:
-    """Preprocess ``items`` (``{"part", "url"}`` or ``{"part", "key", "blob"}`` each) on the ``mm`` queue;
-    returns ``[{"key", "num_tokens", "cached"}]``. Client errors → 400 naming the part; no worker in time → 503; worker bug → 500."""
+async def call_mm(model: dict, items: list[dict], cache_salt: str) -> list[dict]:
+    """Preprocess ``items`` (``{"part", "url"}`` or ``{"part", "key", "blob"}`` each) on the ``mm`` queue, keyed
+    under ``cache_salt``; returns ``[{"key", "num_tokens", "cached"}]``. Client errors → 400 naming the part; no worker in time → 503; worker bug → 500."""
     from config.celery import app
 
     payload = {"redis_url": settings.REDIS_URL, "prefix": settings.LINK_PREFIX, "model_dir": model["model_dir"],
-               "items": items, "allowed_domains": allowed_domains_for(model["served_model_name"])}
+               "items": items, "allowed_domains": allowed_domains_for(model["served_model_name"]),
+               "cache_salt": cache_salt}
     waiter = RenderReplyWaiter.for_current_loop(settings.REDIS_URL, settings.LINK_PREFIX)
     try:
         result = await waiter.call(app, "inference.mm_preprocess", payload, queue=MM_QUEUE,
@@ -68,8 +69,10 @@ async def call_mm(model: dict, items: list[dict]) -> list[dict]:
     return result["items"]
 
 
-async def cached_images(model: dict, items: list[ImageItem]) -> tuple[list[dict | None], list[dict]]:
-    """Look up the ``data:`` URL images of ``items`` in the shared feature cache.
+async def cached_images(model: dict, items: list[ImageItem], cache_salt: str,
+                        ) -> tuple[list[dict | None], list[dict]]:
+    """Look up the ``data:`` URL images of ``items`` in the shared feature cache, under the caller's
+    ``cache_salt`` (``generation.cache_salt_for``: another tenant's copy of an image is not a hit).
 
     Returns ``(hits, work)``: per item ``{"key", "num_tokens", "cached": True}`` for a hit, else ``None``;
     and, per item that is not a hit, the ``mm`` work item: ``{"part", "key", "blob"}`` for a ``data:``
@@ -83,7 +86,8 @@ async def cached_images(model: dict, items: list[ImageItem]) -> tuple[list[dict 
     decoded: dict[int, tuple[str, bytes]] = {}
     if data_items:
         def keys() -> list[tuple[str, bytes]]:
-            return [data_url_cache_entry(model["model_dir"], it.url, it.part) for _i, it in data_items]
+            return [data_url_cache_entry(model["model_dir"], it.url, it.part, cache_salt=cache_salt)
+                    for _i, it in data_items]
 
         try:
             found = await asyncio.to_thread(keys)
@@ -112,9 +116,10 @@ async def cached_images(model: dict, items: list[ImageItem]) -> tuple[list[dict 
     return out, work
 
 
-async def render_chat_media(model: dict, payload: dict) -> dict:
+async def render_chat_media(model: dict, payload: dict, *, cache_salt: str) -> dict:
     """``call_render("inference.render_chat", payload)``, plus images when the messages have any: returns
-    the render result with ``prompt_token_ids`` expanded and ``mm_cache_keys`` (one per image, in order)."""
+    the render result with ``prompt_token_ids`` expanded and ``mm_cache_keys`` (one per image, in order), the
+    feature-cache keys salted with ``cache_salt`` (``generation.cache_salt_for``; issue 14)."""
     if not has_images(payload["messages"]):
         return await call_render("inference.render_chat", payload)
     vc = vision_config(model["model_dir"])
@@ -125,11 +130,11 @@ async def render_chat_media(model: dict, payload: dict) -> dict:
         messages, items = extract_images(payload["messages"])
     except ImageError as exc:
         raise bad_request(exc.message, exc.param, exc.code) from None
-    mm_items, work = await cached_images(model, items)
+    mm_items, work = await cached_images(model, items, cache_salt)
     missing = [i for i, hit in enumerate(mm_items) if hit is None]
 
     async def preprocess_missing() -> list[dict]:
-        return await call_mm(model, work) if work else []
+        return await call_mm(model, work, cache_salt) if work else []
 
     rendered, fresh = await asyncio.gather(
         call_render("inference.render_chat", {**payload, "messages": messages}), preprocess_missing())

@@ -153,7 +153,7 @@ class _RenderBase(GatewayConsumer):
             raise bad_request(exc.message, exc.param) from None
         return ctx, req
 
-    def _process(self, req, *, external_id, prompt_ids, prompt_param, model, tokenizer, logprobs):
+    def _process(self, req, *, external_id, prompt_ids, prompt_param, model, tokenizer, logprobs, cache_salt):
         from gateway.generation import eos_ids_of, vocab_size_of
 
         try:
@@ -161,7 +161,7 @@ class _RenderBase(GatewayConsumer):
                 req, external_id=external_id, prompt_token_ids=prompt_ids, prompt_param=prompt_param,
                 max_model_len=model["max_model_len"], vocab_size=vocab_size_of(tokenizer, model),
                 defaults=generation_defaults(model["model_dir"]), client_id="", arrival_time=time.time(),
-                eos_token_ids=eos_ids_of(tokenizer), logprobs=logprobs)
+                eos_token_ids=eos_ids_of(tokenizer), logprobs=logprobs, cache_salt=cache_salt)
         except RequestValidationError as exc:
             raise bad_request(exc.message, exc.param) from None
 
@@ -171,17 +171,18 @@ class ChatRenderConsumer(_RenderBase):
 
     async def handle_request(self, body: bytes) -> None:
         from gateway.chat import render_payload
-        from gateway.generation import client_request_id, load_tokenizer, resolve_model
+        from gateway.generation import cache_salt_for, client_request_id, load_tokenizer, resolve_model
 
         ctx, req = await self._prepare(body, ChatCompletionRequest)
         base_id = client_request_id(self.header(b"x-request-id"), req.request_id)
         self.extra_headers.append((b"x-request-id", base_id.encode()))
         model = await resolve_model(ctx, req.model)
         tokenizer = await load_tokenizer(model)
-        rendered = await render_chat_media(model, render_payload(model, req))
+        salt = cache_salt_for(ctx, req.cache_salt)
+        rendered = await render_chat_media(model, render_payload(model, req), cache_salt=salt)
         processed = self._process(req, external_id="chatcmpl-" + base_id, prompt_ids=rendered["prompt_token_ids"],
                                   prompt_param="messages", model=model, tokenizer=tokenizer,
-                                  logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+                                  logprobs=(req.top_logprobs or 0) if req.logprobs else None, cache_salt=salt)
         await self.send_json(200, {"request_id": processed.external_id, "token_ids": processed.prompt_token_ids,
                                    "sampling_params": sampling_params_dict(processed, req),
                                    "model": model["served_model_name"], "stream": bool(req.stream)})
@@ -192,7 +193,7 @@ class CompletionRenderConsumer(_RenderBase):
 
     async def handle_request(self, body: bytes) -> None:
         from gateway.completions import prompt_ids_for
-        from gateway.generation import client_request_id, load_tokenizer, resolve_model
+        from gateway.generation import cache_salt_for, client_request_id, load_tokenizer, resolve_model
 
         ctx, req = await self._prepare(body, CompletionRequest)
         if req.echo:
@@ -203,7 +204,8 @@ class CompletionRenderConsumer(_RenderBase):
         tokenizer = await load_tokenizer(model)
         prompt_ids, _ = await prompt_ids_for(model, req)
         processed = self._process(req, external_id="cmpl-" + base_id, prompt_ids=prompt_ids,
-                                  prompt_param="prompt", model=model, tokenizer=tokenizer, logprobs=req.logprobs)
+                                  prompt_param="prompt", model=model, tokenizer=tokenizer, logprobs=req.logprobs,
+                                  cache_salt=cache_salt_for(ctx, req.cache_salt))
         await self.send_json(200, [{"request_id": processed.external_id + "-0",
                                     "token_ids": processed.prompt_token_ids,
                                     "sampling_params": sampling_params_dict(processed, req),

@@ -25,7 +25,7 @@ import asyncio
 
 from gateway import auth
 from gateway.errors import bad_request
-from gateway.generation import call_render, client_request_id, load_tokenizer, resolve_model
+from gateway.generation import cache_salt_for, call_render, client_request_id, load_tokenizer, resolve_model
 from gateway.http import GatewayConsumer, json_body
 from gateway.media import render_chat_media
 from inference.protocol.openai import (
@@ -37,14 +37,15 @@ from inference.protocol.openai import (
 )
 
 
-async def tokenize_ids(model: dict, req) -> list[int]:
+async def tokenize_ids(model: dict, req, cache_salt: str) -> list[int]:
     """Token ids of a validated ``/tokenize`` request on ``model`` (chat: rendered template, generation
-    prompt included when asked; completion: the prompt, BOS added per ``add_special_tokens``)."""
+    prompt included when asked; completion: the prompt, BOS added per ``add_special_tokens``). ``cache_salt``
+    (``generation.cache_salt_for``) keys the image features a chat request's images are stored under."""
     if isinstance(req, TokenizeChatRequest):
         from gateway.chat import render_payload
 
         # images are fetched, processed (queue mm) and their placeholders expanded, as the chat route does
-        result = await render_chat_media(model, render_payload(model, req))
+        result = await render_chat_media(model, render_payload(model, req), cache_salt=cache_salt)
     else:
         result = await call_render("inference.tokenize_prompt", {
             "tokenizer_dir": model["tokenizer_dir"], "prompt": req.prompt,
@@ -63,6 +64,7 @@ class _KeyedConsumer(GatewayConsumer):
         except RequestValidationError as exc:
             raise bad_request(exc.message, exc.param) from None
         model = await resolve_model(ctx, req.model)
+        self.cache_salt = cache_salt_for(ctx, getattr(req, "cache_salt", None))
         return req, model
 
 
@@ -71,7 +73,7 @@ class TokenizeConsumer(_KeyedConsumer):
 
     async def handle_request(self, body: bytes) -> None:
         req, model = await self._validated(body)
-        tokens = await tokenize_ids(model, req)
+        tokens = await tokenize_ids(model, req, self.cache_salt)
         token_strs = None
         if req.return_token_strs:
             tok = await load_tokenizer(model)

@@ -55,6 +55,7 @@ class ServedModelAdmin(admin.ModelAdmin):
         (None, {"fields": ("served_model_name", "task", "enabled")}),
         ("Files", {"fields": ("model_dir", "tokenizer_dir")}),
         ("Serving", {"fields": ("max_model_len", "max_num_seqs", "dtype", "device")}),
-        ("Chat template", {"fields": ("chat_template", "allow_request_chat_template")}),
+        ("Chat template", {"fields": ("chat_template", "allow_request_chat_template",
+                                       "allow_control_tokens_in_content")}),
         ("Timestamps", {"fields": ("created_at", "updated_at")}),
     )

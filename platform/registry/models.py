@@ -48,6 +48,12 @@ class ServedModel(models.Model):
     allow_request_chat_template = models.BooleanField(
         default=False, help_text="Accept a client-supplied chat_template in requests."
     )
+    allow_control_tokens_in_content = models.BooleanField(
+        default=False,
+        help_text="Let special-token strings inside request text (message content, tool results, names, "
+                  "arguments, documents) become control tokens, as transformers and vLLM do. Off: they are "
+                  "encoded as plain text and only the chat template's own markup yields control tokens.",
+    )
     dtype = models.CharField(max_length=16, choices=Dtype.choices, default=Dtype.AUTO)
     device = models.CharField(max_length=16, choices=Device.choices, default=Device.CPU)
     max_num_seqs = models.PositiveIntegerField(default=32, validators=[MinValueValidator(1)])

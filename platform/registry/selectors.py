@@ -24,7 +24,7 @@ def served_model_snapshot_from(served_model: ServedModel) -> dict[str, Any]:
 
     Keys: ``name`` and ``served_model_name`` (same value), ``model_dir``, ``tokenizer_dir`` (resolved:
     never blank), ``max_model_len``, ``chat_template`` (``None`` = the tokenizer's own),
-    ``allow_request_chat_template``, ``task``, ``enabled``, ``dtype``, ``device``, ``max_num_seqs``,
+    ``allow_request_chat_template``, ``allow_control_tokens_in_content``, ``task``, ``enabled``, ``dtype``, ``device``, ``max_num_seqs``,
     ``revision`` (``updated_at`` as ISO-8601; changes on every edit, usable as a cache key).
     """
     return {
@@ -35,6 +35,7 @@ def served_model_snapshot_from(served_model: ServedModel) -> dict[str, Any]:
         "max_model_len": served_model.max_model_len,
         "chat_template": served_model.chat_template or None,
         "allow_request_chat_template": served_model.allow_request_chat_template,
+        "allow_control_tokens_in_content": served_model.allow_control_tokens_in_content,
         "task": served_model.task,
         "enabled": served_model.enabled,
         "dtype": served_model.dtype,

@@ -67,10 +67,10 @@ class ApiKeyInline(admin.TabularInline):
 
 @admin.register(Tenant)
 class TenantAdmin(admin.ModelAdmin):
-    list_display = ("name", "is_active", "owner", "rpm_limit", "tpm_limit", "max_concurrent_requests",
-                    "token_budget", "created_at")
+    list_display = ("name", "is_active", "owner", "cache_group", "rpm_limit", "tpm_limit",
+                    "max_concurrent_requests", "token_budget", "created_at")
     list_filter = ("is_active",)
-    search_fields = ("name", "owner__username")
+    search_fields = ("name", "owner__username", "cache_group")
     raw_id_fields = ("owner",)
     inlines = [ApiKeyInline]
 

@@ -32,6 +32,13 @@ class AuthContext:
     expires_at: datetime | None
     key_limits: Limits = UNLIMITED
     tenant_limits: Limits = UNLIMITED
+    cache_group: str = ""
+
+    @property
+    def cache_scope(self) -> str:
+        """Who shares this caller's prompt-prefix and image-feature caches (issue 14): ``group:<name>`` for a
+        tenant in a non-blank ``Tenant.cache_group``, else ``tenant:<id>`` (the tenant alone)."""
+        return f"group:{self.cache_group}" if self.cache_group else f"tenant:{self.tenant_id}"
 
     def allows_model(self, served_model_name: str) -> bool:
         """True when the key may use ``served_model_name`` (empty ``allowed_models`` = every model)."""
@@ -85,4 +92,5 @@ def api_key_authenticate(secret: str) -> AuthContext | None:
         expires_at=api_key.expires_at,
         key_limits=api_key.limits(),
         tenant_limits=api_key.tenant.limits(),
+        cache_group=api_key.tenant.cache_group or "",
     )

@@ -31,6 +31,8 @@ class Command(BaseCommand):
                             help="default: max_position_embeddings from config.json")
         parser.add_argument("--chat-template-file", default=None, help="file whose text overrides the chat template")
         parser.add_argument("--allow-request-chat-template", type=_bool, default=None, metavar="BOOL")
+        parser.add_argument("--allow-control-tokens-in-content", type=_bool, default=None, metavar="BOOL",
+                            help="special-token strings in request text become control tokens (default false)")
         parser.add_argument("--dtype", choices=ServedModel.Dtype.values, default=None)
         parser.add_argument("--device", choices=ServedModel.Device.values, default=None)
         parser.add_argument("--max-num-seqs", type=int, default=None)
@@ -49,6 +51,7 @@ class Command(BaseCommand):
                 max_model_len=options["max_model_len"],
                 chat_template=chat_template,
                 allow_request_chat_template=options["allow_request_chat_template"],
+                allow_control_tokens_in_content=options["allow_control_tokens_in_content"],
                 dtype=options["dtype"],
                 device=options["device"],
                 max_num_seqs=options["max_num_seqs"],
