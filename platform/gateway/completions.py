@@ -10,7 +10,8 @@ from gateway.generation import (
     admission_precheck,
     authenticated_request,
     admission_reserve,
-    key_limits_acquire,
+    key_limits_acquire_tokens,
+    key_limits_estimate,
     call_render,
     check_prompt_chars,
     link,
@@ -49,6 +50,10 @@ class CompletionsConsumer(GatewayConsumer):
         async with request_scope("completions", new_internal_id(external_id), arrival, ctx, req.model,
                                  req.n or 1) as scope:
             model = await resolve_model(ctx, req.model)
+            prompt_size = len(req.prompt) if isinstance(req.prompt, list) else len(req.prompt.encode())
+            # the key's limits before any work (tokenizing): estimated tokens, settled on the real count
+            scope.grant = await key_limits_acquire_tokens(self, ctx, key_limits_estimate(
+                model, prompt_size, req.n or 1, req.requested_max_tokens[0], exact=isinstance(req.prompt, list)))
             scope.reservation = await admission_precheck(  # token-id prompts: exact; text: UTF-8 bytes bound
                 model, scope.recorder.request_id, req.n or 1,
                 len(req.prompt) if isinstance(req.prompt, list) else len(req.prompt.encode()),
@@ -64,8 +69,6 @@ class CompletionsConsumer(GatewayConsumer):
                     arrival_time=arrival, eos_token_ids=eos_ids_of(tokenizer), logprobs=req.logprobs)
             except RequestValidationError as exc:
                 raise to_request_error(exc) from None
-            scope.grant = await key_limits_acquire(self, ctx, prompt_tokens=len(processed.prompt_token_ids),
-                                                   max_tokens=processed.max_tokens, n=len(processed.requests))
             await admission_reserve(scope.reservation, processed)
             echo_text = ""
             if req.echo:
