@@ -17,7 +17,13 @@ vLLM checks an allowlist on the first URL only and follows redirects unchecked, 
   the body is read with a deadline, so a stalling server is cut off), ``max_bytes`` of body (checked
   against ``Content-Length`` and while reading).
 
-Every refusal or failure is a ``FetchError`` (an ``ImageError``: HTTP 400 naming the message part).
+* ``fetch_urls`` fetches a request's URLs concurrently (one thread each) under ONE deadline, so a request with
+  several slow images holds an ``mm`` worker for at most ``timeout_s``, not ``timeout_s`` per image.
+
+Every refusal or failure is a ``FetchError`` (an ``ImageError``: HTTP 400 naming the message part), malformed
+URLs included (an unclosed ``[``, a bad or zero port, a host that is no valid address or name): a URL the client
+sent is never a server error. A fetch that runs past the deadline is a 400 too (code ``image_fetch_timeout``):
+the slow server is the one the client chose, and retrying the same request cannot help.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import os
 import socket
 import ssl
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
@@ -131,9 +138,39 @@ def _resolve(host: str, port: int) -> list[str]:
     return list(dict.fromkeys(info[4][0] for info in infos))
 
 
-def fetch_url(url: str, part: str, policy: FetchPolicy) -> bytes:
-    """GET ``url`` under ``policy`` and return the body. Raises ``FetchError`` naming ``part``."""
+def fetch_urls(items: list[tuple[str, str]], policy: FetchPolicy) -> list[bytes | FetchError]:
+    """Fetch ``items`` (``(url, part)`` each) concurrently, one thread per URL, all under one deadline
+    (``policy.timeout_s`` from now). Returns, in the same order, each body or the ``FetchError`` it ended with
+    (the caller decides which error to report). Blocks at most about ``policy.timeout_s``: every socket operation
+    of every fetch gets only the time left to the shared deadline."""
+    if not items:
+        return []
     deadline = time.monotonic() + policy.timeout_s
+
+    def one(item: tuple[str, str]) -> bytes | FetchError:
+        try:
+            return fetch_url(item[0], item[1], policy, deadline=deadline)
+        except FetchError as exc:
+            return exc
+
+    if len(items) == 1:
+        return [one(items[0])]
+    with ThreadPoolExecutor(max_workers=len(items), thread_name_prefix="mm-fetch") as pool:
+        return list(pool.map(one, items))
+
+
+def fetch_url(url: str, part: str, policy: FetchPolicy, *, deadline: float | None = None) -> bytes:
+    """GET ``url`` under ``policy`` and return the body. ``deadline`` (``time.monotonic()``): when the fetch must
+    be over, default ``policy.timeout_s`` from now. Raises ``FetchError`` naming ``part``."""
+    try:
+        return _fetch_url(url, part, policy, time.monotonic() + policy.timeout_s if deadline is None else deadline)
+    except FetchError:
+        raise
+    except (ValueError, UnicodeError) as exc:  # urlsplit/urljoin/ipaddress on a malformed URL or Location
+        raise FetchError(f"{part}: malformed image URL ({exc})", part, "invalid_image_url") from None
+
+
+def _fetch_url(url: str, part: str, policy: FetchPolicy, deadline: float) -> bytes:
     for _hop in range(policy.max_redirects + 1):
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
@@ -149,9 +186,13 @@ def fetch_url(url: str, part: str, policy: FetchPolicy) -> bytes:
             raise FetchError(f"{part}: host {host!r} is not in this model's allowed media domains", part,
                              "image_url_blocked")
         try:
-            port = parts.port or (443 if scheme == "https" else 80)
+            port = parts.port
         except ValueError:
             raise FetchError(f"{part}: bad port in URL", part, "image_url_blocked") from None
+        if port is None:
+            port = 443 if scheme == "https" else 80
+        elif not 0 < port < 65536:  # port 0 is no port (and once fell back to 80)
+            raise FetchError(f"{part}: bad port in URL", part, "image_url_blocked")
         try:
             addrs = _resolve(host, port)
         except (OSError, UnicodeError) as exc:
@@ -227,7 +268,8 @@ def _get_once(ip: str, port: int, scheme: str, host: str, parts, deadline: float
         raise
     except (socket.timeout, TimeoutError):
         raise FetchError(f"{part}: fetching the image took too long", part, "image_fetch_timeout") from None
-    except (OSError, http.client.HTTPException, ssl.SSLError) as exc:
+    except (OSError, http.client.HTTPException, ssl.SSLError, ValueError) as exc:  # ValueError: e.g. a Host
+        # header that is not latin-1
         raise FetchError(f"{part}: fetching the image failed ({type(exc).__name__}: {exc})", part,
                          "image_fetch_failed") from None
     finally:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from inference.media.cache import FeatureCache, ImageFeatures, mm_cache_key
-from inference.media.guard import FetchPolicy, fetch_url
+from inference.media.guard import FetchPolicy, fetch_urls
 from inference.media.image import ImageError, decode_image, parse_data_url
 
 URL_CACHE_TTL_S = int(os.environ.get("MM_URL_CACHE_TTL_S", "300"))
@@ -220,7 +220,8 @@ def preprocess_images(redis_client, prefix: str, model_dir: str, urls: list[dict
     the remembered-URL key, so one tenant's fetches and features are never another's hits (issue 14).
     Returns ``[{"key": str, "num_tokens": int,
     "cached": bool}]``. Processor runs are counted in ``{prefix}:mm:processor_calls``. Raises ``ImageError``
-    (400) for the first bad item.
+    (400) for the first bad item. The http(s) URLs not in the URL cache are fetched first, concurrently, under one
+    deadline (``inference.media.guard.fetch_urls``); decoding and processing then run in prompt order.
     """
     cache = FeatureCache(redis_client, prefix)
     settings = processor_settings(model_dir)
@@ -228,8 +229,13 @@ def preprocess_images(redis_client, prefix: str, model_dir: str, urls: list[dict
     policy = FetchPolicy(allowed_domains=list(allowed_domains or []))
     if max_bytes:
         policy.max_bytes = int(max_bytes)
+    url_keys = {i: _url_cache_key(prefix, it["url"], policy, settings_hash) for i, it in enumerate(urls)
+                 if not it.get("blob") and it["url"].split(":", 1)[0].lower() in ("http", "https")}
+    cached_urls = dict(zip(url_keys, redis_client.mget(list(url_keys.values())))) if url_keys else {}
+    to_fetch = [i for i in url_keys if cached_urls[i] is None or cache.get_meta(cached_urls[i].decode()) is None]
+    fetched = dict(zip(to_fetch, fetch_urls([(urls[i]["url"], urls[i]["part"]) for i in to_fetch], policy)))
     results = []
-    for item in urls:
+    for index, item in enumerate(urls):
         part = item["part"]
         if item.get("blob"):
             key = str(item["key"])
@@ -260,7 +266,10 @@ def preprocess_images(redis_client, prefix: str, model_dir: str, urls: list[dict
         if url.startswith("data:"):
             data = parse_data_url(url, part, policy.max_bytes)
         elif url.split(":", 1)[0].lower() in ("http", "https"):
-            data = fetch_url(url, part, policy)
+            # fetched above; or, had its URL cache entry expired since, now
+            data = fetched[index] if index in fetched else fetch_urls([(url, part)], policy)[0]
+            if isinstance(data, ImageError):
+                raise data
         else:
             raise ImageError(f"{part}: image URLs must be data:, http: or https:", part, "image_url_blocked")
         key = mm_cache_key(data, settings, cache_salt)

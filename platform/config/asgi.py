@@ -16,7 +16,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.conf import settings  # noqa: E402
 
 from config.body_limit import BodyLimitMiddleware  # noqa: E402
-from gateway import handoff  # noqa: E402
+from gateway import handoff, ingress  # noqa: E402
 from gateway.http import MAX_BODY_BYTES  # noqa: E402
 from gateway.routing import GATEWAY_PREFIXES, http_urlpatterns  # noqa: E402
 from usage.routing import websocket_application  # noqa: E402  (live dashboard updates)
@@ -28,8 +28,14 @@ _django = BodyLimitMiddleware(django_asgi_app, settings.DJANGO_MAX_BODY_BYTES)
 
 async def http_router(scope, receive, send):
     """Send gateway paths to the Channels consumers (image chats to the multimodal api process when this process
-    has one: gateway/handoff.py) and the rest to Django."""
+    has one: gateway/handoff.py) and the rest to Django. Gateway requests are first authenticated from their
+    headers, before any body byte is read, and their body must arrive within the body deadlines
+    (gateway/ingress.py); the hand-off header is believed only on a unix-socket listener."""
     if scope["path"].startswith(GATEWAY_PREFIXES):
+        scope = ingress.trusted_handoff_scope(scope, handoff.HANDED_OFF_HEADER)
+        if await ingress.early_authenticate(scope, send):
+            return None
+        receive = ingress.BodyDeadline(receive, send)
         if handoff.wants_handoff(scope):
             return await handoff.route(scope, receive, send, _gateway, MAX_BODY_BYTES)
         if handoff.handed_off(scope):

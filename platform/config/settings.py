@@ -19,6 +19,13 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
 ``LINK_PREFIX``             prefix of every Redis key the platform owns. Default ``llmp``.
 ``DATABASE_TEST_NAME``      name of the test database (tests only). Default: Django's ``test_<name>``.
 ``LOG_LEVEL``               root log level. Default ``INFO``.
+``REQUEST_BODY_TIMEOUT_S``  seconds a gateway request's whole body may take to arrive (gateway/ingress.py); past
+                            it: 408, connection closed. Default 120.
+``REQUEST_BODY_IDLE_TIMEOUT_S``  seconds a gateway request's body may go without a byte. Default 30.
+``LIMITS_SETTLED_MARKER_TTL_S``  seconds a settled key-limit grant's idempotency marker is kept (tenancy/limits.py;
+                            at least the lease TTL, 30 s). Default 600.
+``MM_TENANT_MAX_CONCURRENT``  image (``mm``) tasks a tenant may have queued or running at once, all api processes
+                            together (gateway/media.py); one more: 429. 0 = no bound. Default 2.
 ``MULTIMODAL_API_SOCKET``   unix socket of a multimodal api process (uvicorn ``--uds``) that this api process
                             hands image chats to (gateway/handoff.py). Set by ``manage.py serve`` for the front
                             api. Default empty: image chats are served here.

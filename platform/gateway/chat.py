@@ -11,7 +11,8 @@ from gateway.generation import (
     authenticated_request,
     admission_reserve,
     cache_salt_for,
-    key_limits_acquire,
+    key_limits_acquire_tokens,
+    key_limits_estimate,
     chat_template_for,
     check_prompt_chars,
     link,
@@ -62,11 +63,15 @@ class ChatCompletionsConsumer(GatewayConsumer):
         async with request_scope("chat.completions", new_internal_id(external_id), arrival, ctx, req.model,
                                  req.n or 1) as scope:
             model = await resolve_model(ctx, req.model)
+            # the key's limits before any work (render, images): estimated tokens, settled on the real count
+            scope.grant = await key_limits_acquire_tokens(self, ctx, key_limits_estimate(
+                model, len(body), req.n or 1, req.requested_max_tokens[0]))
             scope.reservation = await admission_precheck(model, scope.recorder.request_id, req.n or 1, len(body))
             tokenizer = await load_tokenizer(model)
             check_prompt_chars(model, tokenizer, message_chars(req.messages), "messages")
             salt = cache_salt_for(ctx, req.cache_salt)
-            rendered = await render_chat_media(model, render_payload(model, req), cache_salt=salt)  # images: + mm
+            rendered = await render_chat_media(model, render_payload(model, req), cache_salt=salt,
+                                               tenant_id=ctx.tenant_id)  # images: + queue mm
             try:
                 processed = process_inputs(
                     req, external_id=external_id, prompt_token_ids=rendered["prompt_token_ids"],
@@ -76,8 +81,6 @@ class ChatCompletionsConsumer(GatewayConsumer):
                     logprobs=(req.top_logprobs or 0) if req.logprobs else None, cache_salt=salt)
             except RequestValidationError as exc:
                 raise to_request_error(exc) from None
-            scope.grant = await key_limits_acquire(self, ctx, prompt_tokens=len(processed.prompt_token_ids),
-                                                   max_tokens=processed.max_tokens, n=len(processed.requests))
             await admission_reserve(scope.reservation, processed)
             attach_media(processed, rendered)
             run = scope.run = GenerationRun(

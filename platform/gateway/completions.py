@@ -11,7 +11,8 @@ from gateway.generation import (
     authenticated_request,
     admission_reserve,
     cache_salt_for,
-    key_limits_acquire,
+    key_limits_acquire_tokens,
+    key_limits_estimate,
     call_render,
     check_prompt_chars,
     link,
@@ -50,6 +51,10 @@ class CompletionsConsumer(GatewayConsumer):
         async with request_scope("completions", new_internal_id(external_id), arrival, ctx, req.model,
                                  req.n or 1) as scope:
             model = await resolve_model(ctx, req.model)
+            prompt_size = len(req.prompt) if isinstance(req.prompt, list) else len(req.prompt.encode())
+            # the key's limits before any work (tokenizing): estimated tokens, settled on the real count
+            scope.grant = await key_limits_acquire_tokens(self, ctx, key_limits_estimate(
+                model, prompt_size, req.n or 1, req.requested_max_tokens[0], exact=isinstance(req.prompt, list)))
             scope.reservation = await admission_precheck(  # token-id prompts: exact; text: UTF-8 bytes bound
                 model, scope.recorder.request_id, req.n or 1,
                 len(req.prompt) if isinstance(req.prompt, list) else len(req.prompt.encode()),
@@ -66,8 +71,6 @@ class CompletionsConsumer(GatewayConsumer):
                     cache_salt=cache_salt_for(ctx, req.cache_salt))
             except RequestValidationError as exc:
                 raise to_request_error(exc) from None
-            scope.grant = await key_limits_acquire(self, ctx, prompt_tokens=len(processed.prompt_token_ids),
-                                                   max_tokens=processed.max_tokens, n=len(processed.requests))
             await admission_reserve(scope.reservation, processed)
             echo_text = ""
             if req.echo:

@@ -43,7 +43,7 @@ from gateway.errors import ApiError, bad_request, unavailable
 from gateway.generation import (
     admission,
     admission_precheck,
-    key_limits_acquire,
+    key_limits_acquire_tokens,
     client_request_id,
     link,
     load_tokenizer,
@@ -53,7 +53,7 @@ from gateway.generation import (
     to_request_error,
 )
 from gateway.http import GatewayConsumer, json_body
-from inference.admission import AdmissionRefused
+from inference.admission import AdmissionRefused, estimate_prompt_tokens
 from inference.engine_client import EngineUnavailableError
 from inference.input_processor import new_internal_id
 from inference.protocol.engine import FINISH_STOP, EngineCoreRequest, SamplingParams
@@ -265,6 +265,11 @@ class EmbeddingsConsumer(GatewayConsumer):
             if req.dimensions is not None and req.dimensions != native:
                 raise bad_request(f"This model does not support 'dimensions' other than its own size ({native}); "
                                   "it has no Matryoshka representation", "dimensions")
+            # the key's limits before any work (tokenizing): each input bounded as the admission pre-check
+            # bounds a prompt; settled on the real count (``run.prompt_tokens``) when the request ends
+            scope.grant = await key_limits_acquire_tokens(self, ctx, sum(
+                estimate_prompt_tokens(len(v.encode()) if isinstance(v, str) else len(v), truncate or max_len,
+                                       exact=not isinstance(v, str)) for v in inputs))
             size = max(len(v.encode()) if isinstance(v, str) else len(v) for v in inputs)
             scope.reservation = await admission_precheck(model, scope.recorder.request_id, len(inputs), size,
                                                          exact=all(isinstance(v, list) for v in inputs))
@@ -279,7 +284,6 @@ class EmbeddingsConsumer(GatewayConsumer):
                 raise bad_request(str(exc), getattr(exc, "param", "input")) from None
             total = sum(len(t) for t in token_ids)
             run.prompt_tokens = total
-            scope.grant = await key_limits_acquire(self, ctx, prompt_tokens=total, max_tokens=0, n=1)
             try:  # n inputs × their mean length (rounded up) ≥ the real total
                 await admission().reserve(scope.reservation.model, scope.reservation.request_id, len(token_ids),
                                           math.ceil(total / len(token_ids)), reservation=scope.reservation)

@@ -42,7 +42,9 @@ from gateway.generation import (
     admission_precheck,
     admission_reserve,
     cache_salt_for,
-    key_limits_acquire,
+    key_limits_acquire_tokens,
+    key_limits_estimate,
+    key_limits_held,
     client_request_id,
     eos_ids_of,
     link,
@@ -117,6 +119,8 @@ class GenerateConsumer(GatewayConsumer):
                                  sp.n or 1) as scope:
             try:
                 model = await resolve_model(ctx, req.model)
+                scope.grant = await key_limits_acquire_tokens(self, ctx, key_limits_estimate(
+                    model, len(req.token_ids), sp.n or 1, sp.max_tokens, exact=True))
                 scope.reservation = await admission_precheck(model, scope.recorder.request_id, sp.n or 1,
                                                              len(req.token_ids), exact=True)
                 tokenizer = await load_tokenizer(model)
@@ -133,8 +137,6 @@ class GenerateConsumer(GatewayConsumer):
                 except RequestValidationError as exc:
                     param = exc.param if exc.param in (None, "token_ids") else f"sampling_params.{exc.param}"
                     raise bad_request(exc.message, param) from None
-                scope.grant = await key_limits_acquire(self, ctx, prompt_tokens=len(processed.prompt_token_ids),
-                                                       max_tokens=processed.max_tokens, n=len(processed.requests))
                 await admission_reserve(scope.reservation, processed)
                 run = scope.run = GenerationRun(
                     model=model, processed=processed, tokenizer=tokenizer, stop=sp.stop or [],
@@ -213,13 +215,14 @@ class AbortRequestsConsumer(GatewayConsumer):
             req = validate_request(AbortRequestsRequest, await json_body(body))
         except RequestValidationError as exc:
             raise bad_request(exc.message, exc.param) from None
-        r = link().redis
-        by_model: dict[str, list[str]] = {}
-        for rid in req.request_ids:
-            for raw in await r.smembers(_abort_key(ctx.tenant_id, rid)):
-                model, internal = msgpack.unpackb(raw)
-                by_model.setdefault(model, []).append(internal)
-        for model, ids in by_model.items():
-            await r.xadd(control_stream(settings.LINK_PREFIX, model), {"a": msgpack.packb(ids)},
-                         maxlen=10000, approximate=True)
-        await self.send_json(200, {})
+        async with key_limits_held(self, ctx):  # one request of the key's RPM and concurrency, no tokens
+            r = link().redis
+            by_model: dict[str, list[str]] = {}
+            for rid in req.request_ids:
+                for raw in await r.smembers(_abort_key(ctx.tenant_id, rid)):
+                    model, internal = msgpack.unpackb(raw)
+                    by_model.setdefault(model, []).append(internal)
+            for model, ids in by_model.items():
+                await r.xadd(control_stream(settings.LINK_PREFIX, model), {"a": msgpack.packb(ids)},
+                             maxlen=10000, approximate=True)
+            await self.send_json(200, {})

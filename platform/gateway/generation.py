@@ -425,6 +425,38 @@ async def key_limits_acquire(consumer, ctx, *, prompt_tokens: int, max_tokens: i
     return grant
 
 
+def key_limits_estimate(model: dict, size: int, n: int, max_tokens: int | None, *, exact: bool = False) -> int:
+    """Upper bound of the tokens a request can use, known before rendering (what ``key_limits_acquire`` reserves
+    for chat, completions and generate before any work): ``prompt + n × completion``, where the prompt is bounded
+    as the admission pre-check bounds it (``estimate_prompt_tokens(size, max_model_len, exact=exact)``: body or
+    prompt bytes plus overhead, or with ``exact`` a token-id prompt's length) and each completion by
+    ``max_tokens`` (``None``: the whole context), the total capped at ``n × max_model_len`` (no child can hold
+    more than the context). Settled on the real count when the request ends (``key_limits_settle``)."""
+    max_len = int(model["max_model_len"])
+    n = max(1, int(n))
+    prompt = estimate_prompt_tokens(size, max_len, exact=exact)
+    completion = max_len if max_tokens is None else max(0, min(int(max_tokens), max_len))
+    return min(limits_reservation(prompt, completion, n), n * max_len)
+
+
+async def key_limits_acquire_tokens(consumer, ctx, tokens: int):
+    """``key_limits_acquire`` of a request that reserves ``tokens`` (its estimate, or 0 for a route that
+    generates nothing: ``/tokenize``, ``/detokenize``, the render routes, ``abort_requests``, ``/v1/models``):
+    one request against RPM, one concurrency slot, ``tokens`` against TPM and budgets. Raises ``ApiError`` 429."""
+    return await key_limits_acquire(consumer, ctx, prompt_tokens=tokens, max_tokens=0, n=1)
+
+
+@asynccontextmanager
+async def key_limits_held(consumer, ctx, tokens: int = 0) -> AsyncIterator[Any]:
+    """Hold the key's limits around a route's work: ``key_limits_acquire_tokens`` on entry (429 when over a
+    limit, nothing held), settled once on any exit (success, error, client disconnect) on ``tokens`` used."""
+    grant = await key_limits_acquire_tokens(consumer, ctx, tokens)
+    try:
+        yield grant
+    finally:
+        await key_limits_settle(grant, None, tokens)
+
+
 async def key_limits_settle(grant, run: "GenerationRun | None", prompt_tokens: int = 0) -> None:
     """Settle a reservation from ``key_limits_acquire`` on the tokens really used (idempotent, never raises)."""
     if grant is None:

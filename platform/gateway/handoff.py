@@ -43,7 +43,7 @@ import aiohttp
 from django.conf import settings
 from multidict import CIMultiDict
 
-from gateway import connection_pass
+from gateway import connection_pass, ingress
 from gateway.errors import ApiError, unavailable
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,8 @@ _RESPONSE_DROP = frozenset({"connection", "keep-alive", "transfer-encoding", "da
 _AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 OUTCOMES = ("passed", "forwarded", "fallback", "failed")
 # Set on forwarded requests: a process that receives one never forwards it again (no loop when a multimodal api
-# is itself, by mistake, given a MULTIMODAL_API_SOCKET). A client sending it only gets served by the front api.
+# is itself, by mistake, given a MULTIMODAL_API_SOCKET). Believed only on a unix-socket listener: the router
+# removes it from any other request (gateway/ingress.py), so a client sending it over TCP changes nothing.
 HANDED_OFF_HEADER = b"x-llmp-handed-off"
 
 Scope = dict
@@ -114,8 +115,11 @@ async def count(outcome: str) -> None:
 
 
 def handed_off(scope: Scope) -> bool:
-    """True when ``scope`` is a request a front api forwarded to this (multimodal api) process."""
-    return not settings.MULTIMODAL_API_SOCKET and any(k == HANDED_OFF_HEADER for k, _v in scope.get("headers", ()))
+    """True when ``scope`` is a request a front api forwarded to this (multimodal api) process: it carries
+    ``HANDED_OFF_HEADER`` and came in on a unix-socket listener (a client over TCP cannot claim it; the router
+    also strips the header from such requests, gateway/ingress.py)."""
+    return (not settings.MULTIMODAL_API_SOCKET and ingress.via_unix_socket(scope)
+            and any(k == HANDED_OFF_HEADER for k, _v in scope.get("headers", ())))
 
 
 async def route(scope: Scope, receive: Receive, send: Send, local_app: App, max_body_bytes: int) -> None:
@@ -144,7 +148,7 @@ async def route(scope: Scope, receive: Receive, send: Send, local_app: App, max_
         if size > max_body_bytes:  # let the gateway refuse it with its own 413
             break
     if found and size <= max_body_bytes:
-        cycle = connection_pass.passable_cycle(scope, receive)
+        cycle = connection_pass.passable_cycle(scope, ingress.server_receive(receive))
         # hand over the connection itself where possible: the front then does nothing more for it
         outcome = await connection_pass.pass_connection(scope, cycle, chunks) if cycle is not None else "kept"
         if outcome == "passed":

@@ -7,6 +7,14 @@ Per-model media domain allowlists come from ``MM_ALLOWED_MEDIA_DOMAINS`` (JSON o
 ``{"served_model_name": ["example.com", "*.cdn.example"]}``), applied by the fetcher to every redirect hop;
 operator network allowlist: ``MM_FETCH_ALLOW_NETS`` (read by the ``mm`` workers, see
 ``inference.media.guard``).
+
+Image work per tenant is bounded (issue 14): a tenant may have at most ``MM_TENANT_MAX_CONCURRENT`` (default 2)
+``mm`` tasks queued or running at once, across every api process (a Redis sorted set of leases per tenant, each
+lease expiring ``MM_WAIT_TIMEOUT_S`` + 10 s after it was taken, so a dead api process's slot comes back by
+itself). One more is refused at once with 429 (``rate_limit_error``, code ``image_concurrency_exceeded``,
+``Retry-After``), before its task is published. With the worker fetching a request's URLs concurrently under one
+deadline (``MM_FETCH_TIMEOUT_S``), a tenant can hold the image workers for at most about K × that deadline
+before another tenant's task runs, however many slow URLs or requests it sends.
 """
 
 from __future__ import annotations
@@ -14,6 +22,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
 
 from django.conf import settings
 
@@ -35,6 +46,48 @@ from inference.renderer.multimodal import (
 )
 
 MM_WAIT_TIMEOUT_S = float(os.environ.get("MM_WAIT_TIMEOUT_S", "60"))
+MM_TENANT_MAX_CONCURRENT = int(os.environ.get("MM_TENANT_MAX_CONCURRENT", "2"))
+
+# KEYS[1] the tenant's lease set. ARGV: lease id, limit, lease ms. Returns 1 (taken) or 0 (full).
+_MM_SLOT_LUA = """
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_ms)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+redis.call('ZADD', KEYS[1], now_ms + tonumber(ARGV[3]), ARGV[1])
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]) * 2)
+return 1
+"""
+
+
+def mm_tenant_key(prefix: str, tenant_id) -> str:
+    """Redis sorted set of a tenant's ``mm`` task leases (member: lease id, score: expiry in ms)."""
+    return f"{prefix}:mm:tenant:{tenant_id}"
+
+
+@asynccontextmanager
+async def mm_tenant_slot(tenant_id) -> AsyncIterator[None]:
+    """Hold one of ``tenant_id``'s ``MM_TENANT_MAX_CONCURRENT`` image-work slots (module docstring) while the
+    body runs; released on every exit. ``tenant_id`` None or a limit of 0: no bound. Raises ``ApiError`` 429 when
+    the tenant already holds them all."""
+    if tenant_id is None or MM_TENANT_MAX_CONCURRENT <= 0:
+        yield
+        return
+    redis = link().redis
+    key, lease = mm_tenant_key(settings.LINK_PREFIX, tenant_id), secrets.token_hex(8)
+    taken = await redis.eval(_MM_SLOT_LUA, 1, key, lease, MM_TENANT_MAX_CONCURRENT,
+                             int((MM_WAIT_TIMEOUT_S + 10) * 1000))
+    if not int(taken):
+        raise ApiError(429, f"Too many image requests in progress for this tenant: at most "
+                       f"{MM_TENANT_MAX_CONCURRENT} at once. Retry after 1 s.", "rate_limit_error", "messages",
+                       "image_concurrency_exceeded", [("retry-after", "1")])
+    try:
+        yield
+    finally:
+        try:
+            await asyncio.shield(redis.zrem(key, lease))
+        except Exception:  # noqa: BLE001 - the lease expires by itself
+            pass
 
 
 def allowed_domains_for(model_name: str) -> list[str]:
@@ -47,9 +100,11 @@ def allowed_domains_for(model_name: str) -> list[str]:
     return [str(v) for v in value] if isinstance(value, list) else []
 
 
-async def call_mm(model: dict, items: list[dict], cache_salt: str) -> list[dict]:
+async def call_mm(model: dict, items: list[dict], cache_salt: str, tenant_id=None) -> list[dict]:
     """Preprocess ``items`` (``{"part", "url"}`` or ``{"part", "key", "blob"}`` each) on the ``mm`` queue, keyed
-    under ``cache_salt``; returns ``[{"key", "num_tokens", "cached"}]``. Client errors → 400 naming the part; no worker in time → 503; worker bug → 500."""
+    under ``cache_salt``, in one of ``tenant_id``'s image-work slots (``mm_tenant_slot``); returns
+    ``[{"key", "num_tokens", "cached"}]``. Client errors → 400 naming the part; tenant over its slots → 429; no
+    worker in time → 503; worker bug → 500."""
     from config.celery import app
 
     payload = {"redis_url": settings.REDIS_URL, "prefix": settings.LINK_PREFIX, "model_dir": model["model_dir"],
@@ -57,8 +112,9 @@ async def call_mm(model: dict, items: list[dict], cache_salt: str) -> list[dict]
                "cache_salt": cache_salt}
     waiter = RenderReplyWaiter.for_current_loop(settings.REDIS_URL, settings.LINK_PREFIX)
     try:
-        result = await waiter.call(app, "inference.mm_preprocess", payload, queue=MM_QUEUE,
-                                   timeout=MM_WAIT_TIMEOUT_S)
+        async with mm_tenant_slot(tenant_id):
+            result = await waiter.call(app, "inference.mm_preprocess", payload, queue=MM_QUEUE,
+                                       timeout=MM_WAIT_TIMEOUT_S)
     except RenderUnavailableError:
         raise unavailable("no multimodal worker answered in time; retry shortly", 2, "mm_unavailable") from None
     if not result.get("ok"):
@@ -116,10 +172,11 @@ async def cached_images(model: dict, items: list[ImageItem], cache_salt: str,
     return out, work
 
 
-async def render_chat_media(model: dict, payload: dict, *, cache_salt: str) -> dict:
+async def render_chat_media(model: dict, payload: dict, *, cache_salt: str, tenant_id=None) -> dict:
     """``call_render("inference.render_chat", payload)``, plus images when the messages have any: returns
     the render result with ``prompt_token_ids`` expanded and ``mm_cache_keys`` (one per image, in order), the
-    feature-cache keys salted with ``cache_salt`` (``generation.cache_salt_for``; issue 14)."""
+    feature-cache keys salted with ``cache_salt`` (``generation.cache_salt_for``; issue 14). ``tenant_id``: whose
+    image-work slot the ``mm`` task takes (``mm_tenant_slot``; None: unbounded)."""
     if not has_images(payload["messages"]):
         return await call_render("inference.render_chat", payload)
     vc = vision_config(model["model_dir"])
@@ -134,7 +191,7 @@ async def render_chat_media(model: dict, payload: dict, *, cache_salt: str) -> d
     missing = [i for i, hit in enumerate(mm_items) if hit is None]
 
     async def preprocess_missing() -> list[dict]:
-        return await call_mm(model, work, cache_salt) if work else []
+        return await call_mm(model, work, cache_salt, tenant_id) if work else []
 
     rendered, fresh = await asyncio.gather(
         call_render("inference.render_chat", {**payload, "messages": messages}), preprocess_missing())

@@ -23,6 +23,12 @@ class ModelsConsumer(GatewayConsumer):
 
     async def handle_request(self, body: bytes) -> None:
         ctx = await auth.authenticate(self.scope["headers"])
+        from gateway.generation import key_limits_held
+
+        async with key_limits_held(self, ctx):  # one request of the key's RPM and concurrency
+            await self._answer(ctx)
+
+    async def _answer(self, ctx) -> None:
         models = await sync_to_async(lambda: list(served_models_enabled()), thread_sensitive=False)()
         cards = [_model_card(m) for m in models
                  if not ctx.allowed_models or m.served_model_name in ctx.allowed_models]

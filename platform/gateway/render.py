@@ -171,21 +171,25 @@ class ChatRenderConsumer(_RenderBase):
 
     async def handle_request(self, body: bytes) -> None:
         from gateway.chat import render_payload
-        from gateway.generation import cache_salt_for, client_request_id, load_tokenizer, resolve_model
+        from gateway.generation import cache_salt_for, client_request_id, key_limits_held, load_tokenizer, \
+            resolve_model
 
         ctx, req = await self._prepare(body, ChatCompletionRequest)
         base_id = client_request_id(self.header(b"x-request-id"), req.request_id)
         self.extra_headers.append((b"x-request-id", base_id.encode()))
         model = await resolve_model(ctx, req.model)
-        tokenizer = await load_tokenizer(model)
-        salt = cache_salt_for(ctx, req.cache_salt)
-        rendered = await render_chat_media(model, render_payload(model, req), cache_salt=salt)
-        processed = self._process(req, external_id="chatcmpl-" + base_id, prompt_ids=rendered["prompt_token_ids"],
-                                  prompt_param="messages", model=model, tokenizer=tokenizer,
-                                  logprobs=(req.top_logprobs or 0) if req.logprobs else None, cache_salt=salt)
-        await self.send_json(200, {"request_id": processed.external_id, "token_ids": processed.prompt_token_ids,
-                                   "sampling_params": sampling_params_dict(processed, req),
-                                   "model": model["served_model_name"], "stream": bool(req.stream)})
+        async with key_limits_held(self, ctx):  # RPM and concurrency before rendering; nothing is generated
+            tokenizer = await load_tokenizer(model)
+            salt = cache_salt_for(ctx, req.cache_salt)
+            rendered = await render_chat_media(model, render_payload(model, req), cache_salt=salt,
+                                               tenant_id=ctx.tenant_id)
+            processed = self._process(req, external_id="chatcmpl-" + base_id,
+                                      prompt_ids=rendered["prompt_token_ids"], prompt_param="messages", model=model,
+                                      tokenizer=tokenizer, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                                      cache_salt=salt)
+            await self.send_json(200, {"request_id": processed.external_id, "token_ids": processed.prompt_token_ids,
+                                       "sampling_params": sampling_params_dict(processed, req),
+                                       "model": model["served_model_name"], "stream": bool(req.stream)})
 
 
 class CompletionRenderConsumer(_RenderBase):
@@ -193,7 +197,8 @@ class CompletionRenderConsumer(_RenderBase):
 
     async def handle_request(self, body: bytes) -> None:
         from gateway.completions import prompt_ids_for
-        from gateway.generation import cache_salt_for, client_request_id, load_tokenizer, resolve_model
+        from gateway.generation import cache_salt_for, client_request_id, key_limits_held, load_tokenizer, \
+            resolve_model
 
         ctx, req = await self._prepare(body, CompletionRequest)
         if req.echo:
@@ -201,12 +206,13 @@ class CompletionRenderConsumer(_RenderBase):
         base_id = client_request_id(self.header(b"x-request-id"), req.request_id)
         self.extra_headers.append((b"x-request-id", base_id.encode()))
         model = await resolve_model(ctx, req.model)
-        tokenizer = await load_tokenizer(model)
-        prompt_ids, _ = await prompt_ids_for(model, req)
-        processed = self._process(req, external_id="cmpl-" + base_id, prompt_ids=prompt_ids,
-                                  prompt_param="prompt", model=model, tokenizer=tokenizer, logprobs=req.logprobs,
-                                  cache_salt=cache_salt_for(ctx, req.cache_salt))
-        await self.send_json(200, [{"request_id": processed.external_id + "-0",
-                                    "token_ids": processed.prompt_token_ids,
-                                    "sampling_params": sampling_params_dict(processed, req),
-                                    "model": model["served_model_name"], "stream": bool(req.stream)}])
+        async with key_limits_held(self, ctx):  # RPM and concurrency before tokenizing; nothing is generated
+            tokenizer = await load_tokenizer(model)
+            prompt_ids, _ = await prompt_ids_for(model, req)
+            processed = self._process(req, external_id="cmpl-" + base_id, prompt_ids=prompt_ids,
+                                      prompt_param="prompt", model=model, tokenizer=tokenizer, logprobs=req.logprobs,
+                                      cache_salt=cache_salt_for(ctx, req.cache_salt))
+            await self.send_json(200, [{"request_id": processed.external_id + "-0",
+                                        "token_ids": processed.prompt_token_ids,
+                                        "sampling_params": sampling_params_dict(processed, req),
+                                        "model": model["served_model_name"], "stream": bool(req.stream)}])

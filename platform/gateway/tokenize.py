@@ -25,7 +25,8 @@ import asyncio
 
 from gateway import auth
 from gateway.errors import bad_request
-from gateway.generation import cache_salt_for, call_render, client_request_id, load_tokenizer, resolve_model
+from gateway.generation import cache_salt_for, call_render, client_request_id, key_limits_held, load_tokenizer, \
+    resolve_model
 from gateway.http import GatewayConsumer, json_body
 from gateway.media import render_chat_media
 from inference.protocol.openai import (
@@ -37,15 +38,17 @@ from inference.protocol.openai import (
 )
 
 
-async def tokenize_ids(model: dict, req, cache_salt: str) -> list[int]:
+async def tokenize_ids(model: dict, req, cache_salt: str, tenant_id: int | None = None) -> list[int]:
     """Token ids of a validated ``/tokenize`` request on ``model`` (chat: rendered template, generation
     prompt included when asked; completion: the prompt, BOS added per ``add_special_tokens``). ``cache_salt``
-    (``generation.cache_salt_for``) keys the image features a chat request's images are stored under."""
+    (``generation.cache_salt_for``) keys the image features a chat request's images are stored under;
+    ``tenant_id``: whose image work it is (``gateway.media.render_chat_media``)."""
     if isinstance(req, TokenizeChatRequest):
         from gateway.chat import render_payload
 
         # images are fetched, processed (queue mm) and their placeholders expanded, as the chat route does
-        result = await render_chat_media(model, render_payload(model, req), cache_salt=cache_salt)
+        result = await render_chat_media(model, render_payload(model, req), cache_salt=cache_salt,
+                                         tenant_id=tenant_id)
     else:
         result = await call_render("inference.tokenize_prompt", {
             "tokenizer_dir": model["tokenizer_dir"], "prompt": req.prompt,
@@ -65,29 +68,31 @@ class _KeyedConsumer(GatewayConsumer):
             raise bad_request(exc.message, exc.param) from None
         model = await resolve_model(ctx, req.model)
         self.cache_salt = cache_salt_for(ctx, getattr(req, "cache_salt", None))
-        return req, model
+        return ctx, req, model
 
 
 class TokenizeConsumer(_KeyedConsumer):
     """``POST /tokenize``."""
 
     async def handle_request(self, body: bytes) -> None:
-        req, model = await self._validated(body)
-        tokens = await tokenize_ids(model, req, self.cache_salt)
-        token_strs = None
-        if req.return_token_strs:
-            tok = await load_tokenizer(model)
-            token_strs = await asyncio.to_thread(lambda: [tok.id_to_token(t) for t in tokens])
-        await self.send_json(200, {"count": len(tokens), "max_model_len": model["max_model_len"],
-                                   "tokens": tokens, "token_strs": token_strs})
+        ctx, req, model = await self._validated(body)
+        async with key_limits_held(self, ctx):  # RPM and concurrency before any work; nothing is generated
+            tokens = await tokenize_ids(model, req, self.cache_salt, ctx.tenant_id)
+            token_strs = None
+            if req.return_token_strs:
+                tok = await load_tokenizer(model)
+                token_strs = await asyncio.to_thread(lambda: [tok.id_to_token(t) for t in tokens])
+            await self.send_json(200, {"count": len(tokens), "max_model_len": model["max_model_len"],
+                                       "tokens": tokens, "token_strs": token_strs})
 
 
 class DetokenizeConsumer(_KeyedConsumer):
     """``POST /detokenize``."""
 
     async def handle_request(self, body: bytes) -> None:
-        req, model = await self._validated(body, DetokenizeRequest)
-        result = await call_render("inference.detokenize", {
-            "tokenizer_dir": model["tokenizer_dir"], "tokens": req.tokens,
-            "skip_special_tokens": bool(req.skip_special_tokens)})
-        await self.send_json(200, {"prompt": result["prompt"]})
+        ctx, req, model = await self._validated(body, DetokenizeRequest)
+        async with key_limits_held(self, ctx):  # RPM and concurrency before any work; nothing is generated
+            result = await call_render("inference.detokenize", {
+                "tokenizer_dir": model["tokenizer_dir"], "tokens": req.tokens,
+                "skip_special_tokens": bool(req.skip_special_tokens)})
+            await self.send_json(200, {"prompt": result["prompt"]})

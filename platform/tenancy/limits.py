@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import calendar
 import math
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -39,7 +40,13 @@ from typing import Any, Protocol
 
 LEASE_TTL_S = 30.0
 BUDGET_PERIODS = ("day", "week", "month")
-_SETTLED_TTL_S = 86_400
+# How long a grant's settled marker lives (``LIMITS_SETTLED_MARKER_TTL_S``, seconds, default 600). The marker makes
+# settling idempotent; the only second settle of a grant is a retry of the same request's exit path (a repeated
+# EVAL after a Redis timeout, a second ``finally``), which comes within seconds of the first, while the request
+# that holds the grant is still finishing. Any TTL longer than that window, and longer than a lease
+# (``LEASE_TTL_S``, so a marker never outlives nothing it guards), is correct; 10 minutes leaves a wide margin and
+# keeps at most 10 minutes of request rate in markers (24 h kept 86 million keys at 1,000 requests/s).
+SETTLED_MARKER_TTL_S = max(LEASE_TTL_S, float(os.environ.get("LIMITS_SETTLED_MARKER_TTL_S", "600")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,11 +473,13 @@ async def limits_acquire(redis, prefix: str, ctx: LimitsContext, *, max_tokens_r
     return grant
 
 
-async def limits_settle(redis, prefix: str, grant: LimitGrant, *, actual_tokens: int) -> bool:
+async def limits_settle(redis, prefix: str, grant: LimitGrant, *, actual_tokens: int,
+                        marker_ttl_s: float | None = None) -> bool:
     """Release ``grant``'s concurrency lease and settle TPM and budgets from reserved to ``actual_tokens``.
 
     Idempotent across calls and processes (a marker ``{prefix}:lim:settled:<grant_id>`` is set in the same
-    Lua call): returns True the first time, False afterwards. Call it exactly once per successful
+    Lua call, kept ``marker_ttl_s`` seconds, default ``SETTLED_MARKER_TTL_S``): returns True the first time, False
+    afterwards. Call it exactly once per successful
     ``limits_acquire``, whatever the request's end (finish, error, client disconnect). ``actual_tokens``
     above the reservation is charged too. Raises ``redis.exceptions.RedisError`` when Redis fails (the
     lease then expires on its own once the keepalive stops).
@@ -490,7 +499,7 @@ async def limits_settle(redis, prefix: str, grant: LimitGrant, *, actual_tokens:
     keys = [f"{prefix}:lim:settled:{grant.grant_id}", tpm[0], conc[0], budget[0], tpm[1], conc[1], budget[1]]
     res = await _script(redis, "settle", _SETTLE_LUA)(
         keys=keys, args=[grant.grant_id, grant.reserved_tokens, max(0, int(actual_tokens)), caps[0], caps[1],
-                         _SETTLED_TTL_S])
+                         max(1, math.ceil(SETTLED_MARKER_TTL_S if marker_ttl_s is None else marker_ttl_s))])
     return bool(int(res))
 
 

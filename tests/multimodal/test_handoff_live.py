@@ -279,3 +279,19 @@ def test_client_leaving_during_the_body_upload_leaves_nothing_behind(live_vl, sp
                                                               "max_tokens": 1})
     assert r.status_code == 200, r.text
     wait_until(lambda: admission_idle(live_vl), 5, "admission idle")
+
+
+def test_handed_off_requests_are_authenticated_by_the_multimodal_api(live_vl, split):
+    """On the multimodal api's unix socket the hand-off header is believed (the request counts as forwarded), yet it
+    never stands in for a key: a relayed request with a wrong key is refused there with 401, and not counted."""
+    _base, sock, _h = split
+    body = {"model": VL_MODEL, "messages": image_messages(34)}
+    before = handoffs(live_vl)
+    with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=60) as http:
+        wrong = http.post("http://mm-api/tokenize", json=body,
+                          headers={"Authorization": "Bearer sk-wrong", "X-LLMP-Handed-Off": "1"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        ok = http.post("http://mm-api/tokenize", json=body,
+                       headers={"Authorization": f"Bearer {live_vl.api_key}", "X-LLMP-Handed-Off": "1"})
+        assert ok.status_code == 200, ok.text
+    assert handoffs(live_vl).get("forwarded", 0) - before.get("forwarded", 0) == 1
