@@ -26,7 +26,7 @@ _cache: OrderedDict[str, tuple[float, dict | None]] = OrderedDict()
 
 async def get_model(name: str) -> dict | None:
     """Snapshot of the enabled served model ``name`` or ``None`` (unknown, disabled or not a valid name)."""
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         return None
     now = time.monotonic()
     hit = _cache.get(name)
