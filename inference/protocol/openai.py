@@ -19,7 +19,7 @@ cap                        value    source / reason
                                     duplicates, which are dropped)
 ``MAX_LOGIT_BIAS``         300      ``logit_bias`` entries (OpenAI's limit)
 ``MAX_MODEL_NAME_LEN``     128      ``model``; also the registry's charset (``SERVED_MODEL_NAME_RE``)
-``MAX_MESSAGES``           2,048    ``messages`` entries (OpenAI refuses longer arrays)
+``MAX_MESSAGES``           2,048    ``messages`` entries (ours; see docs/DECISIONS.md)
 ``MAX_TOOLS``              128      ``tools`` entries (OpenAI: "A max of 128 functions")
 ``MAX_DOCUMENTS``          256      ``documents`` entries
 ``MAX_CONTENT_PARTS``      4,096    content parts over all messages
