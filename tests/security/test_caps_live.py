@@ -49,14 +49,17 @@ OVER_CAP = [
 
 @pytest.mark.parametrize("extra,param", OVER_CAP, ids=[p for _, p in OVER_CAP])
 def test_over_cap_chat_is_400(live, extra, param):
-    assert_400(post(live, "/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 1, **extra}),
-               param)
+    err = assert_400(post(live, "/v1/chat/completions", {"model": MODEL, "messages": MSGS, "max_tokens": 1,
+                                                         **extra}), param)
+    if param == "messages":  # refused by the cap, not because the prompt outgrew the context
+        assert "2048" in err["message"], err
 
 
 def test_large_over_cap_body_is_400_naming_the_field(live):
     """A body over the off-loop threshold (256 KB) is validated in a worker thread, same answer."""
     msgs = [{"role": "user", "content": "x" * 200}] * 2049
-    assert_400(post(live, "/v1/chat/completions", {"model": MODEL, "messages": msgs}), "messages")
+    err = assert_400(post(live, "/v1/chat/completions", {"model": MODEL, "messages": msgs}), "messages")
+    assert "2048" in err["message"], err
 
 
 def test_too_many_json_containers_is_400(live):
