@@ -35,6 +35,7 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
+import numpy as np
 import pydantic_core
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
@@ -104,16 +105,20 @@ MAX_JSON_DEPTH = 100
 # 4,096 content parts and 128 tool schemas stay far below); a body with more is refused before parsing, so
 # parsing allocates at most ~10x the body plus a bounded amount (issue 14).
 MAX_JSON_CONTAINERS = 50_000
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
 def _json_containers(body: bytes) -> int:
-    """Number of ``{`` and ``[`` in ``body`` outside JSON strings (objects + arrays of valid JSON)."""
+    """Number of ``{`` and ``[`` in ``body`` outside JSON strings (objects + arrays of valid JSON; any
+    count for invalid JSON, which the parser refuses anyway). Linear, vectorised (~0.1 s and ~5 copies of
+    a 16 MB body, and only when a plain count of ``{``/``[`` exceeds the cap): escape pairs (``\\\\``,
+    then ``\\"``) are removed left to right as JSON pairs them; what follows an odd number of quotes is
+    inside a string."""
     rough = body.count(b"{") + body.count(b"[")
     if rough <= MAX_JSON_CONTAINERS:
         return rough  # an upper bound is enough
-    bare = _JSON_STRING.sub(b"", body)
-    return bare.count(b"{") + bare.count(b"[")
+    text = np.frombuffer(body.replace(b"\\\\", b"").replace(b'\\"', b""), dtype=np.uint8)
+    inside = np.logical_xor.accumulate(text == ord('"'))
+    return int(np.count_nonzero(((text == ord("{")) | (text == ord("["))) & ~inside))
 
 
 def _too_deep(data: Any, limit: int = MAX_JSON_DEPTH) -> bool:
