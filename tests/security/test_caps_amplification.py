@@ -284,3 +284,13 @@ def test_client_request_id_caps_header_and_body():
         with pytest.raises(ApiError) as exc:
             client_request_id(header, body)
         assert exc.value.param == param
+
+
+def test_json_containers_are_counted_outside_strings():
+    """Brackets inside strings (escaped quotes and backslashes included) do not count; 50,000 real ones pass."""
+    tricky = {"a": 'x{["{\\', "b": [{"c": "\\\\"}, '\\"[{'], "d": "[" * 10}
+    ok = dumps({"model": "m", "messages": MSGS, "x": [tricky] * 16_000})  # 3 containers each + 4
+    assert not isinstance(peak_of(lambda: parse_json_body(ok))[1], RequestValidationError)
+    over = dumps({"model": "m", "messages": MSGS, "x": [tricky] * 17_000})
+    result = peak_of(lambda: parse_json_body(over))[1]
+    assert isinstance(result, RequestValidationError) and "50000" in result.message
