@@ -151,7 +151,8 @@ class EngineCore:
     def _poll(self) -> None:
         """Read new requests and aborts; block briefly only when there is nothing to run."""
         idle = not self.running and not self.waiting
-        # Take at most what fits soon (2 × max_num_seqs held), leaving the rest to other replicas.
+        # Take at most what fits soon (2 × max_num_seqs held), leaving the rest to other replicas. The count is
+        # of stream entries: an entry holding the n children of one request (``pack_requests``) adds n.
         room = self.max_num_seqs * 2 - len(self.waiting) - len(self.running)
         resp = None
         if room > 0:
