@@ -201,10 +201,11 @@ def _check_request_id(v: str | None) -> str | None:
     return v
 
 
-def _check_token_id_list(v: list[int] | None) -> list[int]:
-    """Non-negative ids, duplicates dropped (first occurrence order kept), at most ``MAX_STOP_TOKEN_IDS``."""
+def _check_token_id_list(v: list[int] | None) -> list[int] | None:
+    """Non-negative ids, duplicates dropped (first occurrence order kept), at most ``MAX_STOP_TOKEN_IDS``;
+    ``None`` (not provided: the model's defaults apply) stays ``None``."""
     if v is None:
-        return []
+        return None
     if any(i < 0 for i in v):
         raise ValueError("token ids must be non-negative")
     out = list(dict.fromkeys(v))
