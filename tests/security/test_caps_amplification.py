@@ -294,3 +294,19 @@ def test_json_containers_are_counted_outside_strings():
     over = dumps({"model": "m", "messages": MSGS, "x": [tricky] * 17_000})
     result = peak_of(lambda: parse_json_body(over))[1]
     assert isinstance(result, RequestValidationError) and "50000" in result.message
+
+
+def test_large_bodies_are_validated_off_the_event_loop():
+    """Over ``OFF_LOOP_PARSE_BYTES`` (256 KB) the validation runs in a worker thread, as the parse does."""
+    import asyncio
+    import threading
+
+    from gateway.generation import validated_body
+
+    def where(data):
+        return threading.current_thread() is threading.main_thread()
+
+    small = dumps({"model": "m", "messages": MSGS})
+    large = dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 300_000}]})
+    assert asyncio.run(validated_body(small, where)) is True
+    assert asyncio.run(validated_body(large, where)) is False
