@@ -39,6 +39,7 @@ from inference.protocol.engine import (
     outputs_stream,
     replica_key,
     live_replica_keys,
+    pack_requests,
     replicas_index_key,
     requests_stream,
 )
@@ -146,9 +147,10 @@ class EngineLink:
             # reads all of them in one go and batches them (n children, the inputs of one embeddings call).
             # A plain pipeline woke it at the first XADD: one forward for 1 input, another for the rest
             # (32 inputs: 99 ms instead of ~75).
-            async with self.redis.pipeline(transaction=len(requests) > 1) as pipe:
-                for req in requests:
-                    pipe.xadd(requests_stream(self.prefix, model), {"r": req.to_wire()})
+            entries = pack_requests(requests)  # n children of one request: one entry, shared fields once
+            async with self.redis.pipeline(transaction=len(entries) > 1) as pipe:
+                for entry in entries:
+                    pipe.xadd(requests_stream(self.prefix, model), entry)
                 await pipe.execute()
         except BaseException:
             for req in requests:

@@ -96,11 +96,26 @@ class IncrementalDetokenizer:
         return out
 
 
+def _failure(s: str) -> list[int]:
+    """KMP failure function: ``fail[q]`` is the length of the longest proper border (a prefix that is also a
+    suffix) of ``s[:q]``, for q in 0..len(s)."""
+    fail = [0] * (len(s) + 1)
+    k = 0
+    for q in range(1, len(s)):
+        while k and s[q] != s[k]:
+            k = fail[k]
+        if s[q] == s[k]:
+            k += 1
+        fail[q + 1] = k
+    return fail
+
+
 class StopChecker:
     """Stop-string handling over incremental text.
 
     Args:
-        stop: stop strings (non-empty strings; OpenAI allows up to 4, vLLM's default limit).
+        stop: stop strings (non-empty strings; OpenAI allows up to 4, vLLM's default limit; the request
+            schemas cap each at ``MAX_STOP_STRING_LEN`` characters).
         include_stop_str_in_output: keep the matched stop string at the end of the output.
 
     ``push(text)`` returns ``(text_safe_to_emit, matched_stop_or_None)``. Once a stop string
@@ -117,7 +132,12 @@ class StopChecker:
     stop strings overlap.
     Without ``include_stop_str_in_output`` a tail that is a proper prefix of a stop string is held
     back; with it, text before any possible stop is emitted at once.
-    Cost per push: O((len(text) + longest stop) x number of stops).
+
+    Algorithm: one Knuth-Morris-Pratt automaton per stop string, its state (the length of the longest
+    suffix of all text so far that is a proper prefix of that stop string) carried across pushes, so each
+    character is examined once per stop string whatever the chunking. Cost per push: O(len(text) x number
+    of stops) amortized, plus O(held-back text) to cut it; building the automata is O(total stop length).
+    Held-back text is at most the longest stop string.
     """
 
     def __init__(self, stop: list[str] | None, include_stop_str_in_output: bool = False):
@@ -127,9 +147,11 @@ class StopChecker:
                 raise ValueError("stop strings must be non-empty strings")
         self.stop = stops
         self.include = include_stop_str_in_output
-        self._max_len = max((len(s) for s in stops), default=0)
+        self._fail = [_failure(s) for s in stops]
+        self._state = [0] * len(stops)  # per stop: longest suffix of the text that is a proper prefix of it
+        self._first: list[int | None] = [None] * len(stops)  # per stop: start of its first occurrence
+        self._emitted = 0  # characters emitted so far (absolute position where _pending starts)
         self._pending = ""  # received, not yet emitted
-        self._tail = ""  # last (max_len - 1) characters already emitted
         self.matched: str | None = None
 
     @property
@@ -137,29 +159,41 @@ class StopChecker:
         """True once a stop string matched."""
         return self.matched is not None
 
-    def _earliest_match(self, window: str) -> tuple[int, str] | None:
+    def _scan(self, text: str, offset: int) -> None:
+        """Advance every automaton over ``text``, which starts at absolute position ``offset``."""
+        for k, s in enumerate(self.stop):
+            fail, q, n = self._fail[k], self._state[k], len(s)
+            first = self._first[k]
+            for i, ch in enumerate(text):
+                while q and s[q] != ch:
+                    q = fail[q]
+                if s[q] == ch:
+                    q += 1
+                if q == n:
+                    if first is None:
+                        first = offset + i + 1 - n
+                    q = fail[n]
+            self._state[k], self._first[k] = q, first
+
+    def _earliest_match(self) -> tuple[int, str] | None:
         best: tuple[int, str] | None = None
-        for s in self.stop:
-            i = window.find(s)
-            if i != -1 and (best is None or i < best[0] or (i == best[0] and len(s) < len(best[1]))):
+        for s, i in zip(self.stop, self._first):
+            if i is not None and (best is None or i < best[0] or (i == best[0] and len(s) < len(best[1]))):
                 best = (i, s)
         return best
 
-    def _earliest_partial(self, window: str, before: int) -> int | None:
-        """Smallest j < ``before`` where ``window[j:]`` is a proper prefix of some stop string."""
-        for j in range(max(0, len(window) - self._max_len + 1), min(before, len(window))):
-            suffix = window[j:]
-            for s in self.stop:
-                if len(s) > len(suffix) and s.startswith(suffix):
-                    return j
-        return None
+    def _earliest_partial(self, end: int) -> int | None:
+        """Smallest start j where the text from j to ``end`` (its end) is a proper prefix of a stop string."""
+        longest = max(self._state, default=0)
+        return end - longest if longest else None
 
-    def _finish(self, window: str, base: int, match: tuple[int, str]) -> str:
+    def _finish(self, match: tuple[int, str]) -> str:
         start, s = match
         end = start + len(s) if self.include else start
+        out = self._pending[: end - self._emitted] if end > self._emitted else ""
         self.matched = s
         self._pending = ""
-        return window[base:end] if end > base else ""
+        return out
 
     def push(self, text: str) -> tuple[str, str | None]:
         """Feed newly decoded text; returns (text to emit now, matched stop string or None)."""
@@ -167,33 +201,33 @@ class StopChecker:
             return "", self.matched
         if not self.stop:
             return text, None
-        window = self._tail + self._pending + text
-        base = len(self._tail)  # window[base:] has not been emitted
-        match = self._earliest_match(window)
+        base = self._emitted
+        end = base + len(self._pending) + len(text)
+        self._scan(text, end - len(text))
+        self._pending += text
+        match = self._earliest_match()
         if match is not None:
-            j = self._earliest_partial(window, match[0])
-            if j is None:
-                return self._finish(window, base, match), self.matched
+            j = self._earliest_partial(end)
+            if j is None or j >= match[0]:
+                return self._finish(match), self.matched
             cut = max(base, j)
         elif self.include:
-            cut = len(window)
+            cut = end
         else:
-            j = self._earliest_partial(window, len(window))
-            cut = len(window) if j is None else max(base, j)
-        emit = window[base:cut]
-        self._pending = window[cut:]
-        emitted = window[:cut]
-        self._tail = emitted[-(self._max_len - 1) :] if self._max_len > 1 else ""
+            j = self._earliest_partial(end)
+            cut = end if j is None else max(base, j)
+        emit = self._pending[: cut - base]
+        self._pending = self._pending[cut - base :]
+        self._emitted = cut
         return emit, None
 
     def flush(self) -> tuple[str, str | None]:
         """End of stream: returns (held-back text, matched stop or None)."""
         if self.matched is not None:
             return "", self.matched
-        window = self._tail + self._pending
-        base = len(self._tail)
-        match = self._earliest_match(window) if self.stop else None
+        match = self._earliest_match() if self.stop else None
         if match is not None:
-            return self._finish(window, base, match), self.matched
+            return self._finish(match), self.matched
         out, self._pending = self._pending, ""
+        self._emitted += len(out)
         return out, None

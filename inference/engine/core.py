@@ -42,6 +42,7 @@ from inference.protocol.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    unpack_entry,
     EngineStats,
     control_stream,
     outputs_stream,
@@ -150,7 +151,8 @@ class EngineCore:
     def _poll(self) -> None:
         """Read new requests and aborts; block briefly only when there is nothing to run."""
         idle = not self.running and not self.waiting
-        # Take at most what fits soon (2 × max_num_seqs held), leaving the rest to other replicas.
+        # Take at most what fits soon (2 × max_num_seqs held), leaving the rest to other replicas. The count is
+        # of stream entries: an entry holding the n children of one request (``pack_requests``) adds n.
         room = self.max_num_seqs * 2 - len(self.waiting) - len(self.running)
         resp = None
         if room > 0:
@@ -160,7 +162,7 @@ class EngineCore:
         for _stream, entries in resp or []:
             for entry_id, fields in entries:
                 accepted_ids.append(entry_id)
-                self._accept(fields.get(b"r"))
+                self._accept(fields)
         if room - len(accepted_ids) > 0 and time.monotonic() >= self._next_reclaim:
             accepted_ids += self._reclaim(room - len(accepted_ids))
         # the acknowledgement and the read of aborts share one round trip
@@ -196,19 +198,24 @@ class EngineCore:
             taken.append(entry_id)
             if fields:  # None: the entry was deleted (trimmed) while pending
                 log.warning("took over request entry %s left pending by a dead replica", entry_id)
-                self._accept(fields.get(b"r"))
+                self._accept(fields)
         for c in self.redis.xinfo_consumers(self.req_key, ENGINE_GROUP):
             name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
             if name != self.consumer and not c["pending"] and c["idle"] > CONSUMER_FORGET_MS:
                 self.redis.xgroup_delconsumer(self.req_key, ENGINE_GROUP, name)
         return taken
 
-    def _accept(self, raw: bytes | None) -> None:
+    def _accept(self, fields: dict[bytes, bytes]) -> None:
+        """Accept the request(s) of one stream entry (one request, or the ``n`` children of one)."""
         try:
-            req = EngineCoreRequest.from_wire(raw)
+            requests = unpack_entry(fields)
         except Exception as exc:  # malformed: nobody to answer to
             log.error("dropping malformed request: %s", exc)
             return
+        for req in requests:
+            self._accept_one(req)
+
+    def _accept_one(self, req: EngineCoreRequest) -> None:
         seq = Sequence(request=req, queued_ts=now(), rng=make_rng(req.sampling_params.seed))
         base = dict(request_id=req.request_id, queued_ts=seq.queued_ts, engine_id=self.engine_id)
         try:
@@ -279,10 +286,10 @@ class EngineCore:
         sp = seq.params
         n = len(seq.output_token_ids)
         if n >= sp.min_tokens:
-            if not sp.ignore_eos and token in sp.eos_token_ids:
+            if not sp.ignore_eos and token in seq.eos_ids:
                 seq.finish_reason = FINISH_STOP
                 return
-            if token in sp.stop_token_ids:
+            if token in seq.stop_ids:
                 seq.finish_reason, seq.stop_reason = FINISH_STOP, token
                 return
         if n >= sp.max_tokens or len(seq.request.prompt_token_ids) + n >= self.runner.max_model_len:

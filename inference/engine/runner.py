@@ -67,6 +67,13 @@ class Sequence:
     block_hashes: list[bytes] | None = None
     prefix_entry: PrefixEntry | None = None
     num_cached_tokens: int = 0
+    # ``stop_token_ids`` / ``eos_token_ids`` as sets, built once: the stop check is a lookup per step
+    stop_ids: frozenset[int] = frozenset()
+    eos_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        self.stop_ids = frozenset(self.request.sampling_params.stop_token_ids)
+        self.eos_ids = frozenset(self.request.sampling_params.eos_token_ids)
 
     @property
     def request_id(self) -> str:

@@ -7,7 +7,8 @@ msgpack (``to_wire`` / ``from_wire``); field names follow vLLM's v1 engine (``En
 Link layout (DESIGN.md §6), all keys prefixed by ``link_prefix`` (default ``llmp``):
 
 * ``{p}:engine:{model}:requests``  Redis Stream, consumer group ``engines``; one entry per
-  ``EngineCoreRequest`` (field ``r`` = msgpack bytes). Every replica of ``model`` is a consumer of the
+  ``EngineCoreRequest`` (field ``r`` = msgpack bytes), or one per group of ``n`` children of one API
+  request (field ``g``, the shared fields once: ``pack_requests``). Every replica of ``model`` is a consumer of the
   group, so replicas share one queue.
 * ``{p}:engine:{model}:control``  Redis Stream read (without a group) by every replica of ``model``;
   entries ``{"a": msgpack([request_id, ...])}`` abort those internal request ids wherever they run.
@@ -167,6 +168,59 @@ class EngineCoreRequest:
         sp = raw.pop("sampling_params")
         sp["logit_bias"] = {int(k): float(v) for k, v in (sp.get("logit_bias") or {}).items()}
         return cls(sampling_params=SamplingParams(**sp), **raw)
+
+
+def pack_requests(requests: list[EngineCoreRequest]) -> list[dict[str, bytes]]:
+    """Request-stream entries (Redis stream field maps) for ``requests``, in order.
+
+    The ``n`` children of one API request differ only in ``request_id`` and ``sampling_params.seed``: a run
+    of consecutive requests that share everything else (the same prompt list object, equal other fields)
+    becomes one entry ``{"g": msgpack({"shared": <request map without request_id, seed>, "children":
+    [[request_id, seed], ...]})}``, so the prompt, ``stop_token_ids``, ``eos_token_ids`` and ``logit_bias``
+    cross the link (and sit in the stream) once per request, not ``n`` times. Any other request is one
+    entry ``{"r": to_wire()}``. ``unpack_entry`` is the inverse.
+    """
+    entries: list[dict[str, bytes]] = []
+    i = 0
+    while i < len(requests):
+        first = requests[i]
+        j = i + 1
+        if not first.pooling:
+            shared = _shared_map(first)
+            while j < len(requests) and requests[j].prompt_token_ids is first.prompt_token_ids \
+                    and _shared_map(requests[j]) == shared:
+                j += 1
+        if j - i == 1:
+            entries.append({"r": first.to_wire()})
+        else:
+            children = [[r.request_id, r.sampling_params.seed] for r in requests[i:j]]
+            entries.append({"g": msgpack.packb({"shared": shared, "children": children}, use_bin_type=True)})
+        i = j
+    return entries
+
+
+def _shared_map(req: EngineCoreRequest) -> dict[str, Any]:
+    sp = {k: v for k, v in req.sampling_params.__dict__.items() if k != "seed"}
+    return {**{k: v for k, v in req.__dict__.items() if k != "request_id"}, "sampling_params": sp}
+
+
+def unpack_entry(fields: dict[bytes, bytes]) -> list[EngineCoreRequest]:
+    """The requests of one request-stream entry (``{b"r": ...}`` or ``{b"g": ...}``, see
+    ``pack_requests``). Children of a group share one prompt list and one ``stop_token_ids`` /
+    ``eos_token_ids`` / ``logit_bias`` object (read-only on the engine). Raises ``TypeError`` /
+    ``ValueError`` / ``KeyError`` on malformed data; ``[]`` for an entry with neither field."""
+    raw = fields.get(b"r")
+    if raw is not None:
+        return [EngineCoreRequest.from_wire(raw)]
+    raw = fields.get(b"g")
+    if raw is None:
+        return []
+    group = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    shared = group["shared"]
+    sp = shared.pop("sampling_params")
+    sp["logit_bias"] = {int(k): float(v) for k, v in (sp.get("logit_bias") or {}).items()}
+    return [EngineCoreRequest(request_id=str(rid), sampling_params=SamplingParams(**sp, seed=seed), **shared)
+            for rid, seed in group["children"]]
 
 
 @dataclass

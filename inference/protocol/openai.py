@@ -7,6 +7,25 @@ and ignored (C28, vLLM's ``OpenAIBaseModel``). Ranges follow OpenAI and vLLM's `
 (reference/vllm_frontend.md §2): temperature [0, 2], top_p (0, 1], penalties [-2, 2], n [1, 128],
 logit_bias values [-100, 100], at most 4 stop strings, top_logprobs [0, 20].
 
+Size caps (issue 14: no body under the 16 MB body cap may make a process allocate more than 10x its size,
+nor spend CPU quadratic in it); each over-cap value is a 400 naming the field:
+
+=========================  =======  ==============================================================
+cap                        value    source / reason
+=========================  =======  ==============================================================
+``MAX_STOP_STRING_LEN``    1,024    characters per stop string (OpenAI documents none; Bedrock caps
+                                    at 1,000); 4 strings, so 4,096 in total
+``MAX_STOP_TOKEN_IDS``     256      ``stop_token_ids`` / ``eos_token_ids`` entries (after removing
+                                    duplicates, which are dropped)
+``MAX_LOGIT_BIAS``         300      ``logit_bias`` entries (OpenAI's limit)
+``MAX_MODEL_NAME_LEN``     128      ``model``; also the registry's charset (``SERVED_MODEL_NAME_RE``)
+``MAX_MESSAGES``           2,048    ``messages`` entries (ours; see docs/DECISIONS.md)
+``MAX_TOOLS``              128      ``tools`` entries (OpenAI: "A max of 128 functions")
+``MAX_DOCUMENTS``          256      ``documents`` entries
+``MAX_CONTENT_PARTS``      4,096    content parts over all messages
+``MAX_REQUEST_ID_LEN``     128      ``request_id``; no control characters (it is echoed in a header)
+=========================  =======  ==============================================================
+
 Cross-field rules that need the model (lengths, vocabulary) live in ``inference.input_processor``.
 """
 
@@ -14,15 +33,30 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+import numpy as np
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 MAX_STOP_STRINGS = 4
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
 MAX_REQUEST_ID_LEN = 128
+MAX_STOP_STRING_LEN = 1024
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300
+MAX_MODEL_NAME_LEN = 128
+MAX_MESSAGES = 2048
+MAX_TOOLS = 128
+MAX_DOCUMENTS = 256
+MAX_CONTENT_PARTS = 4096
+# The registry's rule for a served model name (platform/registry/models.py SERVED_MODEL_NAME_RE, kept equal by
+# tests/security/test_caps_amplification.py): a ``model`` that does not match can name no served model.
+SERVED_MODEL_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
+_MODEL_NAME = re.compile(SERVED_MODEL_NAME_RE)
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 class RequestValidationError(ValueError):
@@ -66,6 +100,25 @@ def _lone_surrogate_path(data: Any) -> str | None:
 
 
 MAX_JSON_DEPTH = 100
+# Every JSON object/array becomes a Python dict/list of 56-250 bytes however short its text ("{}," is 3
+# bytes): 16 MB of them parse into ~700 MB. No API body needs this many (2,048 messages with tool calls,
+# 4,096 content parts and 128 tool schemas stay far below); a body with more is refused before parsing, so
+# parsing allocates at most ~10x the body plus a bounded amount (issue 14).
+MAX_JSON_CONTAINERS = 50_000
+
+
+def _json_containers(body: bytes) -> int:
+    """Number of ``{`` and ``[`` in ``body`` outside JSON strings (objects + arrays of valid JSON; any
+    count for invalid JSON, which the parser refuses anyway). Linear, vectorised (~0.1 s and ~5 copies of
+    a 16 MB body, and only when a plain count of ``{``/``[`` exceeds the cap): escape pairs (``\\\\``,
+    then ``\\"``) are removed left to right as JSON pairs them; what follows an odd number of quotes is
+    inside a string."""
+    rough = body.count(b"{") + body.count(b"[")
+    if rough <= MAX_JSON_CONTAINERS:
+        return rough  # an upper bound is enough
+    text = np.frombuffer(body.replace(b"\\\\", b"").replace(b'\\"', b""), dtype=np.uint8)
+    inside = np.logical_xor.accumulate(text == ord('"'))
+    return int(np.count_nonzero(((text == ord("{")) | (text == ord("["))) & ~inside))
 
 
 def _too_deep(data: Any, limit: int = MAX_JSON_DEPTH) -> bool:
@@ -91,10 +144,16 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
     depth bound is also what keeps a body safe to pickle on its way to a prefork Celery child (about 500
     levels exhaust Python's recursion limit there and take the whole worker down).
 
+    More than ``MAX_JSON_CONTAINERS`` (50,000) objects and arrays is refused before parsing (400, no
+    ``param``): they are what makes parsed JSON many times larger than its text.
+
     Parsed by pydantic-core's JSON parser (jiter; about 9x faster than the standard library on a 4 MB
     image ``data:`` URL), which accepts only valid Unicode text and no ``NaN``. Any body it refuses is
     parsed again by the standard library, which gives the precise error.
     """
+    if _json_containers(body) > MAX_JSON_CONTAINERS:
+        raise RequestValidationError(f"The request body holds more than {MAX_JSON_CONTAINERS} JSON objects and "
+                                     f"arrays", None)
     try:
         data = pydantic_core.from_json(body, allow_inf_nan=False)
     except ValueError:
@@ -126,6 +185,45 @@ def _parse_json_body_std(body: bytes) -> Any:
                 f"Invalid value for '{bad}': the string contains a lone UTF-16 surrogate, which is not valid "
                 f"Unicode text", bad)
     return data
+
+
+def _check_model_name(v: str | None) -> str | None:
+    if v is not None and not _MODEL_NAME.fullmatch(v):
+        raise ValueError("not a served model name (1-128 characters: letters, digits and . _ : / -, starting "
+                         "with a letter or digit)")
+    return v
+
+
+def _check_request_id(v: str | None) -> str | None:
+    if v is not None and _CONTROL_CHARS.search(v):
+        raise ValueError("request_id must not contain control characters (it is echoed in the X-Request-Id "
+                         "header)")
+    return v
+
+
+def _check_token_id_list(v: list[int] | None) -> list[int] | None:
+    """Non-negative ids, duplicates dropped (first occurrence order kept), at most ``MAX_STOP_TOKEN_IDS``;
+    ``None`` (not provided: the model's defaults apply) stays ``None``."""
+    if v is None:
+        return None
+    if any(i < 0 for i in v):
+        raise ValueError("token ids must be non-negative")
+    out = list(dict.fromkeys(v))
+    if len(out) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} distinct token ids are allowed")
+    return out
+
+
+ModelName = Annotated[str | None, Field(default=None, max_length=MAX_MODEL_NAME_LEN),
+                      AfterValidator(_check_model_name)]
+"""``model``: at most ``MAX_MODEL_NAME_LEN`` characters matching ``SERVED_MODEL_NAME_RE``, or null."""
+RequestId = Annotated[str | None, Field(default=None, max_length=MAX_REQUEST_ID_LEN),
+                      AfterValidator(_check_request_id)]
+"""A client ``request_id``: at most ``MAX_REQUEST_ID_LEN`` characters, no control characters, or null."""
+TokenIdList = Annotated[list[int] | None, Field(default=None, max_length=16 * MAX_STOP_TOKEN_IDS),
+                        AfterValidator(_check_token_id_list)]
+"""``stop_token_ids`` / ``eos_token_ids``: see ``_check_token_id_list`` (a list longer than 16x the cap is
+refused before the duplicates are even looked at)."""
 
 
 class _Base(BaseModel):
@@ -261,7 +359,7 @@ def check_tools(tools: list["ChatTool"] | None, tool_choice: Any) -> None:
 class _SamplingFields(_Base):
     """Sampling fields shared by chat and completions (OpenAI + vLLM extensions)."""
 
-    model: str | None = None
+    model: ModelName = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, le=1_000_000)
@@ -269,7 +367,7 @@ class _SamplingFields(_Base):
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     n: int | None = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIdList = None
     ignore_eos: bool | None = False
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -281,7 +379,7 @@ class _SamplingFields(_Base):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    request_id: str | None = Field(default=None, max_length=MAX_REQUEST_ID_LEN)
+    request_id: RequestId = None
     # vLLM's ``cache_salt`` (``vllm/entrypoints/openai/protocol.py``: a non-empty string when given): salts the
     # prefix cache so only requests with the same salt share cached prefixes. Here it narrows sharing further
     # within the caller's cache group; it never replaces the tenant salt the gateway adds (issue 14).
@@ -308,7 +406,17 @@ class _SamplingFields(_Base):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed")
         if any(s == "" for s in items):
             raise ValueError("stop sequences must not be empty strings")
+        if any(len(s) > MAX_STOP_STRING_LEN for s in items):
+            raise ValueError(f"stop sequences may be at most {MAX_STOP_STRING_LEN} characters long")
         return items
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _count_logit_bias(cls, v: Any) -> Any:
+        # before pydantic copies the mapping: an over-cap one is refused without building anything
+        if isinstance(v, dict) and len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -323,15 +431,6 @@ class _SamplingFields(_Base):
                 raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
             if not -100.0 <= value <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {key}")
-        return v
-
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _check_stop_ids(cls, v: list[int] | None) -> list[int]:
-        if v is None:
-            return []
-        if any(i < 0 for i in v):
-            raise ValueError("stop_token_ids must be non-negative token ids")
         return v
 
     @model_validator(mode="after")
@@ -349,11 +448,11 @@ class _ChatTemplateFields(_Base):
     """Fields and checks every chat-style body shares (chat completions, ``/tokenize``, render): the messages
     and the template arguments (reference/vllm_frontend.md §2.1, conformance C02, C06, C35)."""
 
-    model: str | None = None
-    messages: list[ChatMessage]
-    tools: list[ChatTool] | None = None
+    model: ModelName = None
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
-    documents: list[dict[str, Any]] | None = None
+    documents: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_DOCUMENTS)
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     add_special_tokens: bool | None = False
@@ -365,6 +464,9 @@ class _ChatTemplateFields(_Base):
     def _non_empty(cls, v: list[ChatMessage]) -> list[ChatMessage]:
         if not v:
             raise ValueError("messages must contain at least one message")
+        parts = sum(len(m.content) for m in v if isinstance(m.content, list))
+        if parts > MAX_CONTENT_PARTS:
+            raise ValueError(f"messages may hold at most {MAX_CONTENT_PARTS} content parts in all, got {parts}")
         return v
 
     @model_validator(mode="after")
@@ -490,7 +592,7 @@ def validate_request(model_cls: type[_Base], data: dict[str, Any]) -> Any:
 class TokenizeCompletionRequest(_Base):
     """``POST /tokenize`` with a completion-style body (reference/vllm_frontend.md §10.1)."""
 
-    model: str | None = None
+    model: ModelName = None
     prompt: str
     add_special_tokens: bool | None = True
     return_token_strs: bool | None = False
@@ -521,7 +623,7 @@ def tokenize_request_class(data: dict[str, Any]) -> type[_Base]:
 class DetokenizeRequest(_Base):
     """``POST /detokenize``: ``{"model", "tokens": [int, ...]}`` → ``{"prompt": str}``."""
 
-    model: str | None = None
+    model: ModelName = None
     tokens: list[int]
     skip_special_tokens: bool | None = False
 
@@ -554,8 +656,8 @@ class GenerateSamplingParams(_Base):
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     max_tokens: int | None = Field(default=None, ge=1)
     min_tokens: int | None = Field(default=0, ge=0)
-    stop_token_ids: list[int] | None = None
-    eos_token_ids: list[int] | None = None
+    stop_token_ids: TokenIdList = None
+    eos_token_ids: TokenIdList = None
     ignore_eos: bool | None = False
     presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
@@ -567,6 +669,7 @@ class GenerateSamplingParams(_Base):
     skip_special_tokens: bool | None = True
 
     _check_stop = field_validator("stop")(_SamplingFields._check_stop.__func__)
+    _count_logit_bias = field_validator("logit_bias", mode="before")(_SamplingFields._count_logit_bias.__func__)
     _check_logit_bias = field_validator("logit_bias")(_SamplingFields._check_logit_bias.__func__)
 
     @model_validator(mode="after")
@@ -574,16 +677,14 @@ class GenerateSamplingParams(_Base):
         if (self.n or 1) > 1 and self.temperature is not None and self.temperature < 1e-5:
             raise RequestValidationError("n must be 1 when using greedy sampling (temperature 0)",
                                          "sampling_params.n")
-        if self.stop_token_ids and any(i < 0 for i in self.stop_token_ids):
-            raise RequestValidationError("stop_token_ids must be non-negative", "sampling_params.stop_token_ids")
         return self
 
 
 class GenerateRequest(_Base):
     """``POST /inference/v1/generate`` body (vLLM's ``GenerateRequest``, text-only subset)."""
 
-    model: str | None = None
-    request_id: str | None = Field(default=None, max_length=MAX_REQUEST_ID_LEN)
+    model: ModelName = None
+    request_id: RequestId = None
     token_ids: list[int] = Field(min_length=1)
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: bool | None = False
@@ -602,4 +703,4 @@ class GenerateRequest(_Base):
 class AbortRequestsRequest(_Base):
     """``POST /inference/v1/abort_requests``: ``{"request_ids": [str, ...]}``."""
 
-    request_ids: list[str] = Field(max_length=1024)
+    request_ids: list[Annotated[str, Field(max_length=MAX_REQUEST_ID_LEN + 64)]] = Field(max_length=1024)

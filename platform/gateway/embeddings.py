@@ -13,7 +13,8 @@ Request (OpenAI, plus vLLM's ``truncate_prompt_tokens`` / ``add_special_tokens``
   truncation, special tokens kept, like ``tokenizer(..., truncation=True, max_length=k)``; token ids:
   the first ``k``); ``-1`` means ``max_model_len``; ``k > max_model_len`` is a 400. Without it an input
   longer than ``max_model_len`` is a 400 naming the input.
-* ``user``, ``request_id``: accepted (the id is echoed as ``X-Request-Id``).
+* ``user``, ``request_id``: accepted (the id, at most 128 characters without control characters, is echoed
+  as ``X-Request-Id``).
 
 Path (same machinery as generation, DESIGN.md §2): API key → validate → model (must have task ``embed``)
 → admission pre-check → tokenize (the process-wide tokenizer cache, on a thread: the inputs are plain
@@ -45,6 +46,7 @@ from gateway.generation import (
     admission_precheck,
     key_limits_acquire_tokens,
     client_request_id,
+    validated_body,
     link,
     load_tokenizer,
     overloaded,
@@ -52,12 +54,12 @@ from gateway.generation import (
     resolve_model,
     to_request_error,
 )
-from gateway.http import GatewayConsumer, json_body
+from gateway.http import GatewayConsumer
 from inference.admission import AdmissionRefused, estimate_prompt_tokens
 from inference.engine_client import EngineUnavailableError
 from inference.input_processor import new_internal_id
 from inference.protocol.engine import FINISH_STOP, EngineCoreRequest, SamplingParams
-from inference.protocol.openai import RequestValidationError, validate_request
+from inference.protocol.openai import ModelName, RequestId, RequestValidationError, validate_request
 
 MAX_EMBEDDING_INPUTS = 2048
 
@@ -66,14 +68,14 @@ class EmbeddingRequest(BaseModel):
     """Scalar fields of an embeddings request; ``input`` is checked by ``normalize_input``."""
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
-    model: str | None = None
+    model: ModelName = None
     input: Any = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool = True
-    request_id: str | None = None
+    request_id: RequestId = None
 
 
 def normalize_input(value: Any) -> list[str | list[int]]:
@@ -165,6 +167,16 @@ class EmbeddingRun:
     finished_time: float | None = None
 
 
+def pooling_requests(external_id: str, token_ids: list[list[int]], client_id: str, arrival: float,
+                     ) -> list[EngineCoreRequest]:
+    """One pooling ``EngineCoreRequest`` per input; ids ``<external_id>-<i>-<8 hex>`` (``external_id`` is at
+    most ``MAX_REQUEST_ID_LEN`` + 5 characters, so 2,048 inputs add well under 1 MB of ids)."""
+    return [EngineCoreRequest(
+        request_id=f"{external_id}-{i}-{secrets.token_hex(4)}", external_req_id=external_id,
+        prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=1), client_id=client_id,
+        arrival_time=arrival, pooling=True) for i, ids in enumerate(token_ids)]
+
+
 async def run_pooling(model: dict, external_id: str, token_ids: list[list[int]], arrival: float,
                       ) -> list[np.ndarray]:
     """Send one pooling request per input to ``model``'s replicas and return the vectors in input order.
@@ -174,10 +186,7 @@ async def run_pooling(model: dict, external_id: str, token_ids: list[list[int]],
     """
     lk = link()
     queue: asyncio.Queue = asyncio.Queue()
-    reqs = [EngineCoreRequest(
-        request_id=f"{external_id}-{i}-{secrets.token_hex(4)}", external_req_id=external_id,
-        prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=1), client_id=lk.client_id,
-        arrival_time=arrival, pooling=True) for i, ids in enumerate(token_ids)]
+    reqs = pooling_requests(external_id, token_ids, lk.client_id, arrival)
     index = {r.request_id: i for i, r in enumerate(reqs)}
     vectors: list[np.ndarray | None] = [None] * len(reqs)
     try:
@@ -228,6 +237,12 @@ def encode_vector(vec: np.ndarray, encoding_format: str) -> np.ndarray | str:
     return np.ascontiguousarray(vec, dtype=np.float32)
 
 
+def _validate_embeddings(data: dict) -> tuple[EmbeddingRequest, list[str | list[int]]]:
+    """The validated request and its normalized inputs (raises ``RequestValidationError``)."""
+    req = validate_request(EmbeddingRequest, data)
+    return req, normalize_input(req.input)
+
+
 class EmbeddingsConsumer(GatewayConsumer):
     """``POST /v1/embeddings``: validate, tokenize, admit, pool on the engine, answer, record usage."""
 
@@ -236,9 +251,7 @@ class EmbeddingsConsumer(GatewayConsumer):
         ctx = await auth.authenticate(self.scope["headers"])
         auth.require_scope(ctx, "inference")
         try:
-            data = await json_body(body)
-            req = validate_request(EmbeddingRequest, data)
-            inputs = normalize_input(req.input)
+            req, inputs = await validated_body(body, _validate_embeddings)
         except RequestValidationError as exc:
             raise to_request_error(exc) from None
         base_id = client_request_id(self.header(b"x-request-id"), req.request_id)

@@ -29,6 +29,7 @@ even for ids that are unknown or already finished, as vLLM does.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 
@@ -46,6 +47,7 @@ from gateway.generation import (
     key_limits_estimate,
     key_limits_held,
     client_request_id,
+    validated_body,
     eos_ids_of,
     link,
     load_tokenizer,
@@ -107,7 +109,7 @@ class GenerateConsumer(GatewayConsumer):
         ctx = await auth.authenticate(self.scope["headers"])
         auth.require_scope(ctx, "inference")
         try:
-            req = validate_request(GenerateRequest, await json_body(body))
+            req = await validated_body(body, functools.partial(validate_request, GenerateRequest))
         except RequestValidationError as exc:
             raise bad_request(exc.message, exc.param) from None
         external_id = req.request_id or "generate-tokens-" + client_request_id(self.header(b"x-request-id"), None)

@@ -8,19 +8,20 @@ into text (incremental detokenization, stop strings) and records usage exactly o
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from django.conf import settings
 
 from gateway import auth
 from gateway.errors import ApiError, bad_request, not_found, unavailable
-from gateway.http import json_body
+from gateway.http import OFF_LOOP_PARSE_BYTES, json_body
 from gateway.model_cache import get_model
 from inference.admission import Admission, AdmissionRefused, Reservation, estimate_prompt_tokens
 from inference.engine_client import EngineLink, EngineUnavailableError
@@ -94,21 +95,37 @@ async def admission_release(reservation: Reservation | None) -> None:
 def client_request_id(header_value: bytes | None, body_value: str | None) -> str:
     """The client's request id: ``X-Request-Id`` header, else body ``request_id``, else random.
 
-    Capped at ``MAX_REQUEST_ID_LEN`` characters (longer header values are refused with 400 by the caller
-    via ``ApiError``); only printable ASCII is kept.
+    Capped at ``MAX_REQUEST_ID_LEN`` characters: a longer value, or a header value with control characters
+    (it is echoed as a header), raises ``ApiError`` 400 (param ``X-Request-Id`` or ``request_id``); only
+    printable ASCII is kept.
     """
     raw = None
     if header_value:
         raw = header_value.decode("latin-1")
         if len(raw) > MAX_REQUEST_ID_LEN:
             raise bad_request(f"X-Request-Id is longer than {MAX_REQUEST_ID_LEN} characters", "X-Request-Id")
+        if any(ord(ch) < 32 or ord(ch) == 127 for ch in raw):
+            raise bad_request("X-Request-Id must not contain control characters", "X-Request-Id")
     elif body_value:
+        if len(body_value) > MAX_REQUEST_ID_LEN:  # the schemas cap it too; this keeps every caller bounded
+            raise bad_request(f"request_id is longer than {MAX_REQUEST_ID_LEN} characters", "request_id")
         raw = body_value
     if raw:
         cleaned = "".join(ch for ch in raw if 32 < ord(ch) < 127)
         if cleaned:
             return cleaned
     return secrets.token_hex(8)
+
+
+async def validated_body(body: bytes, validate: Callable[[dict], Any]) -> Any:
+    """``validate(await json_body(body))``: the validation too runs in a worker thread when the body is over
+    ``OFF_LOOP_PARSE_BYTES``, as its parsing does (validating a large body, e.g. 2,048 messages or a long
+    token-id list, takes milliseconds: not on the event loop). Raises what they raise
+    (``RequestValidationError``)."""
+    data = await json_body(body)
+    if len(body) > OFF_LOOP_PARSE_BYTES:
+        return await asyncio.to_thread(validate, data)
+    return validate(data)
 
 
 async def authenticated_request(consumer, body: bytes, schema, id_prefix: str):
@@ -119,7 +136,7 @@ async def authenticated_request(consumer, body: bytes, schema, id_prefix: str):
     ctx = await auth.authenticate(consumer.scope["headers"])
     auth.require_scope(ctx, "inference")
     try:
-        req = validate_request(schema, await json_body(body))
+        req = await validated_body(body, functools.partial(validate_request, schema))
     except RequestValidationError as exc:
         raise to_request_error(exc) from None
     base_id = client_request_id(consumer.header(b"x-request-id"), req.request_id)

@@ -1,31 +1,43 @@
 """Per-process cache of served-model snapshots (registry rows as plain dicts), at most 1 s old.
 
 The ORM read runs off the event loop; a model disabled or edited in the admin is seen by every api process
-within a second.
+within a second. The cache is a bounded LRU (``MODEL_CACHE_MAX_ENTRIES``) holding known and unknown names
+alike, so a stream of made-up names can neither grow it nor flush the served models out of it all at once;
+a name that cannot be a served model name (``SERVED_MODEL_NAME_RE``) is answered ``None`` without a query
+and is not cached.
 """
 
 from __future__ import annotations
 
+import re
 import time
+from collections import OrderedDict
 
 from asgiref.sync import sync_to_async
 
+from inference.protocol.openai import SERVED_MODEL_NAME_RE
 from registry.selectors import served_model_snapshot
 
 MODEL_CACHE_TTL_S = 1.0
-_cache: dict[str, tuple[float, dict | None]] = {}
+MODEL_CACHE_MAX_ENTRIES = 1024
+_NAME = re.compile(SERVED_MODEL_NAME_RE)
+_cache: OrderedDict[str, tuple[float, dict | None]] = OrderedDict()
 
 
 async def get_model(name: str) -> dict | None:
-    """Snapshot of the enabled served model ``name`` or ``None`` (unknown or disabled)."""
+    """Snapshot of the enabled served model ``name`` or ``None`` (unknown, disabled or not a valid name)."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        return None
     now = time.monotonic()
     hit = _cache.get(name)
     if hit is not None and hit[0] > now:
+        _cache.move_to_end(name)
         return hit[1]
     snap = await sync_to_async(served_model_snapshot, thread_sensitive=False)(name)
     if snap is not None and not snap.get("enabled", True):
         snap = None
-    if len(_cache) > 1000:
-        _cache.clear()
     _cache[name] = (now + MODEL_CACHE_TTL_S, snap)
+    _cache.move_to_end(name)
+    while len(_cache) > MODEL_CACHE_MAX_ENTRIES:
+        _cache.popitem(last=False)
     return snap

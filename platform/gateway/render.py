@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +43,7 @@ from django.conf import settings
 
 from gateway import auth
 from gateway.errors import ApiError, bad_request
-from gateway.http import GatewayConsumer, json_body
+from gateway.http import GatewayConsumer
 from gateway.media import render_chat_media
 from inference.input_processor import generation_defaults, process_inputs
 from inference.protocol.openai import (
@@ -145,10 +146,12 @@ def sampling_params_dict(processed, req) -> dict[str, Any]:
 
 class _RenderBase(GatewayConsumer):
     async def _prepare(self, body: bytes, schema):
+        from gateway.generation import validated_body
+
         ctx = await auth.authenticate(self.scope["headers"])
         auth.require_scope(ctx, "inference")
         try:
-            req = validate_request(schema, await json_body(body))
+            req = await validated_body(body, functools.partial(validate_request, schema))
         except RequestValidationError as exc:
             raise bad_request(exc.message, exc.param) from None
         return ctx, req

@@ -25,9 +25,16 @@ import asyncio
 
 from gateway import auth
 from gateway.errors import bad_request
-from gateway.generation import cache_salt_for, call_render, client_request_id, key_limits_held, load_tokenizer, \
-    resolve_model
-from gateway.http import GatewayConsumer, json_body
+from gateway.generation import (
+    cache_salt_for,
+    call_render,
+    client_request_id,
+    key_limits_held,
+    load_tokenizer,
+    resolve_model,
+    validated_body,
+)
+from gateway.http import GatewayConsumer
 from gateway.media import render_chat_media
 from inference.protocol.openai import (
     DetokenizeRequest,
@@ -62,8 +69,8 @@ class _KeyedConsumer(GatewayConsumer):
         auth.require_scope(ctx, "inference")
         self.extra_headers.append((b"x-request-id", client_request_id(self.header(b"x-request-id"), None).encode()))
         try:
-            data = await json_body(body)
-            req = validate_request(schema or tokenize_request_class(data), data)
+            req = await validated_body(body, lambda data: validate_request(schema or tokenize_request_class(data),
+                                                                            data))
         except RequestValidationError as exc:
             raise bad_request(exc.message, exc.param) from None
         model = await resolve_model(ctx, req.model)
