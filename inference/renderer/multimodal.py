@@ -229,7 +229,7 @@ def preprocess_images(redis_client, prefix: str, model_dir: str, urls: list[dict
     policy = FetchPolicy(allowed_domains=list(allowed_domains or []))
     if max_bytes:
         policy.max_bytes = int(max_bytes)
-    url_keys = {i: _url_cache_key(prefix, it["url"], policy, settings_hash) for i, it in enumerate(urls)
+    url_keys = {i: _url_cache_key(prefix, it["url"], policy, settings_hash, cache_salt) for i, it in enumerate(urls)
                  if not it.get("blob") and it["url"].split(":", 1)[0].lower() in ("http", "https")}
     cached_urls = dict(zip(url_keys, redis_client.mget(list(url_keys.values())))) if url_keys else {}
     to_fetch = [i for i in url_keys if cached_urls[i] is None or cache.get_meta(cached_urls[i].decode()) is None]
@@ -253,16 +253,12 @@ def preprocess_images(redis_client, prefix: str, model_dir: str, urls: list[dict
                             "cached": meta is not None})
             continue
         url = item["url"]
-        key = None
-        url_key = None
-        if not url.startswith("data:"):
-            url_key = _url_cache_key(prefix, url, policy, settings_hash, cache_salt)
-            cached = redis_client.get(url_key)
-            if cached is not None:
-                meta = cache.get_meta(cached.decode())
-                if meta is not None:
-                    results.append({"key": cached.decode(), "num_tokens": meta["num_tokens"], "cached": True})
-                    continue
+        url_key = url_keys.get(index)
+        if url_key is not None and index not in fetched and cached_urls[index] is not None:
+            meta = cache.get_meta(cached_urls[index].decode())  # looked up above: a hit, unless it expired since
+            if meta is not None:
+                results.append({"key": cached_urls[index].decode(), "num_tokens": meta["num_tokens"], "cached": True})
+                continue
         if url.startswith("data:"):
             data = parse_data_url(url, part, policy.max_bytes)
         elif url.split(":", 1)[0].lower() in ("http", "https"):
