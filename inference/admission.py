@@ -1,4 +1,4 @@
-"""Shared admission control in Redis (DESIGN.md §3; better than vLLM's, reference/vllm_frontend.md §8).
+"""Shared admission control in Redis (DESIGN.md §3; better than vLLM's, vLLM's frontend, §8).
 
 Django-free (``redis.asyncio`` for the api processes, plain ``redis`` for the control plane). Every check
 and every counter change is one Lua script, so it is atomic across all api processes on all machines and

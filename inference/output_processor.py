@@ -15,12 +15,25 @@ Importable without Django and torch. Two pieces, used per request (per choice) i
   ``include_stop_str_in_output``).
 
 Both give the same total output whether tokens are pushed one by one or all at once.
+
+On top of them, the per-request output state (vLLM's ``vllm/v1/engine/output_processor.py`` shape):
+
+* ``ChoiceState``: one choice (one engine child request): its detokenizer, stop checker, text, ids, logprobs,
+  finish.
+* ``RequestState``: one API request: its ``n`` choices (n > 1 reassembly: children ``<id>-<i>`` map back to
+  choice ``i``), token counts for usage, first-token and finish times.
+* ``OutputProcessor.process_outputs(outputs)``: applies engine outputs (``EngineCoreOutput``) to the states
+  and returns the new text per choice (``ChoiceDelta``), the child ids to abort (a stop string matched
+  before the engine stopped) and the choices whose first tokens arrived (the admission prefill release).
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
 
+from inference.protocol.engine import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, EngineCoreOutput
 from inference.renderer.tokenizer_cache import LoadedTokenizer
 
 INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5  # vLLM's value
@@ -231,3 +244,173 @@ class StopChecker:
         out, self._pending = self._pending, ""
         self._emitted += len(out)
         return out, None
+
+
+# ----------------------------------------------------------------------------- per-request output state
+
+
+@dataclass
+class ChoiceState:
+    """Output state of one choice (one engine child request)."""
+
+    index: int
+    request_id: str
+    detok: IncrementalDetokenizer
+    stops: StopChecker
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class ChoiceDelta:
+    """New text (and the ids that produced it) of one choice; ``finish_reason`` set on its last delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class RequestState:
+    """Output state of one API request: ``n`` ``ChoiceState`` s, one per engine child request.
+
+    Args:
+        tokenizer: the model's ``LoadedTokenizer``.
+        prompt_token_ids: the prompt all children share (decoding context).
+        child_request_ids: the engine request ids, in choice order (choice ``i`` ↔ ``child_request_ids[i]``).
+        stop / include_stop_str_in_output / skip_special_tokens: the request's text options (OpenAI/vLLM).
+        arrival_time: ``time.time()`` when the request arrived (seconds).
+    """
+
+    def __init__(self, tokenizer: LoadedTokenizer, prompt_token_ids: list[int], child_request_ids: list[str], *,
+                 stop: list[str] | None, include_stop_str_in_output: bool, skip_special_tokens: bool,
+                 arrival_time: float):
+        self.prompt_token_ids = prompt_token_ids
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.choices = [ChoiceState(
+            index=i, request_id=rid,
+            detok=IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens),
+            stops=StopChecker(stop, include_stop_str_in_output)) for i, rid in enumerate(child_request_ids)]
+        self.by_id = {c.request_id: c for c in self.choices}
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens (counted once, however many choices)."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Output tokens of all choices together."""
+        return sum(len(c.token_ids) for c in self.choices)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (the most any child reported)."""
+        return max((c.num_cached_tokens for c in self.choices), default=0)
+
+    @property
+    def finished(self) -> bool:
+        """True when every choice has a finish reason."""
+        return all(c.finish_reason is not None for c in self.choices)
+
+    def abort_unfinished(self) -> list[str]:
+        """Mark every unfinished choice ``abort``; returns their engine request ids (to abort on the engine)."""
+        unfinished = [c.request_id for c in self.choices if c.finish_reason is None]
+        for c in self.choices:
+            if c.finish_reason is None:
+                c.finish_reason = FINISH_ABORT
+        return unfinished
+
+    def error_message(self) -> str | None:
+        """The first engine error of any choice (``None`` when no choice failed)."""
+        for c in self.choices:
+            if c.finish_reason == FINISH_ERROR:
+                return c.error or "The engine failed while generating"
+        return None
+
+
+@dataclass
+class OutputProcessorOutput:
+    """What one ``process_outputs`` call produced (vLLM's ``OutputProcessorOutput``).
+
+    ``deltas``: new text per choice, in output order. ``reqs_to_abort``: child ids whose stop string matched
+    before the engine finished them (abort them on the engine). ``first_tokens``: ``(choice index, ttft_s)``
+    for each choice whose first output tokens arrived in this call; ``ttft_s`` (seconds since arrival) only on
+    the request's very first tokens, else ``None``.
+    """
+
+    deltas: list[ChoiceDelta] = field(default_factory=list)
+    reqs_to_abort: list[str] = field(default_factory=list)
+    first_tokens: list[tuple[int, float | None]] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Turns engine outputs of one request's children into text deltas (detokenize, stop strings, finish).
+
+    ``process_outputs`` is synchronous and pure bookkeeping (no I/O); the caller aborts ``reqs_to_abort`` on the
+    engine and releases the prefill reservation of ``first_tokens``. Outputs of unknown or already finished
+    children are ignored.
+    """
+
+    def __init__(self, state: RequestState):
+        self.state = state
+        self._seen_first: set[int] = set()
+
+    def process_outputs(self, outputs: Iterable[EngineCoreOutput]) -> OutputProcessorOutput:
+        """Apply ``outputs`` in order; see ``OutputProcessorOutput``."""
+        result = OutputProcessorOutput()
+        for out in outputs:
+            choice = self.state.by_id.get(out.request_id)
+            if choice is None or choice.finish_reason is not None:
+                continue
+            first = self.state.first_token_time is None
+            delta, abort = self._apply(choice, out)
+            if out.new_token_ids and choice.index not in self._seen_first:
+                self._seen_first.add(choice.index)
+                ttft = (self.state.first_token_time - self.state.arrival_time) \
+                    if first and self.state.first_token_time else None
+                result.first_tokens.append((choice.index, ttft))
+            if abort:
+                result.reqs_to_abort.append(choice.request_id)
+            if delta is not None:
+                result.deltas.append(delta)
+        if self.state.finished and self.state.finished_time is None:
+            self.state.finished_time = time.time()
+        return result
+
+    def _apply(self, state: ChoiceState, out: EngineCoreOutput) -> tuple[ChoiceDelta | None, bool]:
+        if out.num_cached_tokens:
+            state.num_cached_tokens = out.num_cached_tokens
+        new_ids = list(out.new_token_ids)
+        if new_ids and self.state.first_token_time is None:
+            self.state.first_token_time = time.time()
+        state.token_ids.extend(new_ids)
+        if out.new_logprobs:
+            state.logprobs.extend(out.new_logprobs)
+        text = state.detok.push(new_ids) if new_ids else ""
+        finish = out.finish_reason
+        if finish is not None:
+            text += state.detok.flush()
+        emit, matched = state.stops.push(text)
+        if matched is not None:
+            state.finish_reason, state.stop_reason = FINISH_STOP, matched
+            state.text += emit
+            return ChoiceDelta(state.index, emit, new_ids, FINISH_STOP, matched), finish is None
+        if finish is not None:
+            tail, late_match = state.stops.flush()
+            emit += tail
+            state.finish_reason = FINISH_STOP if late_match is not None else finish
+            state.stop_reason = late_match if late_match is not None else out.stop_reason
+            state.error = out.error
+        state.text += emit
+        if not emit and not new_ids and finish is None:
+            return None, False
+        return ChoiceDelta(state.index, emit, new_ids, state.finish_reason, state.stop_reason), False

@@ -20,7 +20,9 @@ Batching design, and why (measured on the 2-core CPU box, tiny Qwen3 demo model,
   over rows with per-request ``random.Random(seed)`` draws (inverse CDF), so seeded outputs do not
   depend on batch companions. Measured: 929 tokens/s at batch 16 greedy (generate: 668), 774 with
   temperature 1 (generate with sampling: 194), 83 tokens/s at batch 1 (generate: 72).
-* Not provided: prefix sharing (``num_cached_tokens`` is always 0), paged attention, chunked prefill
+* Prefix sharing: automatic prefix caching of full prompt blocks, salted per tenant (``prefix_cache.py``;
+  ``num_cached_tokens`` reports the prompt tokens it served).
+* Not provided: paged attention, chunked prefill
   (a prompt is prefilled in one forward; ``--max-prefill-tokens`` bounds the tokens per prefill
   group), sliding-window / hybrid cache layers (only full-attention ``DynamicLayer`` caches).
 """

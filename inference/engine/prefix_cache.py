@@ -1,4 +1,4 @@
-"""Automatic prefix caching for the engine's KV cache (issue 6: the second identical image request).
+"""Automatic prefix caching for the engine's KV cache (the second identical image request).
 
 A prompt's KV is reusable by any later prompt that starts with the same tokens: vLLM's automatic prefix caching
 (docs "Automatic Prefix Caching"; ``vllm/v1/core/kv_cache_utils.py``) splits prompts into blocks of
@@ -53,7 +53,7 @@ def block_hashes(token_ids: list[int], spans: list[ImageSpan] = (), block_size: 
     spans overlap the block, so equal hashes mean equal tokens and equal images up to that block's end.
     A non-empty ``cache_salt`` is mixed into the first block's hash only (the chain carries it to every later
     block), as vLLM does (``generate_block_hash_extra_keys`` in ``vllm/v1/core/kv_cache_utils.py``): prompts
-    with different salts never share a block (issue 14: tenant isolation).
+    with different salts never share a block (tenant isolation).
     A trailing partial block has no hash (it is never reused).
     """
     ids = np.asarray(token_ids, dtype=np.int64)

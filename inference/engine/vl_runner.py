@@ -1,4 +1,4 @@
-"""Model runner for Qwen-VL-architecture vision-language models (issue 6).
+"""Model runner for Qwen-VL-architecture vision-language models.
 
 Extends ``ModelRunner`` (same right-aligned batch KV cache, same sampling) with:
 

@@ -1,9 +1,9 @@
-"""Shared, bounded cache of processed image features in Redis (issue 6; vLLM's processor cache, §5.2).
+"""Shared, bounded cache of processed image features in Redis (vLLM's processor cache, §5.2).
 
 Key: ``mm_cache_key(image_bytes, processor_settings, cache_salt)`` = SHA-256 over the processor settings
 (canonical JSON), the caller's cache salt and the image bytes, so the same image sent twice by one tenant (or
 cache group), by any process, is processed once, another tenant's copy is processed and stored on its own
-(issue 14), and a change of processor settings never returns stale features.
+and a change of processor settings never returns stale features.
 
 Layout (all under ``{prefix}:mm:``):
 
@@ -60,7 +60,7 @@ return evicted
 
 def mm_cache_key(image_bytes: bytes, processor_settings: dict, cache_salt: str | None = None) -> str:
     """SHA-256 hex of the canonical JSON of ``processor_settings``, the cache salt (when given) and the image
-    bytes. The salt (the gateway's per-tenant ``cache_salt``, issue 14) keeps tenants from sharing, and so
+    bytes. The salt (the gateway's per-tenant ``cache_salt``) keeps tenants from sharing, and so
     from probing, each other's processed images; the engine's encoder cache and the prefix cache's image keys
     use this key too, so they are partitioned the same way."""
     h = hashlib.sha256()

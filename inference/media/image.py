@@ -1,4 +1,4 @@
-"""Image decoding with Pillow under decompression-bomb limits (issue 6).
+"""Image decoding with Pillow under decompression-bomb limits.
 
 ``decode_image(data, part)`` accepts PNG, JPEG, WebP and GIF (first frame) bytes and returns an RGB
 ``PIL.Image``. Every failure is an ``ImageError`` (HTTP 400) whose message and ``param`` name the message

@@ -140,7 +140,7 @@ class EngineCoreRequest:
     client_id: str
     arrival_time: float
     priority: int = 0
-    # Optional additions (issue 6), defaults keep old senders valid:
+    # Optional additions, defaults keep old senders valid:
     # ``pooling``: an encode (embedding) request: the engine answers with one output carrying ``pooled``
     # and ``finish_reason == "stop"``; ``sampling_params`` are ignored then (a pooling-mode engine refuses
     # requests without it, a generate engine refuses requests with it).
@@ -149,7 +149,7 @@ class EngineCoreRequest:
     # the pixels never cross the link.
     pooling: bool = False
     mm_cache_keys: list[str] = field(default_factory=list)
-    # ``cache_salt`` (issue 14; vLLM's ``EngineCoreRequest.cache_salt``): mixed into the hash of the prompt's
+    # ``cache_salt`` (vLLM's ``EngineCoreRequest.cache_salt``): mixed into the hash of the prompt's
     # first prefix-cache block, so cached prefixes are shared only between requests with the same salt. The
     # gateway sets it from the caller's cache group (and the request's own ``cache_salt``); ``None`` = unsalted.
     cache_salt: str | None = None
@@ -250,7 +250,7 @@ class EngineCoreOutput:
     scheduled_ts: float | None = None
     first_token_ts: float | None = None
     engine_id: str | None = None
-    # Optional addition (issue 6): the pooled vector of a ``pooling`` request, float32 little-endian bytes
+    # Optional addition: the pooled vector of a ``pooling`` request, float32 little-endian bytes
     # (``dim × 4`` bytes; ``numpy.frombuffer(pooled, "<f4")``), on its (single, finished) output.
     pooled: bytes | None = None
 

@@ -4,10 +4,10 @@ Types are strict as in the OpenAI API: a string where an integer or number is ex
 integer is expected, or a boolean where a number is expected is a 400 naming the field (conformance C14,
 C29). ``null`` means "not provided" for every optional field (C15). Unknown top-level fields are accepted
 and ignored (C28, vLLM's ``OpenAIBaseModel``). Ranges follow OpenAI and vLLM's ``protocol.py``
-(reference/vllm_frontend.md §2): temperature [0, 2], top_p (0, 1], penalties [-2, 2], n [1, 128],
+(vLLM's frontend, §2): temperature [0, 2], top_p (0, 1], penalties [-2, 2], n [1, 128],
 logit_bias values [-100, 100], at most 4 stop strings, top_logprobs [0, 20].
 
-Size caps (issue 14: no body under the 16 MB body cap may make a process allocate more than 10x its size,
+Size caps (no body under the 16 MB body cap may make a process allocate more than 10x its size,
 nor spend CPU quadratic in it); each over-cap value is a 400 naming the field:
 
 =========================  =======  ==============================================================
@@ -103,7 +103,7 @@ MAX_JSON_DEPTH = 100
 # Every JSON object/array becomes a Python dict/list of 56-250 bytes however short its text ("{}," is 3
 # bytes): 16 MB of them parse into ~700 MB. No API body needs this many (2,048 messages with tool calls,
 # 4,096 content parts and 128 tool schemas stay far below); a body with more is refused before parsing, so
-# parsing allocates at most ~10x the body plus a bounded amount (issue 14).
+# parsing allocates at most ~10x the body plus a bounded amount.
 MAX_JSON_CONTAINERS = 50_000
 
 
@@ -316,7 +316,7 @@ def check_chat_template_kwargs(kwargs: dict[str, Any] | None) -> None:
 
 
 def check_tools(tools: list["ChatTool"] | None, tool_choice: Any) -> None:
-    """Validate ``tools`` against ``tool_choice`` (OpenAI rules, reference/vllm_frontend.md §2.1).
+    """Validate ``tools`` against ``tool_choice`` (OpenAI rules, vLLM's frontend, §2.1).
 
     ``tool_choice``: ``"none"``, ``"auto"``, ``"required"`` or ``{"type": "function", "function":
     {"name": ...}}``; anything but ``"none"`` needs ``tools``; a named choice must name one of them; tool
@@ -382,7 +382,7 @@ class _SamplingFields(_Base):
     request_id: RequestId = None
     # vLLM's ``cache_salt`` (``vllm/entrypoints/openai/protocol.py``: a non-empty string when given): salts the
     # prefix cache so only requests with the same salt share cached prefixes. Here it narrows sharing further
-    # within the caller's cache group; it never replaces the tenant salt the gateway adds (issue 14).
+    # within the caller's cache group; it never replaces the tenant salt the gateway adds.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     return_token_ids: bool | None = False
     response_format: dict[str, Any] | None = None
@@ -446,7 +446,7 @@ class _SamplingFields(_Base):
 
 class _ChatTemplateFields(_Base):
     """Fields and checks every chat-style body shares (chat completions, ``/tokenize``, render): the messages
-    and the template arguments (reference/vllm_frontend.md §2.1, conformance C02, C06, C35)."""
+    and the template arguments (vLLM's frontend, §2.1, conformance C02, C06, C35)."""
 
     model: ModelName = None
     messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
@@ -590,7 +590,7 @@ def validate_request(model_cls: type[_Base], data: dict[str, Any]) -> Any:
 
 
 class TokenizeCompletionRequest(_Base):
-    """``POST /tokenize`` with a completion-style body (reference/vllm_frontend.md §10.1)."""
+    """``POST /tokenize`` with a completion-style body (vLLM's frontend, §10.1)."""
 
     model: ModelName = None
     prompt: str

@@ -1,5 +1,5 @@
-"""Chat-template rendering, tokenization and the tokenizer cache (Django-, torch- and
-transformers-free). Public API:
+"""Chat-template rendering, tokenization and the tokenizer cache (Django- and torch-free; transformers only in
+``multimodal.get_image_processor``, a lazy load that runs in the ``mm`` workers). Public API:
 
 * ``render_chat(tokenizer_dir, messages, *, add_generation_prompt=True, continue_final_message=False,
   tools=None, documents=None, chat_template=None, chat_template_kwargs=None, add_special_tokens=False,

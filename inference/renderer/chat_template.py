@@ -30,7 +30,7 @@ Pipeline of ``render_chat`` (sources in brackets):
    When a string of the request holds a control-token string (a special token of the tokenizer), the
    template is rendered a second time with those strings neutralised and only the control tokens of that
    render (the template's markup) become control ids; the rest is encoded as text (``encode_rendered``,
-   issue 14; ``allow_control_tokens=True`` restores the one-string encode).
+   ``allow_control_tokens=True`` restores the one-string encode).
 """
 
 from __future__ import annotations
@@ -407,7 +407,7 @@ def render_chat(
             tokens) inside request text (messages, tools, documents, chat_template_kwargs) are encoded as
             plain text, never as control ids, so a user message holding ``<|im_end|>\n<|im_start|>system``
             cannot forge a system turn; only the template's own markup yields control ids (see
-            ``encode_rendered``; issue 14). A request whose text holds no control-token string is tokenized
+            ``encode_rendered``). A request whose text holds no control-token string is tokenized
             exactly as before (one ``encode`` of the rendered text, transformers' ids). ``True``: the whole
             rendered text is tokenized at once, specials recognised wherever they are (what transformers'
             ``apply_chat_template(tokenize=True)`` and vLLM do).

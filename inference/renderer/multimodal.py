@@ -1,4 +1,4 @@
-"""Multimodal chat input (issue 6): image parts out of the messages, preprocessing with the model's own
+"""Multimodal chat input: image parts out of the messages, preprocessing with the model's own
 Hugging Face image processor, the shared feature cache, and placeholder expansion.
 
 Flow (the api process runs ``extract_images`` and ``expand_image_tokens``; a Celery ``mm`` worker runs
@@ -217,7 +217,7 @@ def preprocess_images(redis_client, prefix: str, model_dir: str, urls: list[dict
     ``urls``: in prompt order, ``{"part": str, "url": str}`` or ``{"part", "key", "blob"}`` (bytes the api
     process stored under Redis key ``blob``, their feature-cache key already computed; the blob is deleted
     once used). ``cache_salt``: the caller's cache salt, part of every key computed here (``mm_cache_key``) and of
-    the remembered-URL key, so one tenant's fetches and features are never another's hits (issue 14).
+    the remembered-URL key, so one tenant's fetches and features are never another's hits.
     Returns ``[{"key": str, "num_tokens": int,
     "cached": bool}]``. Processor runs are counted in ``{prefix}:mm:processor_calls``. Raises ``ImageError``
     (400) for the first bad item. The http(s) URLs not in the URL cache are fetched first, concurrently, under one

@@ -20,7 +20,7 @@ What we add, for templates that are not well-behaved:
 * A size cap on every intermediate string/list built by ``*``, ``+``, ``%``, ``~``, calls and
   filters (``max_chars``), and on the rendered output (checked chunk by chunk by the caller).
   Wherever the size of a result can be known from the arguments it is checked BEFORE the result is
-  built (issue 14), so a refused template never allocates it: widths of ``center``, ``indent``,
+  built, so a refused template never allocates it: widths of ``center``, ``indent``,
   ``wordwrap``, ``tojson(indent=...)``, ``batch(fill_with=...)``, printf-style ``%``/``format``
   widths and precisions (``"%100000000s"``), ``str.format`` specs (``"{:>100000000}"``), the
   ``ljust``/``rjust``/``center``/``zfill``/``expandtabs``/``join``/``replace``/``translate``
@@ -347,7 +347,7 @@ for _name in ("capitalize", "e", "escape", "forceescape", "lower", "upper", "tit
               "truncate", "urlize", "urlencode", "wordcount", "safe", "xmlattr", "filesizeformat", "int", "float"):
     _PRECHECKS[_name] = _pre_stringify
 
-# Filters that walk their whole input: one unit per element (issue 14).
+# Filters that walk their whole input: one unit per element.
 _ITERATING_FILTERS = frozenset({
     "join", "sort", "unique", "map", "select", "reject", "selectattr", "rejectattr", "groupby", "sum", "min",
     "max", "list", "reverse", "dictsort", "batch", "slice", "items", "xmlattr", "urlencode",

@@ -242,7 +242,7 @@ class LoadedTokenizer:
             text = _clean_up_tokenization(text)
         return text
 
-    # -- control tokens (issue 14) ---------------------------------------------------------------
+    # -- control tokens ---------------------------------------------------------------
     def text_only_tokenizer(self) -> tokenizers.Tokenizer:
         """A copy of ``tokenizer`` with ``encode_special_tokens = True``: special added tokens inside the text
         it encodes are split as ordinary text (transformers' ``split_special_tokens=True``). Built on first use,

@@ -6,10 +6,7 @@ from django.conf import settings
 
 from inference import admission as adm
 
-
-def _redis():
-    from .services import redis_client  # local import: services imports this module
-    return redis_client()
+from .redis import redis_client as _redis
 
 
 def model_admission_state(*, served_model_name: str) -> dict:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
-import redis
 from django.conf import settings
 from django.db import transaction
 
@@ -12,17 +9,8 @@ from inference import admission as adm
 from registry.models import ServedModel
 
 from .models import AdmissionPolicy
+from .redis import redis_client
 from .selectors import model_prefill_throughput
-
-
-@functools.lru_cache(maxsize=4)
-def _client(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url)
-
-
-def redis_client() -> redis.Redis:
-    """The control plane's sync Redis client (one per URL per process)."""
-    return _client(settings.REDIS_URL)
 
 
 def admission_policy_publish(*, policy: AdmissionPolicy) -> None:

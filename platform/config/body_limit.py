@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import orjson
 
+from inference.protocol.errors import ErrorCode, ErrorType, error_dict
+
 class BodyLimitMiddleware:
     """Wrap an ASGI app: HTTP bodies over ``max_bytes`` get 413 (``request_too_large``) before the app runs."""
 
@@ -19,9 +21,8 @@ class BodyLimitMiddleware:
         self.max_bytes = max_bytes
 
     async def _refuse(self, send) -> None:
-        body = orjson.dumps({"error": {"message": f"Request body larger than {self.max_bytes} bytes.",
-                                       "type": "invalid_request_error", "param": None,
-                                       "code": "request_too_large"}})
+        body = orjson.dumps(error_dict(f"Request body larger than {self.max_bytes} bytes.",
+                                       ErrorType.INVALID_REQUEST, None, ErrorCode.REQUEST_TOO_LARGE))
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})

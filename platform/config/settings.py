@@ -25,7 +25,17 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
 ``LIMITS_SETTLED_MARKER_TTL_S``  seconds a settled key-limit grant's idempotency marker is kept (tenancy/limits.py;
                             at least the lease TTL, 30 s). Default 600.
 ``MM_TENANT_MAX_CONCURRENT``  image (``mm``) tasks a tenant may have queued or running at once, all api processes
-                            together (gateway/media.py); one more: 429. 0 = no bound. Default 2.
+                            together (gateway/pipeline/media.py); one more: 429. 0 = no bound. Default 2.
+``MM_WAIT_TIMEOUT_S``       seconds the gateway waits for an ``mm`` worker's answer; past it: 503. Default 60.
+``MM_ALLOWED_MEDIA_DOMAINS``  JSON object ``{"served_model_name": ["example.com", "*.cdn.example"]}``: per-model
+                            image URL domain allowlists (gateway/pipeline/media.py). Default ``{}`` (any public
+                            host); invalid JSON counts as ``{}``.
+``MAX_REQUEST_BODY_BYTES``  largest gateway request body (gateway/http.py); larger: 413. Default 16777216 (16 MiB).
+``RENDER_ROUTE``            ``celery`` (default) or ``inline``: where chat templates and tokenizing run
+                            (gateway/pipeline/rendering.py).
+``RENDER_INLINE_MAX_CHARS``  on the ``celery`` route, a template-free prompt of at most this many characters is
+                            tokenized in-process; 0 = never. Default 4096.
+``RENDER_WAIT_TIMEOUT_S``   seconds the gateway waits for a render worker's answer; past it: 503. Default 20.
 ``MULTIMODAL_API_SOCKET``   unix socket of a multimodal api process (uvicorn ``--uds``) that this api process
                             hands image chats to (gateway/handoff.py). Set by ``manage.py serve`` for the front
                             api. Default empty: image chats are served here.
@@ -314,7 +324,7 @@ REST_FRAMEWORK = {
 # --- API key management limits (tenancy.services) ------------------------------------------------------
 MAX_API_KEYS_PER_TENANT = int(_env_first("MAX_API_KEYS_PER_TENANT", default="1000"))
 
-# --- TLS deployments, cookies, login throttling, admin second factor, body size (issue 14) --------------
+# --- TLS deployments, cookies, login throttling, admin second factor, body size --------------
 SESSION_COOKIE_HTTPONLY = True
 SESSION_COOKIE_SAMESITE = "Lax"
 CSRF_COOKIE_SAMESITE = "Lax"
@@ -395,3 +405,31 @@ CONTENT_SECURITY_POLICY = {
         "frame-ancestors": ["'none'"],
     },
 }
+
+
+# ----------------------------------------------------------------------------- gateway (the request path)
+# Read once, here, typed; the gateway reads them as ``settings.X`` (docstring table above).
+def _env_json_object(name: str) -> dict:
+    """A JSON-object environment variable (``{}`` when unset or not a JSON object)."""
+    import json
+
+    try:
+        value = json.loads(_env_first(name, default="{}") or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+MAX_REQUEST_BODY_BYTES = int(_env_first("MAX_REQUEST_BODY_BYTES", default=str(16 * 1024 * 1024)))
+REQUEST_BODY_TIMEOUT_S = float(_env_first("REQUEST_BODY_TIMEOUT_S", default="120"))
+REQUEST_BODY_IDLE_TIMEOUT_S = float(_env_first("REQUEST_BODY_IDLE_TIMEOUT_S", default="30"))
+MM_WAIT_TIMEOUT_S = float(_env_first("MM_WAIT_TIMEOUT_S", default="60"))
+MM_TENANT_MAX_CONCURRENT = int(_env_first("MM_TENANT_MAX_CONCURRENT", default="2"))
+MM_ALLOWED_MEDIA_DOMAINS = _env_json_object("MM_ALLOWED_MEDIA_DOMAINS")
+RENDER_ROUTE = (_env_first("RENDER_ROUTE", default="celery") or "celery").strip().lower()
+if RENDER_ROUTE not in ("celery", "inline"):
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(f"RENDER_ROUTE must be 'celery' or 'inline', got {RENDER_ROUTE!r}")
+RENDER_INLINE_MAX_CHARS = int(_env_first("RENDER_INLINE_MAX_CHARS", default="4096"))
+RENDER_WAIT_TIMEOUT_S = float(_env_first("RENDER_WAIT_TIMEOUT_S", default="20"))

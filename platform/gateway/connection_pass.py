@@ -2,7 +2,7 @@
 relaying the request through the front.
 
 Why: relaying an image chat (gateway/handoff.py) still costs the front api, on its own core, a copy of every body
-byte in and every response byte out: 1.2 ms of CPU per 480 KB image chat, 7 ms per 4.3 MB one (measured, issue 6),
+byte in and every response byte out: 1.2 ms of CPU per 480 KB image chat, 7 ms per 4.3 MB one (measured),
 and the text requests on that core queue behind it. Once the connection itself belongs to the multimodal api, the
 front does no work at all for it: not for the rest of this body, not for the response, and not for later requests
 on the same keep-alive connection (an image client's text requests are then served by the multimodal api too,

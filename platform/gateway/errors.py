@@ -1,14 +1,22 @@
-"""OpenAI error envelope and the gateway's HTTP errors (DESIGN.md §8).
+"""OpenAI error envelope, error codes, and the exception → HTTP error table (DESIGN.md §8).
 
-Every non-2xx JSON body is ``{"error": {"message", "type", "param", "code"}}``. ``type`` follows OpenAI's
-names (``invalid_request_error``, ``authentication_error``, ``permission_error``, ``not_found_error``,
-``rate_limit_error``, ``server_error``); ``code`` is a short machine-readable string or null.
+Every non-2xx JSON body on every surface (gateway, REST API, Django error pages, the body-limit middleware) is
+``{"error": {"message", "type", "param", "code"}}``, written by ``error_body`` / ``error_dict`` here. ``type``
+follows OpenAI's names (``ErrorType``); ``code`` is one of ``ErrorCode`` or null.
+
+The one table from the exceptions the pipeline's lower layers raise to ``ApiError`` is
+``gateway.pipeline.failures.api_error_from``. The envelope writer and the enums live in
+``inference.protocol.errors`` (shared with the REST API and Django's error pages).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
+
+from inference.protocol.errors import INTERNAL_ERROR_MESSAGE, ErrorCode, ErrorType, error_body, error_dict
+
+__all__ = ["ApiError", "ErrorCode", "ErrorType", "INTERNAL_ERROR_MESSAGE", "error_body", "error_dict",
+           "bad_request", "unauthorized", "forbidden", "not_found", "unavailable", "internal_error", "engine_error"]
 
 
 @dataclass
@@ -20,7 +28,7 @@ class ApiError(Exception):
 
     status: int
     message: str
-    type: str = "invalid_request_error"
+    type: str = ErrorType.INVALID_REQUEST
     param: str | None = None
     code: str | None = None
     headers: list[tuple[str, str]] = field(default_factory=list)
@@ -32,33 +40,44 @@ class ApiError(Exception):
         """The JSON envelope as bytes."""
         return error_body(self.message, self.type, self.param, self.code)
 
-
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
-    """Serialise the OpenAI error envelope."""
-    return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}}).encode()
+    def as_dict(self) -> dict:
+        """The envelope as a dict (``error_dict``)."""
+        return error_dict(self.message, self.type, self.param, self.code)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     """HTTP 400 ``invalid_request_error``."""
-    return ApiError(400, message, "invalid_request_error", param, code)
+    return ApiError(400, message, ErrorType.INVALID_REQUEST, param, code)
 
 
 def unauthorized(message: str = "Invalid or missing API key. Send 'Authorization: Bearer <key>'.") -> ApiError:
     """HTTP 401 ``authentication_error``."""
-    return ApiError(401, message, "authentication_error", None, "invalid_api_key",
+    return ApiError(401, message, ErrorType.AUTHENTICATION, None, ErrorCode.INVALID_API_KEY,
                     [("www-authenticate", 'Bearer realm="api"')])
 
 
 def forbidden(message: str, param: str | None = None) -> ApiError:
     """HTTP 403 ``permission_error``."""
-    return ApiError(403, message, "permission_error", param, "permission_denied")
+    return ApiError(403, message, ErrorType.PERMISSION, param, ErrorCode.PERMISSION_DENIED)
 
 
 def not_found(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     """HTTP 404 ``not_found_error``."""
-    return ApiError(404, message, "not_found_error", param, code)
+    return ApiError(404, message, ErrorType.NOT_FOUND, param, code)
 
 
-def unavailable(message: str, retry_after_s: int = 1, code: str = "server_overloaded") -> ApiError:
+def unavailable(message: str, retry_after_s: int = 1, code: str = ErrorCode.SERVER_OVERLOADED) -> ApiError:
     """HTTP 503 ``server_error`` with ``Retry-After`` (seconds, at least 1)."""
-    return ApiError(503, message, "server_error", None, code, [("retry-after", str(max(1, int(retry_after_s))))])
+    return ApiError(503, message, ErrorType.SERVER, None, code, [("retry-after", str(max(1, int(retry_after_s))))])
+
+
+def internal_error() -> ApiError:
+    """HTTP 500 ``server_error`` (a defect; details go to the log, never to the client)."""
+    return ApiError(500, INTERNAL_ERROR_MESSAGE, ErrorType.SERVER, None, ErrorCode.INTERNAL_ERROR)
+
+
+def engine_error(message: str, *, retry_after: bool) -> ApiError:
+    """HTTP 503 ``engine_error``: the engine failed a request it had accepted (``retry_after``: add
+    ``Retry-After: 1``; the in-stream form carries no headers)."""
+    return ApiError(503, message, ErrorType.SERVER, None, ErrorCode.ENGINE_ERROR,
+                    [("retry-after", "1")] if retry_after else [])

@@ -1,7 +1,7 @@
 """Hand image requests from the front api process to a multimodal api process over a unix socket.
 
 Why: an image chat costs the api process that serves it 12-18 ms of CPU (body parsing and hashing, the feature
-cache, the mm queue, the engine link), a text ``/tokenize`` 1.7 ms (measured, issue 6). On one asyncio loop and
+cache, the mm queue, the engine link), a text ``/tokenize`` 1.7 ms (measured). On one asyncio loop and
 one GIL, text requests queue behind that work, so their p99 grows with the image load. ``manage.py serve``
 therefore runs a second server ("api-mm", ``python -m ops.mm_api``, ``--mm-api-workers``) on unix sockets and
 points the front api at them (``MULTIMODAL_API_SOCKET``, ``MULTIMODAL_PASS_SOCKET``); with ``--frontend-cores``
@@ -45,6 +45,7 @@ from multidict import CIMultiDict
 
 from gateway import connection_pass, ingress
 from gateway.errors import ApiError, unavailable
+from gateway.pipeline.clients import redis
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +107,8 @@ _upstream = _Upstream()
 
 async def count(outcome: str) -> None:
     """Add one to the handoff count of ``outcome`` (one of ``OUTCOMES``); never raises."""
-    from gateway.generation import link  # the engine link's async Redis client (one per process)
-
     try:
-        await link().redis.hincrby(handoff_key(settings.LINK_PREFIX), outcome, 1)
+        await redis().hincrby(handoff_key(settings.LINK_PREFIX), outcome, 1)
     except Exception:  # noqa: BLE001 - a metric must never fail a request
         log.warning("could not count a handoff outcome", exc_info=True)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 from typing import Any
 
 import orjson
@@ -21,13 +20,14 @@ import orjson
 from channels.exceptions import StopConsumer
 from channels.consumer import get_handler_name
 from channels.generic.http import AsyncHttpConsumer
+from django.conf import settings
 
-from gateway.errors import ApiError, error_body
+from gateway.errors import ApiError, ErrorCode, ErrorType, error_body, internal_error
 from inference.protocol.openai import parse_json_body
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = int(os.environ.get("MAX_REQUEST_BODY_BYTES", str(16 * 1024 * 1024)))
+MAX_BODY_BYTES = settings.MAX_REQUEST_BODY_BYTES
 JSON_HEADERS = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
@@ -97,13 +97,13 @@ class GatewayConsumer(AsyncHttpConsumer):
 
     async def _reject_too_large(self) -> None:
         await self.send_error(ApiError(413, f"Request body too large: the limit is {MAX_BODY_BYTES} bytes",
-                                       "invalid_request_error", None, "request_too_large"))
+                                       ErrorType.INVALID_REQUEST, None, ErrorCode.REQUEST_TOO_LARGE))
 
     async def _run(self, body: bytes) -> None:
         try:
             if self.scope.get("method") not in self.methods:
                 raise ApiError(405, f"Method {self.scope.get('method')} is not allowed on {self.scope.get('path')}",
-                               "invalid_request_error", None, "method_not_allowed",
+                               ErrorType.INVALID_REQUEST, None, ErrorCode.METHOD_NOT_ALLOWED,
                                [("allow", ", ".join(self.methods))])
             await self.handle_request(body)
         except asyncio.CancelledError:
@@ -115,8 +115,7 @@ class GatewayConsumer(AsyncHttpConsumer):
                 await self.send_error(err)
         except Exception:  # noqa: BLE001 - a 500 is a defect, but the client still gets an envelope
             log.exception("unhandled error on %s", self.scope.get("path"))
-            err = ApiError(500, "The server had an error while processing your request.", "server_error",
-                           None, "internal_error")
+            err = internal_error()
             if self._started:
                 await self.send_sse_error(err)
             else:
@@ -173,9 +172,7 @@ class GatewayConsumer(AsyncHttpConsumer):
     async def send_sse_error(self, err: ApiError) -> None:
         """In-band error after the stream started (only failures after the first byte), then ``[DONE]``."""
         try:
-            await self.send_body(b"data: " + json.dumps({"error": {
-                "message": err.message, "type": err.type, "param": err.param, "code": err.code}}).encode()
-                + b"\n\n", more_body=True)
+            await self.send_body(b"data: " + err.body() + b"\n\n", more_body=True)
             await self.end_sse()
         except Exception:  # noqa: BLE001 - client may be gone
             pass
@@ -195,4 +192,4 @@ async def json_body(body: bytes) -> dict[str, Any]:
 
 def not_found_app_body(path: str) -> bytes:
     """Envelope for unknown routes."""
-    return error_body(f"Unknown route: {path}", "not_found_error", None, "unknown_route")
+    return error_body(f"Unknown route: {path}", ErrorType.NOT_FOUND, None, ErrorCode.UNKNOWN_ROUTE)

@@ -1,4 +1,4 @@
-"""What the ASGI router does to a gateway request before any of its body is read (issue 14).
+"""What the ASGI router does to a gateway request before any of its body is read .
 
 * ``early_authenticate``: a keyed route (``KEYED_PATHS``) whose ``Authorization`` header carries no valid key is
   answered 401 from its headers alone, with ``Connection: close``: no body byte is read (nor ``100 Continue``
@@ -16,15 +16,16 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from typing import Awaitable, Callable
 
-from gateway import auth
-from gateway.errors import ApiError
+from django.conf import settings
 
-REQUEST_BODY_TIMEOUT_S = float(os.environ.get("REQUEST_BODY_TIMEOUT_S", "120"))
-REQUEST_BODY_IDLE_TIMEOUT_S = float(os.environ.get("REQUEST_BODY_IDLE_TIMEOUT_S", "30"))
+from gateway import auth
+from gateway.errors import ApiError, ErrorCode, ErrorType
+
+REQUEST_BODY_TIMEOUT_S = settings.REQUEST_BODY_TIMEOUT_S
+REQUEST_BODY_IDLE_TIMEOUT_S = settings.REQUEST_BODY_IDLE_TIMEOUT_S
 
 # Every gateway route that needs an API key (``/health`` and unknown routes do not).
 KEYED_PATHS = frozenset({
@@ -80,8 +81,8 @@ async def early_authenticate(scope: Scope, send: Send) -> bool:
 def body_timeout_error() -> ApiError:
     """408 ``request_timeout`` in the OpenAI envelope."""
     return ApiError(408, f"The request body did not arrive in time (at most {REQUEST_BODY_IDLE_TIMEOUT_S:g} s "
-                    f"without data, {REQUEST_BODY_TIMEOUT_S:g} s in all)", "invalid_request_error", None,
-                    "request_timeout")
+                    f"without data, {REQUEST_BODY_TIMEOUT_S:g} s in all)", ErrorType.INVALID_REQUEST, None,
+                    ErrorCode.REQUEST_TIMEOUT)
 
 
 class BodyDeadline:

@@ -23,7 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from gateway import auth, handoff
 from gateway.errors import forbidden
-from gateway.generation import admission
+from gateway.pipeline.clients import admission
 from gateway.http import GatewayConsumer
 from inference import admission as adm
 

@@ -1,4 +1,4 @@
-"""Per-process cache of served-model snapshots (registry rows as plain dicts), at most 1 s old.
+"""Per-process cache of served-model snapshots (``ModelSnapshot``: frozen, typed), at most 1 s old.
 
 The ORM read runs off the event loop; a model disabled or edited in the admin is seen by every api process
 within a second. The cache is a bounded LRU (``MODEL_CACHE_MAX_ENTRIES``) holding known and unknown names
@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 import time
 from collections import OrderedDict
+from dataclasses import dataclass, fields
+from typing import Any
 
 from asgiref.sync import sync_to_async
 
@@ -21,10 +23,38 @@ from registry.selectors import served_model_snapshot
 MODEL_CACHE_TTL_S = 1.0
 MODEL_CACHE_MAX_ENTRIES = 1024
 _NAME = re.compile(SERVED_MODEL_NAME_RE)
-_cache: OrderedDict[str, tuple[float, dict | None]] = OrderedDict()
 
 
-async def get_model(name: str) -> dict | None:
+@dataclass(frozen=True, slots=True)
+class ModelSnapshot:
+    """What the request path needs from a served model's registry row (``registry.selectors.
+    served_model_snapshot_from`` gives the field meanings). Frozen: a request sees one consistent version."""
+
+    served_model_name: str
+    model_dir: str
+    tokenizer_dir: str
+    max_model_len: int
+    chat_template: str | None = None
+    allow_request_chat_template: bool = False
+    allow_control_tokens_in_content: bool = False
+    task: str = "generate"
+    enabled: bool = True
+    dtype: str = ""
+    device: str = ""
+    max_num_seqs: int | None = None
+    revision: str = ""
+
+    @classmethod
+    def from_dict(cls, snap: dict[str, Any]) -> "ModelSnapshot":
+        """From the registry's snapshot dict (unknown keys, e.g. ``name``, are ignored)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in snap.items() if k in names})
+
+
+_cache: OrderedDict[str, tuple[float, ModelSnapshot | None]] = OrderedDict()
+
+
+async def get_model(name: str) -> ModelSnapshot | None:
     """Snapshot of the enabled served model ``name`` or ``None`` (unknown, disabled or not a valid name)."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         return None
@@ -33,8 +63,9 @@ async def get_model(name: str) -> dict | None:
     if hit is not None and hit[0] > now:
         _cache.move_to_end(name)
         return hit[1]
-    snap = await sync_to_async(served_model_snapshot, thread_sensitive=False)(name)
-    if snap is not None and not snap.get("enabled", True):
+    raw = await sync_to_async(served_model_snapshot, thread_sensitive=False)(name)
+    snap = ModelSnapshot.from_dict(raw) if raw is not None else None
+    if snap is not None and not snap.enabled:
         snap = None
     _cache[name] = (now + MODEL_CACHE_TTL_S, snap)
     _cache.move_to_end(name)

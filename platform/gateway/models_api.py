@@ -5,8 +5,9 @@ from __future__ import annotations
 from asgiref.sync import sync_to_async
 
 from gateway import auth
-from gateway.errors import not_found
+from gateway.errors import ErrorCode, not_found
 from gateway.http import GatewayConsumer
+from gateway.pipeline import limits
 from registry.selectors import served_models_enabled
 
 
@@ -23,9 +24,7 @@ class ModelsConsumer(GatewayConsumer):
 
     async def handle_request(self, body: bytes) -> None:
         ctx = await auth.authenticate(self.scope["headers"])
-        from gateway.generation import key_limits_held
-
-        async with key_limits_held(self, ctx):  # one request of the key's RPM and concurrency
+        async with limits.held(self, ctx):  # one request of the key's RPM and concurrency
             await self._answer(ctx)
 
     async def _answer(self, ctx) -> None:
@@ -38,5 +37,5 @@ class ModelsConsumer(GatewayConsumer):
                 if card["id"] == wanted:
                     await self.send_json(200, card)
                     return
-            raise not_found(f"The model '{wanted}' does not exist", "model", "model_not_found")
+            raise not_found(f"The model '{wanted}' does not exist", "model", ErrorCode.MODEL_NOT_FOUND)
         await self.send_json(200, {"object": "list", "data": cards})

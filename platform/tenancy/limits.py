@@ -1,4 +1,4 @@
-"""Per-key and per-tenant limits, enforced in Redis, atomically, across every api process (issue 5).
+"""Per-key and per-tenant limits, enforced in Redis, atomically, across every api process.
 
 Django-free: the gateway's hot path imports this module and needs no database access (the limits travel
 in the cached ``AuthContext``, see ``tenancy.selectors``).
@@ -39,6 +39,10 @@ from datetime import datetime, timezone
 from typing import Any, Protocol
 
 LEASE_TTL_S = 30.0
+# 429 codes by the limit that tripped (values of inference.protocol.errors.ErrorCode; this module stays
+# importable without the repository root on sys.path, so they are spelled here; tests/test_architecture.py checks)
+LIMIT_CODES = {"rpm": "rate_limit_exceeded", "tpm": "rate_limit_exceeded",
+               "concurrency": "concurrency_limit_exceeded", "budget": "insufficient_quota"}
 BUDGET_PERIODS = ("day", "week", "month")
 # How long a grant's settled marker lives (``LIMITS_SETTLED_MARKER_TTL_S``, seconds, default 600). The marker makes
 # settling idempotent; the only second settle of a grant is a retry of the same request's exit path (a repeated
@@ -87,8 +91,8 @@ class RateLimitExceeded(Exception):
     ``message`` (human text), ``retry_after_s`` (seconds, int >= 1, for ``Retry-After``), ``headers``
     (list of ``(bytes, bytes)``: ``retry-after`` and the ``x-ratelimit-*`` pairs), ``reason`` (one of
     ``key_rpm``, ``key_tpm``, ``key_concurrency``, ``key_budget``, ``tenant_rpm``, ... — the scope and
-    limit that tripped), ``code`` (OpenAI-style error code: ``rate_limit_exceeded`` or
-    ``insufficient_quota`` for budgets).
+    limit that tripped), ``code`` (OpenAI-style error code: ``rate_limit_exceeded`` for RPM/TPM,
+    ``concurrency_limit_exceeded`` for concurrency, ``insufficient_quota`` for budgets).
     """
 
     def __init__(self, message: str, retry_after_s: int, headers: list[tuple[bytes, bytes]], reason: str = "",
@@ -457,7 +461,7 @@ async def limits_acquire(redis, prefix: str, ctx: LimitsContext, *, max_tokens_r
             }[what] + f" Retry after {retry_s} s."
         if retry_s:
             headers = [(b"retry-after", str(retry_s).encode()), *headers]
-        code = "insufficient_quota" if what == "budget" else "rate_limit_exceeded"
+        code = LIMIT_CODES.get(what, "rate_limit_exceeded")
         raise RateLimitExceeded(message, retry_s, headers, reason=f"{scope}_{what}", code=code)
     grant = LimitGrant(
         grant_id=grant_id, key_id=ctx.key_id, tenant_id=ctx.tenant_id, reserved_tokens=cost,

@@ -36,7 +36,7 @@ class AuthContext:
 
     @property
     def cache_scope(self) -> str:
-        """Who shares this caller's prompt-prefix and image-feature caches (issue 14): ``group:<name>`` for a
+        """Who shares this caller's prompt-prefix and image-feature caches: ``group:<name>`` for a
         tenant in a non-blank ``Tenant.cache_group``, else ``tenant:<id>`` (the tenant alone)."""
         return f"group:{self.cache_group}" if self.cache_group else f"tenant:{self.tenant_id}"
 

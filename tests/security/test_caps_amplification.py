@@ -42,7 +42,7 @@ MAX_MESSAGES, MAX_TOOLS, MAX_DOCUMENTS, MAX_CONTENT_PARTS, MAX_REQUEST_ID_LEN = 
 def _imported():
     """Import the gateway modules before any measurement (their import is not the request's cost)."""
     import gateway.embeddings  # noqa: F401
-    import gateway.generation  # noqa: F401
+    import gateway.pipeline.preamble  # noqa: F401
     import gateway.model_cache  # noqa: F401
 
 
@@ -83,7 +83,7 @@ def embeddings_pipeline(body: bytes):
     """parse + validate + normalize + request id + one pooling request per input, as ``/v1/embeddings`` runs
     them (token ids stand in for the tokenizer's output)."""
     from gateway import embeddings as emb
-    from gateway.generation import client_request_id
+    from gateway.pipeline.preamble import client_request_id
 
     req = validate_request(emb.EmbeddingRequest, parse_json_body(body))
     inputs = emb.normalize_input(req.input)
@@ -276,7 +276,7 @@ def test_over_cap_generate_and_embeddings_fields():
 
 def test_client_request_id_caps_header_and_body():
     from gateway.errors import ApiError
-    from gateway.generation import client_request_id
+    from gateway.pipeline.preamble import client_request_id
 
     assert client_request_id(b"abc-1", None) == "abc-1"
     for header, body, param in [(b"a\tb", None, "X-Request-Id"), (b"a\x7fb", None, "X-Request-Id"),
@@ -301,7 +301,7 @@ def test_large_bodies_are_validated_off_the_event_loop():
     import asyncio
     import threading
 
-    from gateway.generation import validated_body
+    from gateway.pipeline.preamble import validated_body
 
     def where(data):
         return threading.current_thread() is threading.main_thread()

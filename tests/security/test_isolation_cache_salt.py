@@ -37,7 +37,7 @@ def test_engine_request_carries_the_salt_over_the_wire():
 
 
 def test_gateway_salt_per_tenant_group_and_request():
-    from gateway.generation import cache_salt_for
+    from gateway.pipeline.inputs import cache_salt_for
     from tenancy.selectors import AuthContext
 
     def ctx(tenant_id: int, group: str = "") -> AuthContext:

@@ -16,6 +16,7 @@ from rest_framework.permissions import BasePermission
 from rest_framework.response import Response
 from rest_framework.views import APIView, exception_handler
 
+from inference.protocol.errors import ErrorType, error_dict
 from tenancy.authentication import ApiKeyAuthentication
 from tenancy.models import Tenant
 
@@ -66,8 +67,7 @@ def envelope_exception_handler(exc, context):
         codes = exc.get_codes()
         if isinstance(codes, str):
             code = codes
-    response.data = {"error": {"message": message, "type": _ERROR_TYPES.get(response.status_code, "api_error"),
-                               "param": param, "code": code}}
+    response.data = error_dict(message, _ERROR_TYPES.get(response.status_code, ErrorType.API), param, code)
     return response
 
 

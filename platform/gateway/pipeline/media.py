@@ -1,14 +1,14 @@
-"""Images in chat requests, gateway side (issue 6): ``data:`` images already in the shared feature cache are
+"""Step 5 (DESIGN.md §2 step 5, §4): images in chat requests, gateway side. ``data:`` images already in the shared feature cache are
 found here by content hash and skip the ``mm`` queue; the template render (queue ``render``) and the
 preprocessing of the others (queue ``mm``) run concurrently, then the prompt's image placeholders are
 expanded to the exact token counts and the engine requests get the feature-cache keys.
 
-Per-model media domain allowlists come from ``MM_ALLOWED_MEDIA_DOMAINS`` (JSON object
+Per-model media domain allowlists come from ``settings.MM_ALLOWED_MEDIA_DOMAINS`` (JSON object
 ``{"served_model_name": ["example.com", "*.cdn.example"]}``), applied by the fetcher to every redirect hop;
 operator network allowlist: ``MM_FETCH_ALLOW_NETS`` (read by the ``mm`` workers, see
 ``inference.media.guard``).
 
-Image work per tenant is bounded (issue 14): a tenant may have at most ``MM_TENANT_MAX_CONCURRENT`` (default 2)
+Image work per tenant is bounded: a tenant may have at most ``MM_TENANT_MAX_CONCURRENT`` (default 2)
 ``mm`` tasks queued or running at once, across every api process (a Redis sorted set of leases per tenant, each
 lease expiring ``MM_WAIT_TIMEOUT_S`` + 10 s after it was taken, so a dead api process's slot comes back by
 itself). One more is refused at once with 429 (``rate_limit_error``, code ``image_concurrency_exceeded``,
@@ -20,16 +20,17 @@ before another tenant's task runs, however many slow URLs or requests it sends.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import secrets
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from django.conf import settings
 
-from gateway.errors import ApiError, bad_request, unavailable
-from gateway.generation import call_render, link
+from config.celery import app as celery_app
+from gateway.errors import ApiError, ErrorCode, ErrorType, bad_request, unavailable
+from gateway.model_cache import ModelSnapshot
+from gateway.pipeline.clients import redis
+from gateway.pipeline.rendering import call_render
 from inference.media.cache import feature_meta_decode, feature_meta_key
 from inference.media.image import ImageError
 from inference.mm_tasks import MM_QUEUE
@@ -44,9 +45,6 @@ from inference.renderer.multimodal import (
     mm_blob_key,
     vision_config,
 )
-
-MM_WAIT_TIMEOUT_S = float(os.environ.get("MM_WAIT_TIMEOUT_S", "60"))
-MM_TENANT_MAX_CONCURRENT = int(os.environ.get("MM_TENANT_MAX_CONCURRENT", "2"))
 
 # KEYS[1] the tenant's lease set. ARGV: lease id, limit, lease ms. Returns 1 (taken) or 0 (full).
 _MM_SLOT_LUA = """
@@ -70,65 +68,61 @@ async def mm_tenant_slot(tenant_id) -> AsyncIterator[None]:
     """Hold one of ``tenant_id``'s ``MM_TENANT_MAX_CONCURRENT`` image-work slots (module docstring) while the
     body runs; released on every exit. ``tenant_id`` None or a limit of 0: no bound. Raises ``ApiError`` 429 when
     the tenant already holds them all."""
-    if tenant_id is None or MM_TENANT_MAX_CONCURRENT <= 0:
+    limit = settings.MM_TENANT_MAX_CONCURRENT
+    if tenant_id is None or limit <= 0:
         yield
         return
-    redis = link().redis
+    pool = redis()
     key, lease = mm_tenant_key(settings.LINK_PREFIX, tenant_id), secrets.token_hex(8)
-    taken = await redis.eval(_MM_SLOT_LUA, 1, key, lease, MM_TENANT_MAX_CONCURRENT,
-                             int((MM_WAIT_TIMEOUT_S + 10) * 1000))
+    taken = await pool.eval(_MM_SLOT_LUA, 1, key, lease, limit, int((settings.MM_WAIT_TIMEOUT_S + 10) * 1000))
     if not int(taken):
-        raise ApiError(429, f"Too many image requests in progress for this tenant: at most "
-                       f"{MM_TENANT_MAX_CONCURRENT} at once. Retry after 1 s.", "rate_limit_error", "messages",
-                       "image_concurrency_exceeded", [("retry-after", "1")])
+        raise ApiError(429, f"Too many image requests in progress for this tenant: at most {limit} at once. "
+                       "Retry after 1 s.", ErrorType.RATE_LIMIT, "messages", ErrorCode.IMAGE_CONCURRENCY_EXCEEDED,
+                       [("retry-after", "1")])
     try:
         yield
     finally:
         try:
-            await asyncio.shield(redis.zrem(key, lease))
+            await asyncio.shield(pool.zrem(key, lease))
         except Exception:  # noqa: BLE001 - the lease expires by itself
             pass
 
 
 def allowed_domains_for(model_name: str) -> list[str]:
     """The per-model media domain allowlist (empty = any public host)."""
-    try:
-        table = json.loads(os.environ.get("MM_ALLOWED_MEDIA_DOMAINS") or "{}")
-    except ValueError:
-        return []
-    value = table.get(model_name) or []
+    value = settings.MM_ALLOWED_MEDIA_DOMAINS.get(model_name) or []
     return [str(v) for v in value] if isinstance(value, list) else []
 
 
-async def call_mm(model: dict, items: list[dict], cache_salt: str, tenant_id=None) -> list[dict]:
+async def call_mm(model: ModelSnapshot, items: list[dict], cache_salt: str, tenant_id=None) -> list[dict]:
     """Preprocess ``items`` (``{"part", "url"}`` or ``{"part", "key", "blob"}`` each) on the ``mm`` queue, keyed
     under ``cache_salt``, in one of ``tenant_id``'s image-work slots (``mm_tenant_slot``); returns
     ``[{"key", "num_tokens", "cached"}]``. Client errors → 400 naming the part; tenant over its slots → 429; no
     worker in time → 503; worker bug → 500."""
-    from config.celery import app
-
-    payload = {"redis_url": settings.REDIS_URL, "prefix": settings.LINK_PREFIX, "model_dir": model["model_dir"],
-               "items": items, "allowed_domains": allowed_domains_for(model["served_model_name"]),
+    payload = {"redis_url": settings.REDIS_URL, "prefix": settings.LINK_PREFIX, "model_dir": model.model_dir,
+               "items": items, "allowed_domains": allowed_domains_for(model.served_model_name),
                "cache_salt": cache_salt}
     waiter = RenderReplyWaiter.for_current_loop(settings.REDIS_URL, settings.LINK_PREFIX)
     try:
         async with mm_tenant_slot(tenant_id):
-            result = await waiter.call(app, "inference.mm_preprocess", payload, queue=MM_QUEUE,
-                                       timeout=MM_WAIT_TIMEOUT_S)
+            result = await waiter.call(celery_app, "inference.mm_preprocess", payload, queue=MM_QUEUE,
+                                       timeout=settings.MM_WAIT_TIMEOUT_S)
     except RenderUnavailableError:
-        raise unavailable("no multimodal worker answered in time; retry shortly", 2, "mm_unavailable") from None
+        raise unavailable("no multimodal worker answered in time; retry shortly", 2,
+                          ErrorCode.MM_UNAVAILABLE) from None
     if not result.get("ok"):
         err = result.get("error") or {}
         if err.get("type") == "InternalError":
-            raise ApiError(500, "Image preprocessing failed unexpectedly", "server_error", None, "mm_internal_error")
-        raise bad_request(err.get("message") or "bad image", err.get("param"), err.get("code") or "invalid_image")
+            raise ApiError(500, "Image preprocessing failed unexpectedly", ErrorType.SERVER, None,
+                           ErrorCode.MM_INTERNAL_ERROR)
+        raise bad_request(err.get("message") or "bad image", err.get("param"), err.get("code") or ErrorCode.INVALID_IMAGE)
     return result["items"]
 
 
-async def cached_images(model: dict, items: list[ImageItem], cache_salt: str,
+async def cached_images(model: ModelSnapshot, items: list[ImageItem], cache_salt: str,
                         ) -> tuple[list[dict | None], list[dict]]:
     """Look up the ``data:`` URL images of ``items`` in the shared feature cache, under the caller's
-    ``cache_salt`` (``generation.cache_salt_for``: another tenant's copy of an image is not a hit).
+    ``cache_salt`` (``inputs.cache_salt_for``: another tenant's copy of an image is not a hit).
 
     Returns ``(hits, work)``: per item ``{"key", "num_tokens", "cached": True}`` for a hit, else ``None``;
     and, per item that is not a hit, the ``mm`` work item: ``{"part", "key", "blob"}`` for a ``data:``
@@ -142,15 +136,14 @@ async def cached_images(model: dict, items: list[ImageItem], cache_salt: str,
     decoded: dict[int, tuple[str, bytes]] = {}
     if data_items:
         def keys() -> list[tuple[str, bytes]]:
-            return [data_url_cache_entry(model["model_dir"], it.url, it.part, cache_salt=cache_salt)
+            return [data_url_cache_entry(model.model_dir, it.url, it.part, cache_salt=cache_salt)
                     for _i, it in data_items]
 
         try:
             found = await asyncio.to_thread(keys)
         except ImageError as exc:
             raise bad_request(exc.message, exc.param, exc.code) from None
-        redis = link().redis
-        metas = await redis.hmget(feature_meta_key(settings.LINK_PREFIX), [key for key, _data in found])
+        metas = await redis().hmget(feature_meta_key(settings.LINK_PREFIX), [key for key, _data in found])
         for (i, _it), (key, data), raw in zip(data_items, found, metas):
             if raw is not None:
                 out[i] = {"key": key, "num_tokens": feature_meta_decode(raw)["num_tokens"], "cached": True}
@@ -158,7 +151,7 @@ async def cached_images(model: dict, items: list[ImageItem], cache_salt: str,
                 decoded[i] = (key, data)
     work: list[dict] = []
     if decoded:
-        async with link().redis.pipeline(transaction=False) as pipe:
+        async with redis().pipeline(transaction=False) as pipe:
             for key, data in decoded.values():
                 pipe.set(mm_blob_key(settings.LINK_PREFIX, key), data, ex=MM_BLOB_TTL_S)
             await pipe.execute()
@@ -172,17 +165,17 @@ async def cached_images(model: dict, items: list[ImageItem], cache_salt: str,
     return out, work
 
 
-async def render_chat_media(model: dict, payload: dict, *, cache_salt: str, tenant_id=None) -> dict:
+async def render_chat_media(model: ModelSnapshot, payload: dict, *, cache_salt: str, tenant_id=None) -> dict:
     """``call_render("inference.render_chat", payload)``, plus images when the messages have any: returns
     the render result with ``prompt_token_ids`` expanded and ``mm_cache_keys`` (one per image, in order), the
-    feature-cache keys salted with ``cache_salt`` (``generation.cache_salt_for``; issue 14). ``tenant_id``: whose
+    feature-cache keys salted with ``cache_salt`` (``inputs.cache_salt_for``). ``tenant_id``: whose
     image-work slot the ``mm`` task takes (``mm_tenant_slot``; None: unbounded)."""
     if not has_images(payload["messages"]):
         return await call_render("inference.render_chat", payload)
-    vc = vision_config(model["model_dir"])
+    vc = vision_config(model.model_dir)
     if vc is None:
-        raise bad_request(f"The model '{model['served_model_name']}' does not accept images", "messages",
-                          "images_not_supported")
+        raise bad_request(f"The model '{model.served_model_name}' does not accept images", "messages",
+                          ErrorCode.IMAGES_NOT_SUPPORTED)
     try:
         messages, items = extract_images(payload["messages"])
     except ImageError as exc:
@@ -204,11 +197,3 @@ async def render_chat_media(model: dict, payload: dict, *, cache_salt: str, tena
         raise bad_request(exc.message, exc.param, exc.code) from None
     return {**rendered, "prompt_token_ids": ids, "mm_cache_keys": [it["key"] for it in mm_items],
             "mm_num_tokens": [int(it["num_tokens"]) for it in mm_items]}
-
-
-def attach_media(processed, rendered: dict) -> None:
-    """Give every engine request of ``processed`` the image feature keys of ``rendered`` (no-op without)."""
-    keys = list(rendered.get("mm_cache_keys") or [])
-    if keys:
-        for r in processed.requests:
-            r.mm_cache_keys = keys

@@ -1,0 +1,59 @@
+"""Step 3 (DESIGN.md §2 step 7, §3): shared admission. A cheap pre-check reserves an estimate before rendering;
+``reserve`` settles it to the exact ``n × prompt_tokens`` after tokenizing; ``release`` gives back what is
+still held, once. 503 ``server_overloaded`` + ``Retry-After`` when full."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from gateway.model_cache import ModelSnapshot
+from gateway.pipeline.clients import admission
+from gateway.pipeline.failures import api_error_from
+from inference.admission import AdmissionRefused, Reservation, estimate_prompt_tokens
+
+log = logging.getLogger(__name__)
+
+
+async def precheck(model: ModelSnapshot, request_id: str, n: int, size: int, exact: bool = False) -> Reservation:
+    """Provisional reservation before rendering; 503 when refused.
+
+    ``size``: an upper bound of the prompt's tokens known before rendering (the body's or the prompt
+    text's bytes, or with ``exact`` the length of a token-id prompt); see ``estimate_prompt_tokens``.
+    """
+    try:
+        return await admission().precheck(model.served_model_name, request_id, n,
+                                          estimate_prompt_tokens(size, model.max_model_len, exact=exact))
+    except AdmissionRefused as exc:
+        raise api_error_from(exc) from None
+
+
+async def reserve(reservation: Reservation, n: int, prompt_tokens: int) -> None:
+    """Settle ``reservation`` to exactly ``n`` requests × ``prompt_tokens`` each; 503 when refused."""
+    try:
+        await admission().reserve(reservation.model, reservation.request_id, n, prompt_tokens,
+                                  reservation=reservation)
+    except AdmissionRefused as exc:
+        raise api_error_from(exc) from None
+
+
+async def release_prefill(reservation: Reservation | None, index: int, ttft_s: float | None) -> None:
+    """Child ``index`` produced its first token: its prompt tokens leave the prefill backlog (never raises:
+    ``release`` at the end is the backstop)."""
+    if reservation is None or index in reservation.prefill_released:
+        return
+    try:
+        await admission().release_prefill(reservation, index, ttft_s)
+    except Exception:  # noqa: BLE001
+        log.exception("admission prefill release failed")
+
+
+async def release(reservation: Reservation | None) -> None:
+    """Release what ``reservation`` still holds (idempotent; errors are logged, never raised: the lease reaper
+    is the backstop)."""
+    if reservation is None or reservation.released:
+        return
+    try:
+        await asyncio.shield(admission().release(reservation))
+    except Exception:  # noqa: BLE001
+        log.exception("admission release failed for %s", reservation.request_id)

@@ -1,0 +1,146 @@
+"""Step 7 (DESIGN.md §2 steps 8-10): the engine link. Register the request's output queue, hand its children to
+a replica, and run the engine outputs through ``inference.output_processor`` (detokenize, stop strings, n > 1
+reassembly); abort what is unfinished at the end. Pooling (embeddings) requests take the same link."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator
+
+import numpy as np
+
+from gateway.errors import bad_request, engine_error
+from gateway.model_cache import ModelSnapshot
+from gateway.pipeline import admission
+from gateway.pipeline.clients import link
+from gateway.pipeline.failures import api_error_from
+from inference.admission import Reservation
+from inference.engine_client import EngineUnavailableError
+from inference.input_processor import ProcessedInput
+from inference.output_processor import ChoiceDelta, OutputProcessor, RequestState
+from inference.protocol.engine import FINISH_STOP, EngineCoreRequest
+
+log = logging.getLogger(__name__)
+
+
+async def _abort(model_name: str, request_ids: list[str]) -> None:
+    try:
+        await link().abort(model_name, request_ids)
+    except Exception:  # noqa: BLE001 - the engine finishes them anyway (max_tokens)
+        log.exception("abort failed")
+
+
+async def add_requests(model: ModelSnapshot, requests: list[EngineCoreRequest], queue: asyncio.Queue) -> None:
+    """Send ``requests`` to a live replica of ``model``, outputs to ``queue``; 503 when none is alive."""
+    try:
+        await link().add_requests(model.served_model_name, requests, queue)
+    except EngineUnavailableError as exc:
+        raise api_error_from(exc) from None
+
+
+class GenerationRun:
+    """One API request's engine work: ``n`` children sharing one output queue, their output state in a
+    ``RequestState``. ``start()``, iterate ``deltas()``, and ``close()`` in a ``finally`` (idempotent)."""
+
+    def __init__(self, model: ModelSnapshot, processed: ProcessedInput, tokenizer: Any, *, stop: list[str] | None,
+                 include_stop_str_in_output: bool, skip_special_tokens: bool, arrival_time: float,
+                 reservation: Reservation | None = None):
+        self.model = model
+        self.processed = processed
+        self.reservation = reservation
+        self.state = RequestState(tokenizer, processed.prompt_token_ids,
+                                  [r.request_id for r in processed.requests], stop=stop,
+                                  include_stop_str_in_output=include_stop_str_in_output,
+                                  skip_special_tokens=skip_special_tokens, arrival_time=arrival_time)
+        self.processor = OutputProcessor(self.state)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._closed = False
+
+    choices = property(lambda self: self.state.choices, doc="The ``ChoiceState`` s, in choice order.")
+    prompt_tokens = property(lambda self: self.state.prompt_tokens)
+    completion_tokens = property(lambda self: self.state.completion_tokens)
+    num_cached_tokens = property(lambda self: self.state.num_cached_tokens)
+    first_token_time = property(lambda self: self.state.first_token_time)
+    finished_time = property(lambda self: self.state.finished_time)
+
+    async def start(self) -> None:
+        """Register the output queue and send every child to the engine (503 when no replica is alive)."""
+        await add_requests(self.model, self.processed.requests, self.queue)
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """Yield text deltas as engine outputs arrive, until every choice has finished. A child's first tokens
+        release its prefill reservation; a stop string matched before the engine stopped aborts the child."""
+        while not self.state.finished:
+            result = self.processor.process_outputs([await self.queue.get()])
+            for rid in result.reqs_to_abort:
+                asyncio.get_running_loop().create_task(_abort(self.model.served_model_name, [rid]))
+            for index, ttft in result.first_tokens:
+                await admission.release_prefill(self.reservation, index, ttft)
+            for delta in result.deltas:
+                yield delta
+
+    def error_message(self) -> str | None:
+        """The first engine error of any choice."""
+        return self.state.error_message()
+
+    def raise_for_engine_error(self, *, retry_after: bool) -> None:
+        """``ApiError`` 503 ``engine_error`` when a choice failed on the engine."""
+        error = self.error_message()
+        if error:
+            raise engine_error(error, retry_after=retry_after)
+
+    def usage(self) -> dict[str, Any]:
+        """The request's token counts and times for its usage record."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "cached_tokens": self.num_cached_tokens, "first_token_time": self.first_token_time,
+                "finished_time": self.finished_time}
+
+    async def close(self) -> None:
+        """Abort children that have not finished (client gone, error, cancellation), drop their output routes
+        and release the admission reservation. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        unfinished = self.state.abort_unfinished()
+        if unfinished:
+            await asyncio.shield(_abort(self.model.served_model_name, unfinished))
+        for c in self.state.choices:
+            link().release(c.request_id)
+        await admission.release(self.reservation)
+        if self.state.finished_time is None:
+            self.state.finished_time = time.time()
+
+
+async def run_pooling(model: ModelSnapshot, requests: list[EngineCoreRequest]) -> list[np.ndarray]:
+    """Send pooling ``requests`` (one per input) to ``model``'s replicas and return the vectors in input order.
+
+    Raises ``ApiError`` 503 when no replica is alive or a replica failed the request; 400 when the engine
+    refused an input (e.g. a token id beyond the model's vocabulary).
+    """
+    lk = link()
+    queue: asyncio.Queue = asyncio.Queue()
+    index = {r.request_id: i for i, r in enumerate(requests)}
+    vectors: list[np.ndarray | None] = [None] * len(requests)
+    await add_requests(model, requests, queue)
+    remaining = set(index)
+    try:
+        while remaining:
+            out = await queue.get()
+            if out.request_id not in remaining or out.finish_reason is None:
+                continue
+            remaining.discard(out.request_id)
+            if out.finish_reason != FINISH_STOP or out.pooled is None:
+                msg = out.error or "the engine did not return an embedding"
+                if "out of range" in msg or "max_model_len" in msg:
+                    raise bad_request(msg, "input")
+                raise engine_error(msg, retry_after=True)
+            vectors[index[out.request_id]] = np.frombuffer(out.pooled, dtype="<f4")
+    finally:
+        if remaining:
+            await asyncio.shield(lk.abort(model.served_model_name, list(remaining)))
+        for r in requests:
+            lk.release(r.request_id)
+    return vectors  # type: ignore[return-value]
+

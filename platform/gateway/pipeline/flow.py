@@ -1,0 +1,35 @@
+"""The generating endpoints' path, composed from the steps (DESIGN.md §2): what chat, completions, generate and
+embeddings share between the preamble and the response."""
+
+from __future__ import annotations
+
+from gateway.model_cache import ModelSnapshot
+from gateway.pipeline import admission, limits
+from gateway.pipeline.engine import GenerationRun
+from gateway.pipeline.scope import RequestScope
+from inference.input_processor import ProcessedInput
+
+
+async def hold_before_render(consumer, scope: RequestScope, ctx, model: ModelSnapshot, *, n: int, size: int,
+                             exact: bool, max_tokens: int | None = None, tokens: int | None = None) -> None:
+    """Steps 2-3, before any render or image work: the key's limits on an estimate (``tokens``, else
+    ``limits.estimate(model, size, n, max_tokens)``; 429), then the admission pre-check of ``n`` requests of at
+    most ``size`` (bytes, or with ``exact`` token ids; 503). Both are recorded on ``scope`` as soon as taken."""
+    if tokens is None:
+        tokens = limits.estimate(model, size, n, max_tokens, exact=exact)
+    scope.grant = await limits.acquire(consumer, ctx, tokens)
+    scope.reservation = await admission.precheck(model, scope.recorder.request_id, n, size, exact=exact)
+
+
+async def admit_and_start(scope: RequestScope, model: ModelSnapshot, tokenizer, processed: ProcessedInput, *,
+                          stop: list[str] | None, include_stop_str_in_output: bool, skip_special_tokens: bool,
+                          arrival_time: float) -> GenerationRun:
+    """Steps 3 (exact reserve: ``n`` × real prompt tokens; 503) and 7 (engine hand-off; 503): returns the
+    started run, recorded on ``scope``."""
+    await admission.reserve(scope.reservation, len(processed.requests), len(processed.prompt_token_ids))
+    run = scope.run = GenerationRun(model, processed, tokenizer, stop=stop,
+                                    include_stop_str_in_output=include_stop_str_in_output,
+                                    skip_special_tokens=skip_special_tokens, arrival_time=arrival_time,
+                                    reservation=scope.reservation)
+    await run.start()
+    return run

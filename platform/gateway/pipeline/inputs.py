@@ -1,0 +1,68 @@
+"""Step 6 (DESIGN.md §2 step 6): input processing. The prompt ids and the validated request become ``n``
+``EngineCoreRequest`` s (``inference.input_processor.process_inputs``: lengths vs ``max_model_len``, ids in the
+vocabulary, sampling parameters, seeds ``seed + i``), with the caller's prefix-cache salt."""
+
+from __future__ import annotations
+
+import hashlib
+
+from gateway.model_cache import ModelSnapshot
+from gateway.pipeline.failures import api_error_from
+from inference.input_processor import (
+    GenerationDefaults,
+    ProcessedInput,
+    generation_defaults,
+    model_vocab_size,
+    process_inputs,
+)
+from inference.protocol.openai import RequestValidationError
+
+
+def cache_salt_for(ctx, request_salt: str | None = None) -> str:
+    """The cache salt of a request: 64 hex characters, SHA-256 over the caller's cache scope
+    (``AuthContext.cache_scope``: its tenant, or the operator-set cache group it shares) and, when given, the
+    request's own ``cache_salt`` (vLLM's field, which narrows sharing further; it never replaces the tenant
+    part). Carried as ``EngineCoreRequest.cache_salt`` into the first prefix-cache block hash, and mixed into
+    the image feature-cache keys, so cached prefixes and image features are shared only within one scope
+    (and one request salt) and ``cached_tokens`` tells a caller nothing about other tenants' prompts."""
+    h = hashlib.sha256(b"llmp-cache-salt\x00" + ctx.cache_scope.encode())
+    if request_salt:
+        h.update(b"\x00request:" + request_salt.encode())
+    return h.hexdigest()
+
+
+def vocab_size_of(tokenizer, model: ModelSnapshot) -> int:
+    """Valid prompt ids are ``[0, this)``: ids the tokenizer can decode (added tokens included) that the
+    model's embedding also has rows for."""
+    model_vocab = model_vocab_size(model.model_dir)
+    return min(int(tokenizer.vocab_size), model_vocab) if model_vocab else int(tokenizer.vocab_size)
+
+
+def eos_ids_of(tokenizer) -> list[int]:
+    """The tokenizer's EOS id as a list (empty when it has none)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return [eos] if isinstance(eos, int) else []
+
+
+def process(req, model: ModelSnapshot, tokenizer, *, external_id: str, prompt_token_ids: list[int],
+            prompt_param: str, client_id: str, arrival_time: float | None, logprobs: int | None, cache_salt: str,
+            defaults: GenerationDefaults | None = None, param_prefix: str = "") -> ProcessedInput:
+    """``process_inputs`` for ``req`` on ``model`` (its ``generation_config.json`` defaults unless ``defaults``
+    is given); ``ApiError`` 400 naming the field (``param_prefix`` before it, see ``api_error_from``)."""
+    try:
+        return process_inputs(
+            req, external_id=external_id, prompt_token_ids=prompt_token_ids, prompt_param=prompt_param,
+            max_model_len=model.max_model_len, vocab_size=vocab_size_of(tokenizer, model),
+            defaults=defaults if defaults is not None else generation_defaults(model.model_dir),
+            client_id=client_id, arrival_time=arrival_time, eos_token_ids=eos_ids_of(tokenizer),
+            logprobs=logprobs, cache_salt=cache_salt)
+    except RequestValidationError as exc:
+        raise api_error_from(exc, param_prefix=param_prefix) from None
+
+
+def attach_media(processed: ProcessedInput, rendered: dict) -> None:
+    """Give every engine request of ``processed`` the image feature keys of ``rendered`` (no-op without)."""
+    keys = list(rendered.get("mm_cache_keys") or [])
+    if keys:
+        for r in processed.requests:
+            r.mm_cache_keys = keys

@@ -1,0 +1,67 @@
+"""Step 2 (DESIGN.md §2 step 4): the key's and tenant's limits, taken before any render or image work.
+
+429 is only ever about this key or tenant; platform capacity is 503 (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from django.conf import settings
+
+from gateway.model_cache import ModelSnapshot
+from gateway.pipeline.clients import redis
+from gateway.pipeline.failures import api_error_from
+from inference.admission import estimate_prompt_tokens
+from tenancy.limits import RateLimitExceeded, grant_headers, limits_acquire, limits_reservation, limits_settle
+
+log = logging.getLogger(__name__)
+
+
+def estimate(model: ModelSnapshot, size: int, n: int, max_tokens: int | None, *, exact: bool = False) -> int:
+    """Upper bound of the tokens a request can use, known before rendering: ``prompt + n × completion``, where
+    the prompt is bounded as the admission pre-check bounds it (``estimate_prompt_tokens(size, max_model_len,
+    exact=exact)``: body or prompt bytes plus overhead, or with ``exact`` a token-id prompt's length) and each
+    completion by ``max_tokens`` (``None``: the whole context), the total capped at ``n × max_model_len``."""
+    max_len = int(model.max_model_len)
+    n = max(1, int(n))
+    prompt = estimate_prompt_tokens(size, max_len, exact=exact)
+    completion = max_len if max_tokens is None else max(0, min(int(max_tokens), max_len))
+    return min(limits_reservation(prompt, completion, n), n * max_len)
+
+
+async def acquire(consumer, ctx, tokens: int):
+    """Reserve one request against RPM, one concurrency slot, and ``tokens`` against TPM and budgets (Redis,
+    atomic, shared by every api process); add the ``x-ratelimit-*`` headers to ``consumer``'s response.
+    Returns the grant to ``settle``. Raises ``ApiError`` 429 (``Retry-After`` and ``x-ratelimit-*``)."""
+    try:
+        grant = await limits_acquire(redis(), settings.LINK_PREFIX, ctx,
+                                     max_tokens_reserved=limits_reservation(tokens, 0, 1))
+    except RateLimitExceeded as exc:
+        raise api_error_from(exc) from None
+    consumer.extra_headers.extend(grant_headers(grant))
+    return grant
+
+
+async def settle(grant, actual_tokens: int) -> None:
+    """Settle ``grant`` on the tokens really used (no-op for ``None``; never raises: the concurrency lease
+    expires by itself if this fails)."""
+    if grant is None:
+        return
+    try:
+        await asyncio.shield(limits_settle(redis(), settings.LINK_PREFIX, grant, actual_tokens=actual_tokens))
+    except Exception:  # noqa: BLE001
+        log.exception("rate-limit settle failed")
+
+
+@asynccontextmanager
+async def held(consumer, ctx, tokens: int = 0) -> AsyncIterator[Any]:
+    """Hold the key's limits around a route that generates nothing (``/tokenize``, render routes, abort):
+    ``acquire`` on entry (429, nothing held), ``settle`` once on any exit on ``tokens``."""
+    grant = await acquire(consumer, ctx, tokens)
+    try:
+        yield grant
+    finally:
+        await settle(grant, tokens)

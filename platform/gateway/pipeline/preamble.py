@@ -1,0 +1,110 @@
+"""Step 1 of the request path (DESIGN.md §2 steps 1-3): authenticate, parse and validate, request ids, resolve
+the model. Everything here runs before the request holds anything."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import secrets
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from gateway import auth
+from gateway.errors import ErrorCode, bad_request, not_found
+from gateway.http import OFF_LOOP_PARSE_BYTES, json_body
+from gateway.model_cache import ModelSnapshot, get_model
+from gateway.pipeline.failures import api_error_from
+from inference.protocol.openai import MAX_REQUEST_ID_LEN, RequestValidationError, validate_request
+
+
+def client_request_id(header_value: bytes | None, body_value: str | None) -> str:
+    """The client's request id: ``X-Request-Id`` header, else body ``request_id``, else random.
+
+    Capped at ``MAX_REQUEST_ID_LEN`` characters: a longer value, or a header value with control characters
+    (it is echoed as a header), raises ``ApiError`` 400 (param ``X-Request-Id`` or ``request_id``); only
+    printable ASCII is kept.
+    """
+    raw = None
+    if header_value:
+        raw = header_value.decode("latin-1")
+        if len(raw) > MAX_REQUEST_ID_LEN:
+            raise bad_request(f"X-Request-Id is longer than {MAX_REQUEST_ID_LEN} characters", "X-Request-Id")
+        if any(ord(ch) < 32 or ord(ch) == 127 for ch in raw):
+            raise bad_request("X-Request-Id must not contain control characters", "X-Request-Id")
+    elif body_value:
+        if len(body_value) > MAX_REQUEST_ID_LEN:  # the schemas cap it too; this keeps every caller bounded
+            raise bad_request(f"request_id is longer than {MAX_REQUEST_ID_LEN} characters", "request_id")
+        raw = body_value
+    if raw:
+        cleaned = "".join(ch for ch in raw if 32 < ord(ch) < 127)
+        if cleaned:
+            return cleaned
+    return secrets.token_hex(8)
+
+
+async def validated_body(body: bytes, validate: Callable[[dict], Any]) -> Any:
+    """``validate(await json_body(body))``: the validation too runs in a worker thread when the body is over
+    ``OFF_LOOP_PARSE_BYTES``, as its parsing does (validating a large body, e.g. 2,048 messages or a long
+    token-id list, takes milliseconds: not on the event loop). Raises what they raise
+    (``RequestValidationError``)."""
+    data = await json_body(body)
+    if len(body) > OFF_LOOP_PARSE_BYTES:
+        return await asyncio.to_thread(validate, data)
+    return validate(data)
+
+
+async def authenticate(consumer, scope: str = "inference"):
+    """The caller's ``AuthContext`` (401 without a valid key, 403 without ``scope``)."""
+    ctx = await auth.authenticate(consumer.scope["headers"])
+    auth.require_scope(ctx, scope)
+    return ctx
+
+
+async def parse(body: bytes, validate: Callable[[dict], Any] | type) -> Any:
+    """``body`` parsed and validated by ``validate`` (a pydantic schema class or a function of the JSON dict);
+    ``ApiError`` 400 naming the field."""
+    if isinstance(validate, type):
+        validate = functools.partial(validate_request, validate)
+    try:
+        return await validated_body(body, validate)
+    except RequestValidationError as exc:
+        raise api_error_from(exc) from None
+
+
+def echo_request_id(consumer, request_id: str) -> None:
+    """Echo ``request_id`` as the response's ``X-Request-Id``."""
+    consumer.extra_headers.append((b"x-request-id", request_id.encode()))
+
+
+@dataclass
+class Preamble:
+    """An authenticated, validated request: ``ctx`` (``AuthContext``), ``req`` (the validated body),
+    ``base_id`` (the client's id, echoed) and ``external_id`` (``id_prefix + base_id``, shown in responses)."""
+
+    ctx: Any
+    req: Any
+    base_id: str
+    external_id: str
+
+
+async def preamble(consumer, body: bytes, schema, id_prefix: str) -> Preamble:
+    """DESIGN.md §2 steps 1-2 for the inference endpoints: authenticate (401; 403 without the ``inference``
+    scope), parse and validate ``body`` into ``schema`` (400 naming the field), and echo the client's request
+    id (``X-Request-Id`` header, else body ``request_id``, else random)."""
+    ctx = await authenticate(consumer)
+    req = await parse(body, schema)
+    base_id = client_request_id(consumer.header(b"x-request-id"), getattr(req, "request_id", None))
+    echo_request_id(consumer, base_id)
+    return Preamble(ctx, req, base_id, id_prefix + base_id)
+
+
+async def resolve_model(ctx, name: str | None) -> ModelSnapshot:
+    """The served model for ``name`` (400 when missing, 404 when unknown, 403 when the key may not use it)."""
+    if not name:
+        raise bad_request("'model' is required", "model")
+    snap = await get_model(name)
+    if snap is None:
+        raise not_found(f"The model '{name}' does not exist or is not served here", "model",
+                        ErrorCode.MODEL_NOT_FOUND)
+    auth.require_model(ctx, name)
+    return snap

@@ -1,0 +1,213 @@
+"""Step 4 (DESIGN.md §2 step 5, §4): chat template rendering and tokenizing, on the Celery ``render`` queue or
+inline, plus the cheap checks that run before it.
+
+Rendering route, per api process (``settings.RENDER_ROUTE``):
+
+* ``celery`` (default): the ``inference.*`` tasks on the Celery ``render`` queue; workers may live on other
+  machines, a runaway template is bounded by the sandbox budget and by the task's soft/hard time limits (the
+  worker child is replaced).
+* ``inline``: the same task bodies (``inference.tasks.run_*``) on this process's thread pool. No broker round
+  trip; runaway templates are bounded by the sandbox's operation and output budgets only. A client-supplied
+  ``chat_template`` (payload flag ``client_chat_template``) is never run here, whatever the route: it always goes
+  to the Celery workers, whose time limit kills a render stuck where the sandbox's budgets do not reach.
+
+Both routes run the very same function on the same payload, so they give the same bytes and token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from django.conf import settings
+
+from config.celery import app as celery_app
+from gateway.errors import ApiError, ErrorCode, ErrorType, bad_request, unavailable
+from gateway.model_cache import ModelSnapshot
+from inference import tasks as render_tasks
+from inference.render_client import RenderReplyWaiter, RenderUnavailableError
+from inference.renderer.tokenizer_cache import get_tokenizer
+
+RENDER_QUEUE = "render"
+RENDER_ROUTES = ("celery", "inline")
+
+_INLINE = {
+    "inference.render_chat": render_tasks.run_render_chat,
+    "inference.tokenize_prompt": render_tasks.run_tokenize_prompt,
+    "inference.detokenize": render_tasks.run_detokenize,
+}
+
+# renderer error type → public code (anything else: invalid_prompt)
+_RENDER_CODES = {"TemplateTimeoutError": ErrorCode.TEMPLATE_TIMEOUT, "NoChatTemplateError": ErrorCode.NO_CHAT_TEMPLATE,
+                 "TemplateSecurityError": ErrorCode.TEMPLATE_SECURITY, "TemplateLimitError": ErrorCode.TEMPLATE_LIMIT}
+
+
+def render_route() -> str:
+    """This process's rendering route, ``"celery"`` or ``"inline"`` (``settings.RENDER_ROUTE``, validated when
+    the settings load)."""
+    return settings.RENDER_ROUTE
+
+
+def is_client_template(task: str, payload: dict[str, Any]) -> bool:
+    """True when ``payload`` of ``task`` renders a client-supplied chat template (``client_chat_template``)."""
+    return task == "inference.render_chat" and bool(payload.get("client_chat_template"))
+
+
+def runs_inline(task: str, payload: dict[str, Any]) -> bool:
+    """True when ``task`` runs in this process: always with ``RENDER_ROUTE=inline``; otherwise for a small
+    template-free task (DESIGN.md §4 allows an in-process pool "for small requests ... where it is measurably
+    faster"): tokenizing a prompt of at most ``RENDER_INLINE_MAX_CHARS`` characters (default 4096; 0 turns it
+    off): no untrusted code runs, and the broker round trip (~6 ms of the 8 ms of a text ``/tokenize``) is
+    skipped. Chat templates go to the workers; a client-supplied one is never run inline, on either route."""
+    if is_client_template(task, payload):
+        return False
+    if render_route() == "inline":
+        return True
+    prompt = payload.get("prompt")
+    return (task == "inference.tokenize_prompt" and isinstance(prompt, str)
+            and len(prompt) <= settings.RENDER_INLINE_MAX_CHARS)
+
+
+_INLINE_POOL: ThreadPoolExecutor | None = None
+
+
+def _inline_pool() -> ThreadPoolExecutor:
+    """The threads inline render tasks run on: their own pool, not the loop's default executor, where image
+    requests parse multi-megabyte bodies and hash images. One thread per core; created on first use."""
+    global _INLINE_POOL
+    if _INLINE_POOL is None:
+        _INLINE_POOL = ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="inline-render")
+    return _INLINE_POOL
+
+
+async def call_inline(task: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """Run the body of Celery task ``task`` in-process on a worker thread; returns exactly what the task would
+    return (``{"ok": True, ...}`` or ``{"ok": False, "error": {...}}``). Raises ``ValueError`` for a task
+    without an inline body and for a client-supplied chat template."""
+    fn = _INLINE.get(task)
+    if fn is None:
+        raise ValueError(f"no inline route for task {task!r}")
+    if is_client_template(task, payload):
+        raise ValueError("a client-supplied chat template is never rendered in the api process")
+    return await asyncio.get_running_loop().run_in_executor(_inline_pool(), fn, payload)
+
+
+async def call_render(task: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """Run a renderer task (inline or on the ``render`` queue, ``runs_inline``) and return its ``ok`` result.
+
+    Structured task errors become HTTP 400 with the renderer's ``param``; no worker answering within
+    ``RENDER_WAIT_TIMEOUT_S``, or a worker that ran out of time outside the template, becomes 503; a renderer
+    defect 500.
+    """
+    if runs_inline(task, payload):
+        result = await call_inline(task, payload)
+    else:
+        waiter = RenderReplyWaiter.for_current_loop(settings.REDIS_URL, settings.LINK_PREFIX)
+        try:
+            result = await waiter.call(celery_app, task, payload, queue=RENDER_QUEUE,
+                                       timeout=settings.RENDER_WAIT_TIMEOUT_S)
+        except RenderUnavailableError as exc:
+            raise unavailable(f"{exc}: the render workers are busy or down, or the input could not be rendered "
+                              f"within the render time limit", 2, ErrorCode.RENDER_UNAVAILABLE) from None
+    if not result.get("ok"):
+        raise render_error(result.get("error") or {})
+    return result
+
+
+def render_error(err: dict[str, Any]) -> ApiError:
+    """A renderer task's ``error`` object as the client's error."""
+    etype = err.get("type", "RenderError")
+    if etype == "InternalError":
+        return ApiError(500, "The renderer failed unexpectedly", ErrorType.SERVER, None,
+                        ErrorCode.RENDER_INTERNAL_ERROR)
+    message = err.get("message") or "The request could not be rendered"
+    if etype == "RenderOverloadedError":
+        return unavailable(message, 2, ErrorCode.RENDER_UNAVAILABLE)
+    return bad_request(message, err.get("param"), _RENDER_CODES.get(etype, ErrorCode.INVALID_PROMPT))
+
+
+async def load_tokenizer(model: ModelSnapshot):
+    """The model's tokenizer, loaded once per process off the event loop."""
+    return await asyncio.to_thread(get_tokenizer, model.tokenizer_dir)
+
+
+def check_prompt_chars(model: ModelSnapshot, tokenizer, n_chars: int, param: str) -> None:
+    """Refuse, before rendering or tokenizing, text that cannot fit the context whatever its tokenization:
+    more than ``max_model_len × (longest token string in the vocabulary)`` characters (vLLM's character
+    pre-check, ``vllm/entrypoints/renderer.py``). Keeps a huge prompt from holding a render worker.
+    Raises ``ApiError`` 400 with both numbers."""
+    bound = int(model.max_model_len) * max(1, int(getattr(tokenizer, "max_token_chars", 0) or 0))
+    if bound and n_chars > bound:
+        raise bad_request(
+            f"The input has {n_chars} characters, more than can fit this model's maximum context length of "
+            f"{model.max_model_len} tokens (at most {bound} characters). Please reduce the length of the "
+            f"input.", param, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+
+
+def message_chars(messages) -> int:
+    """Characters of text in chat ``messages`` (string contents and text parts)."""
+    total = 0
+    for m in messages:
+        content = m.content
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+    return total
+
+
+def chat_template_for(model: ModelSnapshot, req) -> str | None:
+    """The template to render with: request template (only if the registry allows it), else the registry
+    override, else ``None`` (the tokenizer's own)."""
+    if req.chat_template is not None:
+        if not model.allow_request_chat_template:
+            raise bad_request("Client-supplied chat templates are not allowed for this model", "chat_template",
+                              ErrorCode.CHAT_TEMPLATE_NOT_ALLOWED)
+        return req.chat_template
+    return model.chat_template or None
+
+
+def chat_render_payload(model: ModelSnapshot, req) -> dict:
+    """The ``inference.render_chat`` task payload of a chat request (``ChatCompletionRequest`` or a chat
+    ``/tokenize`` body) on ``model``: the same payload on every route that renders a chat."""
+    add_generation_prompt = bool(req.add_generation_prompt)
+    if req.continue_final_message:
+        add_generation_prompt = False
+    return {
+        "tokenizer_dir": model.tokenizer_dir,
+        "messages": [m.model_dump(exclude_unset=True) for m in req.messages],
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": bool(req.continue_final_message),
+        "tools": [t.model_dump(exclude_unset=True) for t in req.tools] if req.tools else None,
+        "documents": req.documents,
+        "chat_template": chat_template_for(model, req),
+        "client_chat_template": req.chat_template is not None,  # never rendered inline (runs_inline)
+        "chat_template_kwargs": req.chat_template_kwargs or None,
+        "add_special_tokens": bool(req.add_special_tokens),
+        # control-token strings in request text stay text unless the operator opted this model out
+        "allow_control_tokens": bool(model.allow_control_tokens_in_content),
+    }
+
+
+async def tokenize_prompt(model: ModelSnapshot, prompt: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of a completion-style text ``prompt``."""
+    result = await call_render("inference.tokenize_prompt", {
+        "tokenizer_dir": model.tokenizer_dir, "prompt": prompt, "add_special_tokens": add_special_tokens})
+    return result["prompt_token_ids"]
+
+
+async def prompt_ids_for(model: ModelSnapshot, req) -> tuple[list[int], str | None]:
+    """``(prompt_token_ids, prompt_text)`` of a ``CompletionRequest``: token-id prompts pass through; text is
+    tokenized (BOS per ``add_special_tokens``, default true)."""
+    if isinstance(req.prompt, list):
+        return list(req.prompt), None
+    return await tokenize_prompt(model, req.prompt, req.add_special_tokens is not False), req.prompt
+
+
+async def detokenize(model: ModelSnapshot, tokens: list[int], skip_special_tokens: bool) -> str:
+    """Text of ``tokens`` (``/detokenize``)."""
+    result = await call_render("inference.detokenize", {
+        "tokenizer_dir": model.tokenizer_dir, "tokens": tokens, "skip_special_tokens": skip_special_tokens})
+    return result["prompt"]

@@ -1,0 +1,58 @@
+"""Step 8 (DESIGN.md §2 step 10): response bodies and SSE chunks. Every check has run before ``start_sse``;
+after it, an engine failure is an in-band error event (``GatewayConsumer.send_sse_error``)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+from gateway.pipeline.engine import GenerationRun
+from gateway.pipeline.usage import usage_dict
+from inference.output_processor import ChoiceDelta, ChoiceState
+
+ChoiceOf = Callable[[ChoiceDelta, ChoiceState], "dict | None"]
+
+
+def run_usage(run: GenerationRun) -> dict:
+    """The OpenAI ``usage`` object of a finished run."""
+    return usage_dict(run.prompt_tokens, run.completion_tokens, run.num_cached_tokens)
+
+
+async def complete(run: GenerationRun) -> None:
+    """Wait for every choice to finish; ``ApiError`` 503 ``engine_error`` (``Retry-After: 1``) when one failed."""
+    async for _ in run.deltas():
+        pass
+    run.raise_for_engine_error(retry_after=True)
+
+
+async def stream(consumer, run: GenerationRun, envelope: Callable[[list, Any], dict], choice_of: ChoiceOf, *,
+                 include_usage: bool, first_events: Iterable[dict] = ()) -> None:
+    """Stream ``run`` as SSE: 200 + headers, ``first_events``, then one chunk ``envelope([choice], None)`` per
+    delta for which ``choice_of(delta, state)`` gives a choice (``None``: nothing to send yet), the usage chunk
+    ``envelope([], usage)`` when ``include_usage``, and ``[DONE]``. An engine failure ends the stream with an
+    in-band error (raised as ``ApiError``)."""
+    await consumer.start_sse()
+    for event in first_events:
+        await consumer.send_event(event)
+    async for d in run.deltas():
+        state = run.choices[d.index]
+        if state.finish_reason == "error":
+            break
+        choice = choice_of(d, state)
+        if choice is not None:
+            await consumer.send_event(envelope([choice], None))
+    run.raise_for_engine_error(retry_after=False)
+    if include_usage:
+        await consumer.send_event(envelope([], run_usage(run)))
+    await consumer.end_sse()
+
+
+class LogprobCursor:
+    """Per choice, how many of its tokens' logprobs were already sent (streams send each token's once)."""
+
+    def __init__(self, run: GenerationRun):
+        self._seen = {c.index: 0 for c in run.choices}
+
+    def take(self, state: ChoiceState) -> tuple[list[int], list[Any]]:
+        """The ids and logprobs of ``state`` not sent yet; marks them sent."""
+        start, self._seen[state.index] = self._seen[state.index], len(state.token_ids)
+        return state.token_ids[start:], state.logprobs[start:]

@@ -1,0 +1,86 @@
+"""What one API request holds that must be given back exactly once, whatever its end (DESIGN.md §2 rules):
+the engine run (aborted if unfinished), the admission reservation, the key-limit grant and the usage record."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from gateway.errors import ApiError
+from gateway.pipeline import admission, limits
+from gateway.pipeline.usage import UsageRecorder
+
+
+@dataclass
+class RequestScope:
+    """The request's held resources: set each attribute as soon as it is taken.
+
+    ``reservation``: admission (``inference.admission.Reservation``); ``grant``: key limits
+    (``tenancy.limits.LimitGrant``); ``run``: the engine work (a ``GenerationRun``, or an object with the token
+    counts of ``UsageRecorder.run`` and optionally an async ``close()``)."""
+
+    recorder: UsageRecorder
+    reservation: Any = None
+    grant: Any = None
+    run: Any = None
+
+    @property
+    def holds_nothing(self) -> bool:
+        """True before anything was taken (refused at the preamble, or by the key limits)."""
+        return self.run is None and self.reservation is None and self.grant is None
+
+    async def release(self) -> None:
+        """Give everything back, in order: close the run (abort unfinished children), release admission, settle
+        the key limits on the tokens used, emit the usage event. Each step is idempotent."""
+        run = self.run
+        if run is not None:
+            close = getattr(run, "close", None)
+            if close is not None:
+                await close()
+            self.recorder.run = run
+        await admission.release(self.reservation)
+        used = (run.prompt_tokens + run.completion_tokens) if run is not None else 0
+        await limits.settle(self.grant, used)
+        await self.recorder.emit()
+
+
+_background_tasks: set[asyncio.Task] = set()
+
+
+def _background(coro) -> None:
+    """Run ``coro`` on the loop without awaiting it (a reference is kept until it ends)."""
+    task = asyncio.get_running_loop().create_task(coro)
+    _background_tasks.add(task)
+    task.add_done_callback(_background_tasks.discard)
+
+
+@asynccontextmanager
+async def request_scope(endpoint: str, request_id: str, arrival: float, ctx, model_name: str | None,
+                        n: int) -> AsyncIterator[RequestScope]:
+    """Run one request's work inside; on exit (success, ``ApiError``, client disconnect) release what it holds
+    (``RequestScope.release``), once.
+
+    The usage status is 200, the ``ApiError``'s status, or 499 with finish reason ``abort`` when the client went
+    away; the finish reason is the first choice's. A request refused before holding anything emits its usage
+    event in the background, so the refusal is answered without waiting for it.
+    """
+    scope = RequestScope(UsageRecorder(endpoint, request_id, arrival, ctx, model_name, n=n))
+    try:
+        yield scope
+        choices = getattr(scope.run, "choices", None)
+        if choices and scope.recorder.finish_reason is None:
+            scope.recorder.finish_reason = choices[0].finish_reason
+    except ApiError as err:
+        scope.recorder.status_code = err.status
+        raise
+    except asyncio.CancelledError:
+        scope.recorder.status_code = 499
+        scope.recorder.finish_reason = "abort"
+        raise
+    finally:
+        if scope.holds_nothing:
+            _background(scope.recorder.emit())
+        else:
+            await scope.release()

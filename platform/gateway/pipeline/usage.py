@@ -1,0 +1,85 @@
+"""Step 9 (DESIGN.md §2 step 11): the OpenAI ``usage`` object and the request's usage event, emitted exactly
+once whatever the outcome (one XADD to the durable Redis stream; never a DB write on the event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.pipeline.clients import redis
+from inference.protocol.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+from usage.events import usage_event_emit
+
+log = logging.getLogger(__name__)
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI ``usage`` object (``prompt_tokens_details.cached_tokens`` only when some were cached)."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
+
+
+def public_finish_reason(reason: str | None) -> str | None:
+    """OpenAI exposes only stop/length/tool_calls/content_filter; ``abort`` never reaches a live client."""
+    if reason in (FINISH_STOP, FINISH_LENGTH, None):
+        return reason
+    return FINISH_STOP if reason == FINISH_ABORT else reason
+
+
+@dataclass
+class UsageRecorder:
+    """Collects one request's usage and emits it exactly once (``emit`` is idempotent).
+
+    ``run``: anything with ``prompt_tokens``, ``completion_tokens``, ``num_cached_tokens``, ``first_token_time``
+    and ``finished_time`` (a ``GenerationRun``, an embeddings run); ``None``: nothing ran (0 tokens).
+    """
+
+    endpoint: str
+    request_id: str
+    arrival_time: float
+    ctx: Any = None
+    model: str | None = None
+    status_code: int = 200
+    finish_reason: str | None = None
+    run: Any = None
+    n: int = 1
+    _emitted: bool = False
+
+    def event(self, now: float) -> dict[str, Any]:
+        """The usage event (``usage.events`` schema)."""
+        run = self.run
+        return {
+            "request_id": self.request_id,
+            "tenant_id": self.ctx.tenant_id,
+            "api_key_id": self.ctx.key_id,
+            "served_model_name": self.model or "",
+            "endpoint": self.endpoint,
+            "prompt_tokens": run.prompt_tokens if run else 0,
+            "completion_tokens": run.completion_tokens if run else 0,
+            "cached_tokens": run.num_cached_tokens if run else 0,
+            "status_code": self.status_code,
+            "finish_reason": self.finish_reason,
+            "ttft_ms": ((run.first_token_time - self.arrival_time) * 1000.0)
+            if run and run.first_token_time else None,
+            "e2e_latency_ms": ((run.finished_time if run and run.finished_time else now)
+                               - self.arrival_time) * 1000.0,
+            "n": self.n,
+            "created_at": self.arrival_time,
+            "finished_at": now,
+        }
+
+    async def emit(self) -> None:
+        """Send the usage event (once; nothing without an authenticated caller)."""
+        if self._emitted or self.ctx is None:
+            return
+        self._emitted = True
+        try:
+            await asyncio.shield(usage_event_emit(redis(), self.event(time.time())))
+        except Exception:  # noqa: BLE001 - usage must never break the response
+            log.exception("usage event emit failed for %s", self.request_id)

@@ -1,0 +1,68 @@
+"""``RequestState`` / ``OutputProcessor`` (inference/output_processor.py): per-choice output state and n > 1
+reassembly, Django-free, over a real tokenizer and hand-made engine outputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference.output_processor import OutputProcessor, RequestState
+from inference.protocol.engine import EngineCoreOutput
+from inference.renderer.tokenizer_cache import get_tokenizer
+from tests.renderer.tokdirs import tok_dir
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return get_tokenizer(tok_dir("qwen3"))
+
+
+def _state(tok, n=1, stop=None, include=False):
+    prompt = tok.encode("Hello", add_special_tokens=False)
+    return RequestState(tok, prompt, [f"r-{i}" for i in range(n)], stop=stop, include_stop_str_in_output=include,
+                        skip_special_tokens=True, arrival_time=0.0)
+
+
+def test_n_children_reassemble_into_their_choices(tok):
+    """Interleaved outputs of two children land in their own choice, in order; counts sum over choices."""
+    a, b = tok.encode(" one two three", add_special_tokens=False), tok.encode(" four five", add_special_tokens=False)
+    state = _state(tok, n=2)
+    proc = OutputProcessor(state)
+    outs = []
+    for i in range(max(len(a), len(b))):
+        if i < len(b):
+            outs.append(EngineCoreOutput("r-1", [b[i]], finish_reason="length" if i == len(b) - 1 else None))
+        if i < len(a):
+            outs.append(EngineCoreOutput("r-0", [a[i]], finish_reason="stop" if i == len(a) - 1 else None))
+    result = proc.process_outputs(outs)
+    assert state.finished and state.finished_time is not None
+    assert [c.text for c in state.choices] == [" one two three", " four five"]
+    assert [c.finish_reason for c in state.choices] == ["stop", "length"]
+    assert state.completion_tokens == len(a) + len(b) and state.prompt_tokens == len(state.prompt_token_ids)
+    assert "".join(d.text for d in result.deltas if d.index == 0) == " one two three"
+    # the first tokens of each child are reported once; the request's first carries the time to first token
+    assert [i for i, _ in result.first_tokens] == [1, 0]
+    assert result.first_tokens[0][1] is not None and result.first_tokens[1][1] is None
+
+
+def test_stop_string_finishes_the_choice_and_asks_for_an_abort(tok):
+    """A stop string matched before the engine stops: the choice ends ``stop`` with the text cut before it, and
+    the child is listed for an engine abort; later outputs of that child are ignored."""
+    state = _state(tok, stop=[" STOP"])
+    proc = OutputProcessor(state)
+    ids = tok.encode(" go on STOP and more", add_special_tokens=False)
+    result = proc.process_outputs([EngineCoreOutput("r-0", [t]) for t in ids])
+    choice = state.choices[0]
+    assert choice.text == " go on" and choice.finish_reason == "stop" and choice.stop_reason == " STOP"
+    assert result.reqs_to_abort == ["r-0"]
+    assert proc.process_outputs([EngineCoreOutput("r-0", [ids[0]])]).deltas == []
+
+
+def test_errors_aborts_and_unknown_children(tok):
+    """An engine error is kept per choice; unknown ids are ignored; ``abort_unfinished`` marks what is left."""
+    state = _state(tok, n=2)
+    proc = OutputProcessor(state)
+    proc.process_outputs([EngineCoreOutput("nope", [1]),
+                          EngineCoreOutput("r-0", [], finish_reason="error", error="boom")])
+    assert state.error_message() == "boom" and not state.finished
+    assert state.abort_unfinished() == ["r-1"] and state.choices[1].finish_reason == "abort"
+    assert state.abort_unfinished() == []

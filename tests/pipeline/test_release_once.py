@@ -1,0 +1,186 @@
+"""The request path's exit paths (gateway/pipeline): whatever the end of a request (success, a 4xx after its
+admission reservation, an engine error, a client disconnect), its admission reservation, its key-limit slot and
+its usage record are given back or written exactly once, and in order. Real Redis (admission, key limits, usage
+stream); a fake engine link stands in for the engine, which adds nothing here."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import pytest
+import redis as redis_sync
+
+from gateway.errors import ApiError, bad_request
+from gateway.model_cache import ModelSnapshot
+from gateway.pipeline import clients, engine, limits, responses, scope as scope_mod
+from gateway.pipeline.flow import admit_and_start, hold_before_render
+from gateway.pipeline.scope import request_scope
+from inference.input_processor import ProcessedInput
+from inference.protocol.engine import EngineCoreOutput, EngineCoreRequest, SamplingParams
+from inference.renderer.tokenizer_cache import get_tokenizer
+from tenancy.limits import Limits
+from tenancy.selectors import AuthContext
+from tests.renderer.tokdirs import tok_dir
+
+REDIS_URL = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/9"
+MODEL = "release-m"
+
+
+@dataclass
+class FakeLink:
+    """The engine link's surface the pipeline uses; ``script`` maps a child id to the outputs it gets."""
+
+    script: dict = field(default_factory=dict)
+    client_id: str = "fake"
+    aborted: list = field(default_factory=list)
+    released: list = field(default_factory=list)
+
+    async def add_requests(self, model, requests, queue):
+        for r in requests:
+            for out in self.script.get(r.request_id[-2:], []):
+                queue.put_nowait(EngineCoreOutput(r.request_id, **out))
+
+    async def abort(self, model, ids):
+        self.aborted.extend(ids)
+
+    def release(self, rid):
+        self.released.append(rid)
+
+
+class FakeConsumer:
+    def __init__(self):
+        self.extra_headers = []
+        self.events = []
+
+    async def start_sse(self):
+        self.events.append("start")
+
+    async def send_event(self, payload):
+        self.events.append(payload)
+
+    async def end_sse(self):
+        self.events.append("done")
+
+
+@pytest.fixture
+def env(settings, monkeypatch):
+    prefix = f"reltest-{uuid.uuid4().hex[:8]}"
+    settings.REDIS_URL, settings.LINK_PREFIX = REDIS_URL, prefix
+    monkeypatch.setattr("usage.events.settings.LINK_PREFIX", prefix, raising=False)
+    fake = FakeLink()
+    monkeypatch.setattr(engine, "link", lambda: fake)
+    clients._pools.clear()
+    yield prefix, fake
+    r = redis_sync.Redis.from_url(REDIS_URL)
+    keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
+    if keys:
+        r.delete(*keys)
+    r.close()
+
+
+def _ctx():
+    return AuthContext(key_id=int(time.time() * 1000) % 10**9, key_prefix="k", tenant_id=7, tenant_name="t",
+                       allowed_models=(), scopes=("inference",), expires_at=None,
+                       key_limits=Limits(max_concurrent=1))
+
+
+def _model():
+    d = tok_dir("qwen3")
+    return ModelSnapshot(served_model_name=MODEL, model_dir=d, tokenizer_dir=d, max_model_len=256)
+
+
+def _processed(n=2):
+    reqs = [EngineCoreRequest(request_id=f"x-{uuid.uuid4().hex[:6]}-{i}", external_req_id="x",
+                              prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(max_tokens=4),
+                              client_id="fake", arrival_time=time.time()) for i in range(n)]
+    return ProcessedInput(external_id="x", prompt_token_ids=[1, 2, 3], max_tokens=4, requests=reqs)
+
+
+async def _one_request(ctx, outcome: str):
+    """One request through the pipeline's steps, ending as ``outcome``."""
+    consumer, model = FakeConsumer(), _model()
+    tok = get_tokenizer(model.tokenizer_dir)
+    async with request_scope("chat.completions", f"req-{uuid.uuid4().hex[:6]}", time.time(), ctx, MODEL,
+                             2) as scope:
+        await hold_before_render(consumer, scope, ctx, model, n=2, size=40, exact=False, max_tokens=4)
+        if outcome == "4xx":
+            raise bad_request("refused after the reservation", "messages")
+        run = await admit_and_start(scope, model, tok, _processed(), stop=None, include_stop_str_in_output=False,
+                                    skip_special_tokens=True, arrival_time=time.time())
+        if outcome == "disconnect":
+            await asyncio.sleep(3600)  # cancelled by the test, as http_disconnect cancels the handler
+        await responses.stream(consumer, run, lambda c, u: {"choices": c}, lambda d, s: {"text": d.text},
+                               include_usage=True)
+
+
+async def _state(prefix):
+    snap = await clients.admission().snapshot(MODEL)
+    usage = await clients.redis().xlen(f"{prefix}:usage:events")
+    return snap["queued_reqs"], snap["queued_tokens"], usage
+
+
+SCRIPTS = {
+    "success": {"-0": [{"new_token_ids": [9707]}, {"new_token_ids": [11], "finish_reason": "stop"}],
+                "-1": [{"new_token_ids": [9707], "finish_reason": "length"}]},
+    "engine_error": {"-0": [{"new_token_ids": [9707]}, {"finish_reason": "error", "error": "boom"}],
+                     "-1": [{"new_token_ids": [9707], "finish_reason": "stop"}]},
+    "4xx": {}, "disconnect": {},
+}
+
+
+@pytest.mark.parametrize("outcome", ["success", "4xx", "engine_error", "disconnect"])
+async def test_every_exit_gives_back_everything_once(env, outcome):
+    prefix, fake = env
+    fake.script = SCRIPTS[outcome]
+    ctx = _ctx()
+    task = asyncio.get_running_loop().create_task(_one_request(ctx, outcome))
+    if outcome == "disconnect":
+        for _ in range(200):  # bounded: until the request holds its engine run
+            await asyncio.sleep(0.01)
+            if fake.script == {} and (await _state(prefix))[0] == 2:
+                break
+        task.cancel()
+    try:
+        await task
+    except (ApiError, asyncio.CancelledError):
+        pass
+    assert (await _state(prefix)) == (0, 0, 1), "admission not released, or usage not written exactly once"
+    # the key's one concurrency slot is free again (max_concurrent=1): a second request gets it
+    grant = await limits.acquire(FakeConsumer(), ctx, 1)
+    await limits.settle(grant, 1)
+    if outcome in ("engine_error", "disconnect"):
+        assert len(set(fake.released)) == len(fake.released) == 2  # each child's output route dropped once
+    if outcome == "disconnect":
+        assert len(fake.aborted) == 2  # both unfinished children aborted on the engine
+
+
+async def test_release_order_and_idempotence(env, monkeypatch):
+    """``RequestScope.release``: run closed, then admission released, then key limits settled, then usage —
+    and a second release changes nothing."""
+    calls = []
+
+    class Run:
+        prompt_tokens, completion_tokens = 3, 2
+
+        async def close(self):
+            calls.append("close")
+
+    async def adm_release(res):
+        calls.append("admission")
+
+    async def settle(grant, used):
+        calls.append(("settle", used))
+
+    async def emit(self):
+        calls.append("usage")
+
+    monkeypatch.setattr(scope_mod.admission, "release", adm_release)
+    monkeypatch.setattr(scope_mod.limits, "settle", settle)
+    monkeypatch.setattr(scope_mod.UsageRecorder, "emit", emit)
+    async with request_scope("completions", "r", time.time(), _ctx(), MODEL, 1) as scope:
+        scope.grant, scope.reservation, scope.run = object(), object(), Run()
+    assert calls == ["close", "admission", ("settle", 5), "usage"]
