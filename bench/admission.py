@@ -36,7 +36,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
-from tests.live_platform import DEMO_MODEL, start_platform  # noqa: E402
+from tests.live_platform import DEMO_MODEL, start_platform
 
 
 def pct(values: list[float], q: float) -> float:

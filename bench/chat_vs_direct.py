@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
-from tests.live_platform import DEMO_MODEL, MODEL_DIR, start_platform  # noqa: E402
+from tests.live_platform import DEMO_MODEL, MODEL_DIR, start_platform
 
 
 def prompts(n: int) -> list[list[dict]]:

@@ -26,7 +26,7 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from inference.protocol.engine import (  # noqa: E402
+from inference.protocol.engine import (
     EngineCoreOutputs,
     EngineCoreRequest,
     SamplingParams,

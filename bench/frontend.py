@@ -34,7 +34,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
-from tests.live_platform import MODEL_DIR, free_port, start_platform  # noqa: E402
+from tests.live_platform import MODEL_DIR, free_port, start_platform
 
 PARA = ("The sea was calm that morning, and the fishermen set out before dawn with their nets and their "
         "stories. Gulls circled above the harbour while the lighthouse keeper wrote in his log. ")
@@ -130,7 +130,7 @@ def main() -> None:
             assert ids["ours/celery"] == ids["ours/inline"] == ids["vllm"], "token ids differ between servers"
             bodies[size] = (body, len(ids["vllm"]))
         rows = []
-        for size, (body, ntok) in bodies.items():
+        for _size, (body, ntok) in bodies.items():
             for conc in (1, 32):
                 total = args.requests if conc > 1 else max(20, args.requests // 4)
                 res = {name: asyncio.run(run_load(url + "/tokenize", h, body, conc, total))

@@ -59,11 +59,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
-from tests.embeddings.reference import DirectMiniLM, minilm_dir  # noqa: E402
-from ops.supervisor import parse_cpu_list, unix_socket_accepts  # noqa: E402
-from tests.live_platform import start_platform, wait_until  # noqa: E402
-from tests.multimodal.conftest import VL_DIR, VL_MODEL, ensure_vl_model  # noqa: E402
-from tests.multimodal.imgs import data_url, image_bytes  # noqa: E402
+from tests.embeddings.reference import DirectMiniLM, minilm_dir
+from ops.supervisor import parse_cpu_list, unix_socket_accepts
+from tests.live_platform import start_platform, wait_until
+from tests.multimodal.conftest import VL_DIR, VL_MODEL, ensure_vl_model
+from tests.multimodal.imgs import data_url, image_bytes
 
 BIG_MODEL = "tiny-vl-1280"
 
@@ -305,7 +305,7 @@ def tokenize_part(live, args, front, back) -> None:
     layout = (f"front api on cores {sorted(front)}, the rest on {sorted(back)}" if front else "no pinning")
     print(f"layout: {args.mm_api_workers} multimodal api process(es), handoff by {args.handoff}; {layout}")
     per_round = ", ".join(f"{r50:.2f}/{r99:.2f}" for r50, r99 in rounds)
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    med = lambda xs: sorted(xs)[len(xs) // 2]
     print(f"tokenize alone p50 {a50*1000:.1f} ms p99 {a99*1000:.1f} ms (n={len(alone)}); under image load "
           f"p50 {l50*1000:.1f} ms p99 {l99*1000:.1f} ms (n={len(loaded)}, {n_images} image requests in "
           f"{args.rounds} x {args.seconds:g} s); ratio p50 {l50/a50:.2f}x p99 {l99/a99:.2f}x (goal <= 1.2); "
@@ -349,7 +349,7 @@ def embeddings_part(live, args) -> None:
     for _ in range(args.emb_rounds):
         d = direct_rate()
         rounds.append((d, api_rate(2) / d, api_rate(1) / d))
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    med = lambda xs: sorted(xs)[len(xs) // 2]
     r2, r1 = [r[1] for r in rounds], [r[2] for r in rounds]
     print(f"embeddings batch 32 ({args.emb_rounds} rounds of {args.emb_reps} batches): direct "
           f"{med([r[0] for r in rounds]):.0f} inputs/s (median); api / direct, median of the rounds: 2 concurrent "

@@ -27,9 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO)]
 
-from inference.output_processor import IncrementalDetokenizer, StopChecker  # noqa: E402
-from inference.protocol.openai import MAX_STOP_STRING_LEN  # noqa: E402
-from inference.renderer.tokenizer_cache import get_tokenizer  # noqa: E402
+from inference.output_processor import IncrementalDetokenizer, StopChecker
+from inference.protocol.openai import MAX_STOP_STRING_LEN
+from inference.renderer.tokenizer_cache import get_tokenizer
 
 
 def run_once(tok, prompt: list[int], output: list[int], stop: list[str] | None) -> tuple[float, str]:

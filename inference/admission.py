@@ -352,7 +352,7 @@ class Admission:
     _loop: asyncio.AbstractEventLoop | None = None
     _throughput: dict[str, tuple[float, float]] = field(default_factory=dict)
 
-    _instances: ClassVar[dict[int, "Admission"]] = {}
+    _instances: ClassVar[dict[int, Admission]] = {}
 
     def __post_init__(self) -> None:
         r = self.redis
@@ -364,7 +364,7 @@ class Admission:
         self._refresh = r.register_script(_REFRESH)
 
     @classmethod
-    def for_current_process(cls, redis_url: str, prefix: str) -> "Admission":
+    def for_current_process(cls, redis_url: str, prefix: str) -> Admission:
         """The process's admission client for the running loop (created and started on first use)."""
         loop = asyncio.get_running_loop()
         adm = cls._instances.get(id(loop))
@@ -385,7 +385,7 @@ class Admission:
             self._task.cancel()
             try:
                 await self._task
-            except (asyncio.CancelledError, Exception):
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - closing: the loop's own failure is moot
                 pass
         try:
             await self.redis.zadd(holders_key(self.prefix), {self.holder: 0})
@@ -401,7 +401,7 @@ class Admission:
                 await self.reap()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - must survive Redis hiccups
+            except Exception:  # must survive Redis hiccups
                 log.exception("admission lease refresh failed")
             await asyncio.sleep(LEASE_REFRESH_S)
 

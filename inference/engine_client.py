@@ -78,10 +78,10 @@ class EngineLink:
     _replicas_seen: dict[str, float] = field(default_factory=dict)  # model -> monotonic time a replica was seen
     _alive_set_at: float = -1e9
 
-    _instances: ClassVar[dict[int, "EngineLink"]] = {}
+    _instances: ClassVar[dict[int, EngineLink]] = {}
 
     @classmethod
-    def for_current_process(cls, redis_url: str, prefix: str) -> "EngineLink":
+    def for_current_process(cls, redis_url: str, prefix: str) -> EngineLink:
         """The process's link for the running event loop (created and started on first use)."""
         loop = asyncio.get_running_loop()
         link = cls._instances.get(id(loop))
@@ -103,7 +103,7 @@ class EngineLink:
         for t in self._tasks:
             try:
                 await t
-            except (asyncio.CancelledError, Exception):
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - closing: a reader's own failure is moot
                 pass
         try:
             await self.redis.delete(outputs_stream(self.prefix, self.client_id),
@@ -219,7 +219,7 @@ class EngineLink:
                             self._deliver(out)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - the reader must survive a Redis hiccup
+            except Exception:  # the reader must survive a Redis hiccup
                 log.exception("engine link reader error; retrying")
                 await asyncio.sleep(0.2)
 
@@ -238,7 +238,7 @@ class EngineLink:
                     await self._check_replicas()
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("engine link watchdog error")
 
     async def _check_replicas(self) -> None:

@@ -61,7 +61,7 @@ def run_mm_preprocess(payload: dict) -> dict[str, Any]:
     except SoftTimeLimitExceeded:
         return {"ok": False, "error": {"type": "ImageTimeoutError", "param": "messages", "code": "image_timeout",
                                        "message": f"image preprocessing took longer than {MM_TIME_LIMIT_S:g} s"}}
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         logger.exception("mm preprocessing failed unexpectedly")
         return {"ok": False, "error": {"type": "InternalError", "message": f"{type(exc).__name__}: {exc}",
                                        "param": None, "code": "mm_internal_error"}}

@@ -33,7 +33,7 @@ class RenderUnavailableError(RuntimeError):
 class RenderReplyWaiter:
     """One reply channel and Pub/Sub connection per event loop; resolves futures keyed by reply id."""
 
-    _instances: ClassVar[dict[int, "RenderReplyWaiter"]] = {}
+    _instances: ClassVar[dict[int, RenderReplyWaiter]] = {}
     _publish_pool: ClassVar[ThreadPoolExecutor | None] = None
 
     def __init__(self, redis_url: str, prefix: str):
@@ -45,7 +45,7 @@ class RenderReplyWaiter:
         self._lock = asyncio.Lock()
 
     @classmethod
-    def for_current_loop(cls, redis_url: str, prefix: str) -> "RenderReplyWaiter":
+    def for_current_loop(cls, redis_url: str, prefix: str) -> RenderReplyWaiter:
         """The waiter bound to the running loop (created on first use)."""
         loop = asyncio.get_running_loop()
         waiter = cls._instances.get(id(loop))
@@ -81,7 +81,7 @@ class RenderReplyWaiter:
                     fut.set_result(reply.get("result"))
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - keep listening after a hiccup (redis-py resubscribes)
+            except Exception:  # keep listening after a hiccup (redis-py resubscribes)
                 log.exception("render reply listener error")
                 await asyncio.sleep(0.1)
 
@@ -104,7 +104,7 @@ class RenderReplyWaiter:
                 argsrepr=f"[<{task_name} payload, reply {reply_id}>]", kwargsrepr="{}"))
             try:
                 return await asyncio.wait_for(fut, timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise RenderUnavailableError(f"No render worker answered within {timeout:.0f} s") from None
         finally:
             self._futures.pop(reply_id, None)

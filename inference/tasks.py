@@ -94,7 +94,7 @@ def run_render_chat(payload: dict) -> dict:
         kwargs = {k: payload[k] for k in _RENDER_ARGS if isinstance(payload, dict) and k in payload}
         out = render_chat(_require(payload, "tokenizer_dir"), _require(payload, "messages"), **kwargs)
         return {"ok": True, "prompt_text": out.prompt_text, "prompt_token_ids": out.prompt_token_ids}
-    except BaseException as exc:  # noqa: BLE001 - every failure becomes a structured result
+    except BaseException as exc:  # every failure becomes a structured result
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         return _error(exc)
@@ -111,7 +111,7 @@ def run_tokenize_prompt(payload: dict) -> dict:
             add_special_tokens=bool(payload.get("add_special_tokens", True)),
         )
         return {"ok": True, "prompt_token_ids": ids}
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         return _error(exc)
@@ -128,7 +128,7 @@ def run_detokenize(payload: dict) -> dict:
             skip_special_tokens=bool(payload.get("skip_special_tokens", False)),
         )
         return {"ok": True, "prompt": text}
-    except BaseException as exc:  # noqa: BLE001
+    except BaseException as exc:
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
         return _error(exc)

@@ -209,7 +209,7 @@ class EngineCore:
         """Accept the request(s) of one stream entry (one request, or the ``n`` children of one)."""
         try:
             requests = unpack_entry(fields)
-        except Exception as exc:  # malformed: nobody to answer to
+        except Exception as exc:  # noqa: BLE001 - malformed: nobody to answer to
             log.error("dropping malformed request: %s", exc)
             return
         for req in requests:
@@ -225,7 +225,7 @@ class EngineCore:
         except RequestError as exc:
             self._emit(req.client_id, EngineCoreOutput(finish_reason=FINISH_ERROR, error=str(exc), **base))
             return
-        except Exception as exc:  # noqa: BLE001 - never let one request kill the engine
+        except Exception as exc:  # never let one request kill the engine
             log.exception("request %s rejected", req.request_id)
             self._emit(req.client_id, EngineCoreOutput(finish_reason=FINISH_ERROR, error=f"bad request: {exc}",
                                                        **base))
@@ -321,7 +321,7 @@ class EngineCore:
         t0 = time.perf_counter()
         try:
             logits = self.runner.prefill(group)
-        except Exception as exc:  # noqa: BLE001 - fail this group only
+        except Exception as exc:  # fail this group only
             log.exception("prefill failed")
             # the runner merges only after a successful forward, so the batch is intact
             for s in group:
@@ -333,7 +333,7 @@ class EngineCore:
         self.stats.prefill_tokens_per_s = self._ema(self.stats.prefill_tokens_per_s, ntok / max(dt, 1e-9))
         try:
             self._apply(group, logits)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.exception("sampling failed")
             self._fail_all_running(f"sampling failed: {exc}")
 
@@ -350,7 +350,7 @@ class EngineCore:
                 for s in decode_seqs:
                     s.num_computed += 1
                 self._apply(decode_seqs, logits)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 log.exception("decode step failed")
                 self._fail_all_running(f"engine step failed: {exc}")
                 decode_seqs = []

@@ -182,7 +182,7 @@ class PoolingEngineCore(EngineCore):
             s.scheduled_ts = ts
         try:
             vecs = self.runner.embed([s.request.prompt_token_ids for s in group])
-        except Exception as exc:  # noqa: BLE001 - fail this batch only
+        except Exception as exc:  # fail this batch only
             log.exception("pooling forward failed")
             for s in group:
                 self._finish_out(s, FINISH_ERROR, f"encode failed: {exc}")

@@ -89,7 +89,7 @@ class ImageFeatures:
                              use_bin_type=True)
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> "ImageFeatures":
+    def from_bytes(cls, raw: bytes) -> ImageFeatures:
         """Inverse of ``to_bytes``."""
         d = msgpack.unpackb(raw, raw=False)
         pv = np.frombuffer(d["pixel_values"], dtype="<f4").reshape(d["shape"])

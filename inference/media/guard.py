@@ -266,7 +266,7 @@ def _get_once(ip: str, port: int, scheme: str, host: str, parts, deadline: float
         return 200, None, b"".join(chunks)
     except FetchError:
         raise
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
         raise FetchError(f"{part}: fetching the image took too long", part, "image_fetch_timeout") from None
     except (OSError, http.client.HTTPException, ssl.SSLError, ValueError) as exc:  # ValueError: e.g. a Host
         # header that is not latin-1

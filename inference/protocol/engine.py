@@ -162,7 +162,7 @@ class EngineCoreRequest:
                              use_bin_type=True)
 
     @classmethod
-    def from_wire(cls, data: bytes) -> "EngineCoreRequest":
+    def from_wire(cls, data: bytes) -> EngineCoreRequest:
         """Inverse of ``to_wire``. Raises ``TypeError``/``ValueError`` on malformed data."""
         raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
         sp = raw.pop("sampling_params")
@@ -270,7 +270,7 @@ class EngineCoreOutputs:
                               "outputs": [o.__dict__ for o in self.outputs]}, use_bin_type=True)
 
     @classmethod
-    def from_wire(cls, data: bytes) -> "EngineCoreOutputs":
+    def from_wire(cls, data: bytes) -> EngineCoreOutputs:
         """Inverse of ``to_wire``."""
         raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
         return cls(
@@ -305,6 +305,6 @@ class EngineStats:
         return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
 
     @classmethod
-    def from_wire(cls, data: bytes) -> "EngineStats":
+    def from_wire(cls, data: bytes) -> EngineStats:
         """Inverse of ``to_wire``."""
         return cls(**msgpack.unpackb(data, raw=False))

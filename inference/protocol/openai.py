@@ -315,7 +315,7 @@ def check_chat_template_kwargs(kwargs: dict[str, Any] | None) -> None:
                 f"chat_template_kwargs.{key} must be a string, number or boolean", f"chat_template_kwargs.{key}")
 
 
-def check_tools(tools: list["ChatTool"] | None, tool_choice: Any) -> None:
+def check_tools(tools: list[ChatTool] | None, tool_choice: Any) -> None:
     """Validate ``tools`` against ``tool_choice`` (OpenAI rules, vLLM's frontend, §2.1).
 
     ``tool_choice``: ``"none"``, ``"auto"``, ``"required"`` or ``{"type": "function", "function":
@@ -428,13 +428,13 @@ class _SamplingFields(_Base):
                 if int(key) < 0:
                     raise ValueError
             except ValueError:
-                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}") from None
             if not -100.0 <= value <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value} for token {key}")
         return v
 
     @model_validator(mode="after")
-    def _check_cross(self) -> "_SamplingFields":
+    def _check_cross(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             if self.stream_options.include_usage or self.stream_options.continuous_usage_stats:
                 raise RequestValidationError("stream_options can only be set when stream is true",
@@ -470,7 +470,7 @@ class _ChatTemplateFields(_Base):
         return v
 
     @model_validator(mode="after")
-    def _check_template_args(self) -> "_ChatTemplateFields":
+    def _check_template_args(self) -> _ChatTemplateFields:
         if self.add_generation_prompt and self.continue_final_message and \
                 "add_generation_prompt" in self.model_fields_set:
             raise RequestValidationError(
@@ -495,7 +495,7 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     echo: bool | None = False
 
     @model_validator(mode="after")
-    def _check_chat(self) -> "ChatCompletionRequest":
+    def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise RequestValidationError("top_logprobs requires logprobs to be true", "top_logprobs")
         check_tools(self.tools, self.tool_choice)
@@ -604,7 +604,7 @@ class TokenizeChatRequest(_ChatTemplateFields):
     return_token_strs: bool | None = False
 
     @model_validator(mode="after")
-    def _check_tools(self) -> "TokenizeChatRequest":
+    def _check_tools(self) -> TokenizeChatRequest:
         if self.tools is not None and len(self.tools) == 0:
             self.tools = None  # vLLM: an empty tools list is allowed on /tokenize
         check_tools(self.tools, self.tool_choice if self.tool_choice != "required" else "auto")
@@ -673,7 +673,7 @@ class GenerateSamplingParams(_Base):
     _check_logit_bias = field_validator("logit_bias")(_SamplingFields._check_logit_bias.__func__)
 
     @model_validator(mode="after")
-    def _check_greedy_n(self) -> "GenerateSamplingParams":
+    def _check_greedy_n(self) -> GenerateSamplingParams:
         if (self.n or 1) > 1 and self.temperature is not None and self.temperature < 1e-5:
             raise RequestValidationError("n must be 1 when using greedy sampling (temperature 0)",
                                          "sampling_params.n")

@@ -116,7 +116,7 @@ def compile_template(source: str) -> jinja2.Template:
         raise TemplateSyntaxError(f"chat template is not valid Jinja2: {exc.message} (line {exc.lineno})") from exc
     except RenderError:
         raise
-    except Exception as exc:  # noqa: BLE001 - any compile failure is the template's fault
+    except Exception as exc:  # any compile failure is the template's fault
         raise TemplateSyntaxError(f"chat template cannot be compiled: {exc}") from exc
 
 

@@ -214,7 +214,7 @@ class _TemplateDict:
 class _TemplateNamespace(jinja2.utils.Namespace):
     """Jinja's ``namespace`` refusing underscore-prefixed attribute names (as transformers does)."""
 
-    def __init__(*args, **kwargs):  # noqa: N805 - same signature trick as jinja2.utils.Namespace
+    def __init__(*args, **kwargs):  # same signature trick as jinja2.utils.Namespace
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
         for name in attrs:
@@ -502,7 +502,7 @@ def _check_str_method(budget, method, args, kwargs):
     return args
 
 
-def _lipsum(n=5, html=True, min=20, max=100):  # noqa: A002 - Jinja's parameter names
+def _lipsum(n=5, html=True, min=20, max=100):  # Jinja's parameter names
     budget = _BUDGET.get()
     if budget is not None and isinstance(n, int) and isinstance(max, int):
         budget.check_planned(n * max * 12, "lorem ipsum")
@@ -547,7 +547,7 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
         )
 
     # -- budgeted operations ------------------------------------------------------------------
-    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
+    def call(__self, __context, __obj, *args, **kwargs):  # jinja's signature
         budget = _BUDGET.get()
         if budget is not None:
             budget.spend()

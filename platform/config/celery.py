@@ -56,7 +56,7 @@ def _warm_renderer() -> None:
     log = logging.getLogger("config.celery")
     try:
         models = list(served_models_enabled())
-    except Exception:  # noqa: BLE001 - no database yet (first migrate pending): nothing to warm
+    except Exception:  # no database yet (first migrate pending): nothing to warm
         log.warning("render warm-up skipped: the model registry is not readable", exc_info=True)
         return
     t0 = time.monotonic()

@@ -85,7 +85,7 @@ class GatewayConsumer(AsyncHttpConsumer):
                 self._task.cancel()
             try:
                 await self._task
-            except (asyncio.CancelledError, Exception):
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - closing: the task's own failure is moot
                 pass
         raise StopConsumer()
 
@@ -113,7 +113,7 @@ class GatewayConsumer(AsyncHttpConsumer):
                 await self.send_sse_error(err)
             else:
                 await self.send_error(err)
-        except Exception:  # noqa: BLE001 - a 500 is a defect, but the client still gets an envelope
+        except Exception:  # a 500 is a defect, but the client still gets an envelope
             log.exception("unhandled error on %s", self.scope.get("path"))
             err = internal_error()
             if self._started:

@@ -106,9 +106,9 @@ class BodyDeadline:
         wait = min(self._idle_s, self._deadline - time.monotonic())
         try:
             if wait <= 0:
-                raise asyncio.TimeoutError
+                raise TimeoutError
             message = await asyncio.wait_for(self.inner(), wait)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._timed_out = True
             try:
                 await send_envelope(self._send, body_timeout_error(), close=True)

@@ -45,7 +45,7 @@ class ModelSnapshot:
     revision: str = ""
 
     @classmethod
-    def from_dict(cls, snap: dict[str, Any]) -> "ModelSnapshot":
+    def from_dict(cls, snap: dict[str, Any]) -> ModelSnapshot:
         """From the registry's snapshot dict (unknown keys, e.g. ``name``, are ignored)."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in snap.items() if k in names})

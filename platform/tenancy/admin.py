@@ -7,9 +7,9 @@ from django.conf import settings
 from django.contrib import admin, messages
 
 from .models import ApiKey, Tenant
+from .services import KeyRuleError, api_key_create, api_key_name_validate, api_key_revoke, api_keys_active_count
 
 LIMIT_FIELDS = ("rpm_limit", "tpm_limit", "max_concurrent_requests", "token_budget", "budget_period")
-from .services import KeyRuleError, api_key_create, api_key_name_validate, api_key_revoke, api_keys_active_count
 
 
 class CommaListField(forms.CharField):

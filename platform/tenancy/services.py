@@ -91,7 +91,7 @@ class KeyActor:
 
 # Safe key names (defence in depth for every place a name is shown): ASCII letters, digits, space and -_.:@/()
 API_KEY_NAME_MAX_LEN = 100
-API_KEY_NAME_RE = re.compile(r"\A[A-Za-z0-9 _\-.:@/()]{1,%d}\Z" % API_KEY_NAME_MAX_LEN)  # anchored: validators search
+API_KEY_NAME_RE = re.compile(rf"\A[A-Za-z0-9 _\-.:@/()]{{1,{API_KEY_NAME_MAX_LEN}}}\Z")  # anchored: validators search
 API_KEY_NAME_RULE = (f"1 to {API_KEY_NAME_MAX_LEN} characters among ASCII letters, digits, space and "
                      "- _ . : @ / ( ), not only spaces")
 

@@ -95,7 +95,7 @@ def test_serve_pins_the_front_api_and_hands_images_to_the_multimodal_api(tmp_pat
             assert _cpus(pid) == want, (cmd, _cpus(pid), want)
 
         r = redis.Redis.from_url(redis_url)
-        counts = lambda: {k.decode(): int(v) for k, v in r.hgetall(f"{env['LINK_PREFIX']}:handoff").items()}  # noqa: E731
+        counts = lambda: {k.decode(): int(v) for k, v in r.hgetall(f"{env['LINK_PREFIX']}:handoff").items()}
         base = f"http://127.0.0.1:{port}"
         # a connection per request: one passed to the multimodal api stays with it (and dies with it when killed)
         with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30,
@@ -136,7 +136,7 @@ def test_serve_pins_the_front_api_and_hands_images_to_the_multimodal_api(tmp_pat
                            and sock.exists(), 60, "a multimodal api")
                 pid = next(p for p in _descendants(proc.pid) if "ops.mm_api" in _cmdline(p))
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
-                wait_until(lambda: not os.path.exists(f"/proc/{pid}"), 10, "the multimodal api to be reaped")
+                wait_until(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), 10, "the multimodal api to be reaped")
             time.sleep(1.5)
             assert proc.poll() is None, "serve stopped"
             assert not [p for p in _descendants(proc.pid) if "ops.mm_api" in _cmdline(p)]

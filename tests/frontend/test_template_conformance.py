@@ -36,9 +36,9 @@ def call(cid, name, args):
     return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
 
 
-U = lambda text: {"role": "user", "content": text}  # noqa: E731
-A = lambda text: {"role": "assistant", "content": text}  # noqa: E731
-S = lambda text: {"role": "system", "content": text}  # noqa: E731
+U = lambda text: {"role": "user", "content": text}
+A = lambda text: {"role": "assistant", "content": text}
+S = lambda text: {"role": "system", "content": text}
 LONG = ("The quick brown fox jumps over the lazy dog. " * 120).strip()
 
 # (id, request body fields). ``messages`` is what the client sends.

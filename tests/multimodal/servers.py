@@ -17,7 +17,7 @@ def serve(host: str, routes: dict):
     (server, port). Callables write the whole response."""
 
     class H(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             fn = routes.get(self.path.split("?")[0])
             if fn is None:
                 self.send_response(404)

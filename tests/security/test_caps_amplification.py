@@ -20,10 +20,8 @@ import json
 import tracemalloc
 from pathlib import Path
 
-import httpx
 import pytest
 
-from inference import input_processor
 from inference.input_processor import GenerationDefaults, process_inputs
 from inference.protocol import engine as engine_proto
 from inference.protocol import openai as oa
@@ -41,8 +39,8 @@ MAX_MESSAGES, MAX_TOOLS, MAX_DOCUMENTS, MAX_CONTENT_PARTS, MAX_REQUEST_ID_LEN = 
 @pytest.fixture(autouse=True, scope="module")
 def _imported():
     """Import the gateway modules before any measurement (their import is not the request's cost)."""
-    import gateway.embeddings  # noqa: F401
-    import gateway.pipeline.preamble  # noqa: F401
+    import gateway.embeddings
+    import gateway.pipeline.preamble
     import gateway.model_cache  # noqa: F401
 
 
@@ -157,7 +155,7 @@ def test_model_name_is_not_amplified_nor_kept():
     from gateway import model_cache
 
     for bad in ("m" * 129, "a b", "../x", "m\n", "-m", "m" * 1_000_000):
-        peak, result = peak_of(lambda: validate_request(oa.ChatCompletionRequest,
+        peak, result = peak_of(lambda bad=bad: validate_request(oa.ChatCompletionRequest,
                                                        parse_json_body(dumps({"model": bad, "messages": MSGS}))))
         assert isinstance(result, RequestValidationError) and result.param == "model", bad
         before = len(model_cache._cache)

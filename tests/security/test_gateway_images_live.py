@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.multimodal.conftest import VL_MODEL, live_vl  # noqa: F401 - the session fixture
-from tests.multimodal.imgs import data_url, image_bytes
+from tests.multimodal.imgs import image_bytes
 from tests.multimodal.servers import serve
 
 

@@ -60,7 +60,7 @@ def raw_request(base_url: str, head: bytes, body: bytes, timeout: float = 20.0):
         while time.monotonic() < deadline:
             try:
                 chunk = sock.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 break
             if not chunk:
                 closed = True
@@ -115,7 +115,7 @@ def test_trickling_body_gets_408_at_the_total_deadline(live):
             sock.settimeout(0.4)
             try:
                 chunk = sock.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             answer += chunk
             if not chunk or b"\r\n\r\n" in answer:

@@ -152,7 +152,7 @@ def test_the_password_file_is_made_once_private_and_made_again_when_missing(tmp_
     """Any process started without ``REDIS_URL`` (serve, a management command) finds the same password."""
     env = _env(tmp_path)
     code = "from django.conf import settings; print(settings.REDIS_URL)"
-    url = lambda: subprocess.run([sys.executable, "-c", f"import django; django.setup(); {code}"],  # noqa: E731
+    url = lambda: subprocess.run([sys.executable, "-c", f"import django; django.setup(); {code}"],
                                  env=dict(env, DJANGO_SETTINGS_MODULE="config.settings"), cwd=REPO,
                                  capture_output=True, text=True, timeout=120, check=True).stdout.strip()
     first = url()

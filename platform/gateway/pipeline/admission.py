@@ -44,7 +44,7 @@ async def release_prefill(reservation: Reservation | None, index: int, ttft_s: f
         return
     try:
         await admission().release_prefill(reservation, index, ttft_s)
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.exception("admission prefill release failed")
 
 
@@ -55,5 +55,5 @@ async def release(reservation: Reservation | None) -> None:
         return
     try:
         await asyncio.shield(admission().release(reservation))
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.exception("admission release failed for %s", reservation.request_id)

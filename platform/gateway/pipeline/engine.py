@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 async def _abort(model_name: str, request_ids: list[str]) -> None:
     try:
         await link().abort(model_name, request_ids)
-    except Exception:  # noqa: BLE001 - the engine finishes them anyway (max_tokens)
+    except Exception:  # the engine finishes them anyway (max_tokens)
         log.exception("abort failed")
 
 

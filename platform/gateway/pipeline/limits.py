@@ -52,7 +52,7 @@ async def settle(grant, actual_tokens: int) -> None:
         return
     try:
         await asyncio.shield(limits_settle(redis(), settings.LINK_PREFIX, grant, actual_tokens=actual_tokens))
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.exception("rate-limit settle failed")
 
 
