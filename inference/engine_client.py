@@ -59,7 +59,7 @@ class EngineUnavailableError(RuntimeError):
 @dataclass
 class _Tracked:
     model: str
-    queue: asyncio.Queue
+    queue: asyncio.Queue[EngineCoreOutput]
     sent_at: float
     engine_id: str | None = None
     done: bool = False
@@ -122,7 +122,7 @@ class EngineLink:
 
     # ----------------------------------------------------------------- requests
     async def add_requests(self, model: str, requests: list[EngineCoreRequest],
-                           queue: asyncio.Queue | None = None) -> dict[str, asyncio.Queue]:
+                           queue: asyncio.Queue[EngineCoreOutput] | None = None) -> dict[str, asyncio.Queue[EngineCoreOutput]]:
         """Register an output queue per request, then send them all to ``model``'s request stream.
 
         Returns ``{request_id: queue}``; each queue yields ``EngineCoreOutput`` until one with a
@@ -137,7 +137,7 @@ class EngineLink:
             self._replicas_seen[model] = now
         if now - self._alive_set_at > API_ALIVE_TTL_S / 4:
             await self._ensure_alive_key()
-        queues: dict[str, asyncio.Queue] = {}
+        queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
         for req in requests:
             q: asyncio.Queue = queue if queue is not None else asyncio.Queue()
             self._tracked[req.request_id] = _Tracked(model=model, queue=q, sent_at=now)

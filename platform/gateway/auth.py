@@ -12,11 +12,11 @@ import time
 from asgiref.sync import sync_to_async
 
 from gateway.errors import ApiError, forbidden, unauthorized
-from tenancy.selectors import api_key_authenticate
+from tenancy.selectors import AuthContext, api_key_authenticate
 
 AUTH_CACHE_TTL_S = 1.0
 _MAX_KEY_LEN = 256
-_cache: dict[str, tuple[float, object]] = {}
+_cache: dict[str, tuple[float, AuthContext | None]] = {}
 
 
 def bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
@@ -35,7 +35,7 @@ def bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
-async def authenticate(headers: list[tuple[bytes, bytes]]):
+async def authenticate(headers: list[tuple[bytes, bytes]]) -> AuthContext:
     """Return the ``AuthContext`` of the request's key; raise ``ApiError`` 401 when missing or invalid."""
     token = bearer_token(headers)
     if token is None:
@@ -54,13 +54,13 @@ async def authenticate(headers: list[tuple[bytes, bytes]]):
     return ctx
 
 
-def require_scope(ctx, scope: str) -> None:
+def require_scope(ctx: AuthContext, scope: str) -> None:
     """Raise 403 when the key lacks ``scope``."""
     if scope not in ctx.scopes:
         raise forbidden(f"This API key does not have the '{scope}' scope")
 
 
-def require_model(ctx, model: str) -> None:
+def require_model(ctx: AuthContext, model: str) -> None:
     """Raise 403 when the key is restricted to other models."""
     if ctx.allowed_models and model not in ctx.allowed_models:
         raise ApiError(403, f"This API key is not allowed to use model '{model}'", "permission_error",

@@ -4,17 +4,21 @@ the request path of DESIGN.md §2, step by step (docs/request_path.md)."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from gateway.http import GatewayConsumer
 from gateway.logprobs import chat_logprobs
 from gateway.pipeline import inputs, preamble, rendering, responses
 from gateway.pipeline.clients import link
+from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.flow import admit_and_start, hold_before_render
 from gateway.pipeline.media import render_chat_media
 from gateway.pipeline.scope import request_scope
 from gateway.pipeline.usage import public_finish_reason
 from inference.input_processor import new_internal_id
+from inference.output_processor import ChoiceDelta, ChoiceState
 from inference.protocol.openai import ChatCompletionRequest
+from inference.renderer.tokenizer_cache import LoadedTokenizer
 
 
 class ChatCompletionsConsumer(GatewayConsumer):
@@ -49,21 +53,22 @@ class ChatCompletionsConsumer(GatewayConsumer):
                 await responses.complete(run)
                 await self.send_json(200, chat_completion_body(req, run, pre.external_id, int(arrival), tokenizer))
 
-    async def _stream(self, req, run, external_id: str, created: int, tokenizer) -> None:
+    async def _stream(self, req: ChatCompletionRequest, run: GenerationRun, external_id: str, created: int,
+                      tokenizer: LoadedTokenizer) -> None:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         cursor = responses.LogprobCursor(run)
 
-        def envelope(choices, usage):
-            body = {"id": external_id, "object": "chat.completion.chunk", "created": created,
+        def envelope(choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+            body: dict[str, Any] = {"id": external_id, "object": "chat.completion.chunk", "created": created,
                     "model": run.model.served_model_name, "choices": choices}
             if include_usage:
                 body["usage"] = usage
             return body
 
-        def choice_of(d, state):
+        def choice_of(d: ChoiceDelta, state: ChoiceState) -> dict[str, Any] | None:
             if d.finish_reason is None and not d.text:
                 return None  # text held back (partial character or possible stop string)
-            choice = {"index": d.index, "delta": {"content": d.text} if d.text else {},
+            choice: dict[str, Any] = {"index": d.index, "delta": {"content": d.text} if d.text else {},
                       "logprobs": None, "finish_reason": public_finish_reason(d.finish_reason)}
             if req.logprobs:
                 ids, lps = cursor.take(state)
@@ -77,7 +82,8 @@ class ChatCompletionsConsumer(GatewayConsumer):
         await responses.stream(self, run, envelope, choice_of, include_usage=include_usage, first_events=first)
 
 
-def chat_completion_body(req, run, external_id: str, created: int, tokenizer) -> dict:
+def chat_completion_body(req: ChatCompletionRequest, run: GenerationRun, external_id: str, created: int,
+                         tokenizer: LoadedTokenizer) -> dict[str, Any]:
     """The non-streaming ``chat.completion`` object of a finished run."""
     choices = [{
         "index": c.index,

@@ -4,16 +4,20 @@ path of DESIGN.md §2, step by step (docs/request_path.md)."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from gateway.http import GatewayConsumer
 from gateway.logprobs import completion_logprobs
 from gateway.pipeline import inputs, preamble, rendering, responses
 from gateway.pipeline.clients import link
+from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.flow import admit_and_start, hold_before_render
 from gateway.pipeline.scope import request_scope
 from gateway.pipeline.usage import public_finish_reason
 from inference.input_processor import new_internal_id
+from inference.output_processor import ChoiceDelta, ChoiceState
 from inference.protocol.openai import CompletionRequest
+from inference.renderer.tokenizer_cache import LoadedTokenizer
 
 
 class CompletionsConsumer(GatewayConsumer):
@@ -51,21 +55,22 @@ class CompletionsConsumer(GatewayConsumer):
                 await self.send_json(200, completion_body(req, run, pre.external_id, int(arrival), tokenizer,
                                                           echo_text))
 
-    async def _stream(self, req, run, external_id, created, tokenizer, echo_text) -> None:
+    async def _stream(self, req: CompletionRequest, run: GenerationRun, external_id: str, created: int,
+                      tokenizer: LoadedTokenizer, echo_text: str) -> None:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         cursor = responses.LogprobCursor(run)
 
-        def envelope(choices, usage):
-            body = {"id": external_id, "object": "text_completion", "created": created,
+        def envelope(choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+            body: dict[str, Any] = {"id": external_id, "object": "text_completion", "created": created,
                     "model": run.model.served_model_name, "choices": choices}
             if include_usage:
                 body["usage"] = usage
             return body
 
-        def choice_of(d, state):
+        def choice_of(d: ChoiceDelta, state: ChoiceState) -> dict[str, Any] | None:
             if d.finish_reason is None and not d.text:
                 return None
-            choice = {"index": d.index, "text": d.text, "logprobs": None,
+            choice: dict[str, Any] = {"index": d.index, "text": d.text, "logprobs": None,
                       "finish_reason": public_finish_reason(d.finish_reason), "stop_reason": d.stop_reason}
             if req.logprobs is not None:
                 choice["logprobs"] = completion_logprobs(tokenizer, *cursor.take(state))
@@ -76,7 +81,8 @@ class CompletionsConsumer(GatewayConsumer):
         await responses.stream(self, run, envelope, choice_of, include_usage=include_usage, first_events=first)
 
 
-def completion_body(req, run, external_id: str, created: int, tokenizer, echo_text: str) -> dict:
+def completion_body(req: CompletionRequest, run: GenerationRun, external_id: str, created: int,
+                    tokenizer: LoadedTokenizer, echo_text: str) -> dict[str, Any]:
     """The non-streaming ``text_completion`` object of a finished run."""
     choices = [{
         "index": c.index,

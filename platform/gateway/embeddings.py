@@ -34,6 +34,7 @@ import numpy as np
 
 from gateway.errors import ErrorCode, bad_request, engine_error
 from gateway.http import GatewayConsumer
+from gateway.model_cache import ModelSnapshot
 from gateway.pipeline import admission, preamble, rendering
 from gateway.pipeline.clients import link
 from gateway.pipeline.engine import run_pooling
@@ -67,7 +68,7 @@ class EmbeddingRun:
     finished_time: float | None = None
 
 
-def truncation_of(req, max_len: int) -> int | None:
+def truncation_of(req: EmbeddingRequest, max_len: int) -> int | None:
     """The request's ``truncate_prompt_tokens`` resolved (``-1`` → ``max_len``); 400 when out of range."""
     truncate = req.truncate_prompt_tokens
     if truncate is None or truncate == -1:
@@ -80,7 +81,7 @@ def truncation_of(req, max_len: int) -> int | None:
     return truncate
 
 
-def check_embedding_model(model, req) -> None:
+def check_embedding_model(model: ModelSnapshot, req: EmbeddingRequest) -> None:
     """400 unless ``model`` pools (task ``embed``) and ``dimensions`` is absent or its own size."""
     if model.task != "embed":
         raise bad_request(f"The model '{model.served_model_name}' does not support embeddings "

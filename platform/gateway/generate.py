@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from typing import Any
 
 import msgpack
 from django.conf import settings
@@ -38,36 +39,38 @@ from django.conf import settings
 from gateway.http import GatewayConsumer
 from gateway.pipeline import inputs, limits, preamble, rendering, responses
 from gateway.pipeline.clients import link, redis
+from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.flow import admit_and_start, hold_before_render
 from gateway.pipeline.scope import request_scope
-from inference.input_processor import GenerationDefaults, generation_defaults, new_internal_id
+from inference.input_processor import GenerationDefaults, ProcessedInput, generation_defaults, new_internal_id
 from inference.protocol.engine import control_stream
-from inference.protocol.openai import AbortRequestsRequest, GenerateRequest
+from inference.output_processor import ChoiceDelta, ChoiceState
+from inference.protocol.openai import AbortRequestsRequest, GenerateRequest, GenerateSamplingParams
 
 ABORT_MAP_TTL_S = 3600
 
 
-def _abort_key(tenant_id, request_id: str) -> str:
+def _abort_key(tenant_id: int, request_id: str) -> str:
     return f"{settings.LINK_PREFIX}:gen:{tenant_id}:{request_id}"
 
 
 class _ParamsView:
     """``GenerateSamplingParams`` seen through the attribute names ``process_inputs`` reads."""
 
-    def __init__(self, sp):
+    def __init__(self, sp: GenerateSamplingParams) -> None:
         self._sp = sp
-        self.model_fields_set = {"max_tokens"} if sp.max_tokens is not None else set()
+        self.model_fields_set: set[str] = {"max_tokens"} if sp.max_tokens is not None else set()
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._sp, name)
 
     @property
-    def requested_max_tokens(self):
+    def requested_max_tokens(self) -> tuple[int | None, str]:
         return self._sp.max_tokens, "max_tokens"
 
 
-def _logprobs(entries, token_ids) -> dict:
-    def fin(v):
+def _logprobs(entries: list[Any], token_ids: list[int]) -> dict[str, Any]:
+    def fin(v: float | None) -> float:
         return -9999.0 if v is None or not math.isfinite(v) else max(float(v), -9999.0)
 
     content = []
@@ -119,16 +122,16 @@ class GenerateConsumer(GatewayConsumer):
                         pass
 
     @staticmethod
-    async def _map_for_abort(key: str, processed, members: list[bytes]) -> None:
+    async def _map_for_abort(key: str, processed: ProcessedInput, members: list[bytes]) -> None:
         """Record the children under the caller's id, so ``abort_requests`` on any api process finds them."""
         await redis().sadd(key, *members)
         await redis().expire(key, ABORT_MAP_TTL_S)
 
-    async def _respond(self, req, run, external_id: str, created: int) -> None:
+    async def _respond(self, req: GenerateRequest, run: GenerationRun, external_id: str, created: int) -> None:
         want_lp = req.sampling_params.logprobs is not None
 
-        def envelope(choices, usage=None) -> dict:
-            body = {"request_id": external_id, "model": run.model.served_model_name, "created": created,
+        def envelope(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+            body: dict[str, Any] = {"request_id": external_id, "model": run.model.served_model_name, "created": created,
                     "choices": choices}
             if usage is not None:
                 body["usage"] = usage
@@ -143,7 +146,7 @@ class GenerateConsumer(GatewayConsumer):
             return
         cursor = responses.LogprobCursor(run)
 
-        def choice_of(d, state):
+        def choice_of(d: ChoiceDelta, state: ChoiceState) -> dict[str, Any] | None:
             ids, lps = cursor.take(state)
             if not ids and d.finish_reason is None:
                 return None

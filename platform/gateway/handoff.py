@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from django.conf import settings
@@ -62,9 +62,9 @@ OUTCOMES = ("passed", "forwarded", "fallback", "failed")
 # removes it from any other request (gateway/ingress.py), so a client sending it over TCP changes nothing.
 HANDED_OFF_HEADER = b"x-llmp-handed-off"
 
-Scope = dict
-Receive = Callable[[], Awaitable[dict]]
-Send = Callable[[dict], Awaitable[None]]
+Scope = dict[str, Any]  # ASGI scope, receive and send callables
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
@@ -160,11 +160,11 @@ async def route(scope: Scope, receive: Receive, send: Send, local_app: App, max_
     await local_app(scope, _replay(replay, receive), send)
 
 
-def _replay(messages: list[dict], receive: Receive) -> Receive:
+def _replay(messages: list[dict[str, Any]], receive: Receive) -> Receive:
     """A ``receive`` that yields ``messages`` first, then the connection's own."""
     pending = list(messages)
 
-    async def replayed() -> dict:
+    async def replayed() -> dict[str, Any]:
         if pending:
             return pending.pop(0)
         return await receive()
@@ -187,7 +187,7 @@ async def _forward(scope: Scope, chunks: list[bytes], more: bool, receive: Recei
     body_done = asyncio.Event()
     state = {"gone": False}
 
-    async def body():
+    async def body() -> AsyncIterator[bytes]:
         for chunk in chunks:
             yield chunk
         remaining = more

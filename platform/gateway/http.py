@@ -39,16 +39,16 @@ class GatewayConsumer(AsyncHttpConsumer):
     channel_layer_alias = "__gateway_no_layer__"  # no channel layer round trips per request
     methods: tuple[str, ...] = ("POST",)
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._size = 0
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._started = False
         self._response_complete = False
         self.extra_headers: list[tuple[bytes, bytes]] = []
 
     # ------------------------------------------------------------------ ASGI plumbing
-    async def dispatch(self, message):
+    async def dispatch(self, message: dict[str, Any]) -> None:
         """Channels' ``AsyncConsumer.dispatch`` without its ``aclose_old_connections()`` before every
         message: that call runs on asgiref's one thread-sensitive executor thread, so under load every
         request (each body chunk, each disconnect) queued behind every other one there (measured: most of a
@@ -59,7 +59,7 @@ class GatewayConsumer(AsyncHttpConsumer):
             raise ValueError(f"No handler for message type {message['type']}")
         await handler(message)
 
-    async def http_request(self, message):
+    async def http_request(self, message: dict[str, Any]) -> None:
         """Accumulate the body (413 past ``MAX_BODY_BYTES``), then start the handler task."""
         if self._task is not None:
             return
@@ -76,7 +76,7 @@ class GatewayConsumer(AsyncHttpConsumer):
             self.body = []
             self._task = asyncio.get_running_loop().create_task(self._run(body))
 
-    async def http_disconnect(self, message):
+    async def http_disconnect(self, message: dict[str, Any]) -> None:
         """The connection ended. Before the response was complete the client went away: cancel the handler
         (its ``finally`` blocks abort engine work and record usage). After it completed, let the handler
         finish its post-response work (usage event, releases) undisturbed."""
@@ -89,7 +89,7 @@ class GatewayConsumer(AsyncHttpConsumer):
                 pass
         raise StopConsumer()
 
-    async def send_body(self, body, *, more_body=False):
+    async def send_body(self, body: bytes, *, more_body: bool = False) -> None:
         """Send a body chunk; remembers when the response is complete."""
         if not more_body:
             self._response_complete = True
@@ -115,11 +115,11 @@ class GatewayConsumer(AsyncHttpConsumer):
                 await self.send_error(err)
         except Exception:  # a 500 is a defect, but the client still gets an envelope
             log.exception("unhandled error on %s", self.scope.get("path"))
-            err = internal_error()
+            internal = internal_error()
             if self._started:
-                await self.send_sse_error(err)
+                await self.send_sse_error(internal)
             else:
-                await self.send_error(err)
+                await self.send_error(internal)
 
     async def handle_request(self, body: bytes) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -129,7 +129,7 @@ class GatewayConsumer(AsyncHttpConsumer):
         """First request header ``name`` (lower-case bytes), or ``None``."""
         for key, value in self.scope.get("headers", []):
             if key.lower() == name:
-                return value
+                return bytes(value)
         return None
 
     async def send_json(self, status: int, payload: Any, headers: list[tuple[bytes, bytes]] | None = None) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from django.conf import settings
 
@@ -34,9 +34,9 @@ KEYED_PATHS = frozenset({
     "/v1/models", "/metrics",
 })
 
-Scope = dict
-Receive = Callable[[], Awaitable[dict]]
-Send = Callable[[dict], Awaitable[None]]
+Scope = dict[str, Any]  # ASGI scope, receive and send callables
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 def is_keyed(path: str) -> bool:
@@ -98,7 +98,7 @@ class BodyDeadline:
         self._body_done = False
         self._timed_out = False
 
-    async def __call__(self) -> dict:
+    async def __call__(self) -> dict[str, Any]:
         if self._body_done:
             return await self.inner()
         if self._timed_out:

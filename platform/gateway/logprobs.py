@@ -11,19 +11,22 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from inference.renderer.tokenizer_cache import LoadedTokenizer
+
 FLOOR = -9999.0
 
 
-def _finite(value: float) -> float:
+def _finite(value: float | None) -> float:
     return FLOOR if value is None or not math.isfinite(value) else max(float(value), FLOOR)
 
 
-def token_text(tokenizer, token_id: int) -> str:
+def token_text(tokenizer: LoadedTokenizer, token_id: int) -> str:
     """The text of one token id, leading space kept (may be U+FFFD for a partial UTF-8 byte)."""
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def chat_logprobs(tokenizer, token_ids: list[int], entries: list[Any], top_n: int) -> dict | None:
+def chat_logprobs(tokenizer: LoadedTokenizer, token_ids: list[int], entries: list[Any],
+                  top_n: int) -> dict[str, Any] | None:
     """Chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}``."""
     content = []
     for tid, entry in zip(token_ids, entries):
@@ -42,9 +45,13 @@ def chat_logprobs(tokenizer, token_ids: list[int], entries: list[Any], top_n: in
     return {"content": content}
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], entries: list[Any], text_offset0: int = 0) -> dict:
+def completion_logprobs(tokenizer: LoadedTokenizer, token_ids: list[int], entries: list[Any],
+                        text_offset0: int = 0) -> dict[str, Any]:
     """Legacy completions ``logprobs``: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``."""
-    tokens, token_lps, tops, offsets = [], [], [], []
+    tokens: list[str] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     offset = text_offset0
     for tid, entry in zip(token_ids, entries):
         text = token_text(tokenizer, tid)

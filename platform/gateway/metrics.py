@@ -19,6 +19,10 @@ from __future__ import annotations
 
 from django.conf import settings
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from collections.abc import Iterator
+
+from prometheus_client.metrics_core import Metric
+from redis.asyncio import Redis
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from gateway import auth, handoff
@@ -33,14 +37,14 @@ METRICS_SCOPES = ("metrics", "operator")
 class _Snapshot:
     """A prometheus_client collector yielding families built beforehand (collect() is synchronous)."""
 
-    def __init__(self, families):
+    def __init__(self, families: list[Metric]) -> None:
         self.families = families
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         return iter(self.families)
 
 
-async def collect_families(redis, prefix: str) -> list:
+async def collect_families(redis: Redis, prefix: str) -> list[Metric]:
     """Metric families of every model admission knows, read from Redis (async, a few round trips)."""
     models = sorted(m.decode() if isinstance(m, bytes) else m for m in await redis.smembers(adm.models_key(prefix)))
     rejections = CounterMetricFamily("admission_rejections", "Requests refused by admission control (HTTP 503)",

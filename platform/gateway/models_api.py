@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from asgiref.sync import sync_to_async
 
 from gateway import auth
 from gateway.errors import ErrorCode, not_found
 from gateway.http import GatewayConsumer
 from gateway.pipeline import limits
+from registry.models import ServedModel
 from registry.selectors import served_models_enabled
+from tenancy.selectors import AuthContext
 
 
-def _model_card(m) -> dict:
+def _model_card(m: ServedModel) -> dict[str, Any]:
     return {"id": m.served_model_name, "object": "model", "created": int(m.created_at.timestamp()),
             "owned_by": "platform", "root": m.served_model_name, "parent": None,
             "max_model_len": m.max_model_len}
@@ -27,7 +31,7 @@ class ModelsConsumer(GatewayConsumer):
         async with limits.held(self, ctx):  # one request of the key's RPM and concurrency
             await self._answer(ctx)
 
-    async def _answer(self, ctx) -> None:
+    async def _answer(self, ctx: AuthContext) -> None:
         models = await sync_to_async(lambda: list(served_models_enabled()), thread_sensitive=False)()
         cards = [_model_card(m) for m in models
                  if not ctx.allowed_models or m.served_model_name in ctx.allowed_models]

@@ -21,10 +21,12 @@ from gateway.errors import bad_request
 from gateway.http import GatewayConsumer
 from gateway.pipeline import inputs, limits, preamble, rendering
 from gateway.pipeline.media import render_chat_media
+from gateway.model_cache import ModelSnapshot
+from inference.input_processor import ProcessedInput
 from inference.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 
-def sampling_params_dict(processed, req) -> dict[str, Any]:
+def sampling_params_dict(processed: ProcessedInput, req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
     """Fully resolved sampling parameters of ``processed`` (first child; children differ only by seed)
     plus the frontend-applied fields (``n``, ``stop``, ``include_stop_str_in_output``,
     ``skip_special_tokens``): the ``sampling_params`` of a ``GenerateRequest``."""
@@ -36,7 +38,8 @@ def sampling_params_dict(processed, req) -> dict[str, Any]:
     return params
 
 
-def _tokens_in_request(processed, req, model, request_id: str) -> dict[str, Any]:
+def _tokens_in_request(processed: ProcessedInput, req: ChatCompletionRequest | CompletionRequest,
+                       model: ModelSnapshot, request_id: str) -> dict[str, Any]:
     return {"request_id": request_id, "token_ids": processed.prompt_token_ids,
             "sampling_params": sampling_params_dict(processed, req), "model": model.served_model_name,
             "stream": bool(req.stream)}

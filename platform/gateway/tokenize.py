@@ -22,19 +22,23 @@ and processed like the chat route's, and the ids returned are the expanded ones 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from gateway.http import GatewayConsumer
+from gateway.model_cache import ModelSnapshot
 from gateway.pipeline import inputs, limits, preamble, rendering
 from gateway.pipeline.media import render_chat_media
 from inference.protocol.openai import (
     DetokenizeRequest,
     TokenizeChatRequest,
+    TokenizeCompletionRequest,
     tokenize_request_class,
     validate_request,
 )
+from tenancy.selectors import AuthContext
 
 
-async def tokenize_ids(model, req, cache_salt: str, tenant_id: int | None = None) -> list[int]:
+async def tokenize_ids(model: ModelSnapshot, req: TokenizeChatRequest | TokenizeCompletionRequest, cache_salt: str, tenant_id: int | None = None) -> list[int]:
     """Token ids of a validated ``/tokenize`` request on ``model`` (chat: rendered template, generation
     prompt included when asked, images expanded as the chat route does; completion: the prompt, BOS added per
     ``add_special_tokens``). ``cache_salt`` (``inputs.cache_salt_for``) keys the image features;
@@ -42,11 +46,13 @@ async def tokenize_ids(model, req, cache_salt: str, tenant_id: int | None = None
     if isinstance(req, TokenizeChatRequest):
         result = await render_chat_media(model, rendering.chat_render_payload(model, req), cache_salt=cache_salt,
                                          tenant_id=tenant_id)
-        return result["prompt_token_ids"]
+        ids: list[int] = result["prompt_token_ids"]
+        return ids
     return await rendering.tokenize_prompt(model, req.prompt, req.add_special_tokens is not False)
 
 
-async def _keyed_preamble(consumer, body: bytes, schema=None):
+async def _keyed_preamble(consumer: GatewayConsumer, body: bytes,
+                          schema: type | None = None) -> tuple[AuthContext, Any, ModelSnapshot]:
     """Authenticate, echo a request id, validate (``/tokenize``: chat or completion body by its keys), resolve
     the model. Returns ``(ctx, req, model)``."""
     ctx = await preamble.authenticate(consumer)

@@ -79,10 +79,14 @@ UNLIMITED = Limits()
 class LimitsContext(Protocol):
     """What ``limits_acquire`` reads from the caller's context (``tenancy.selectors.AuthContext``)."""
 
-    key_id: int
-    tenant_id: int
-    key_limits: Limits
-    tenant_limits: Limits
+    @property
+    def key_id(self) -> int: ...
+    @property
+    def tenant_id(self) -> int: ...
+    @property
+    def key_limits(self) -> Limits: ...
+    @property
+    def tenant_limits(self) -> Limits: ...
 
 
 class RateLimitExceeded(Exception):

@@ -20,7 +20,7 @@ from inference.admission import Reservation
 from inference.engine_client import EngineUnavailableError
 from inference.input_processor import ProcessedInput
 from inference.output_processor import ChoiceDelta, OutputProcessor, RequestState
-from inference.protocol.engine import FINISH_STOP, EngineCoreRequest
+from inference.protocol.engine import FINISH_STOP, EngineCoreOutput, EngineCoreRequest
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ async def _abort(model_name: str, request_ids: list[str]) -> None:
         log.exception("abort failed")
 
 
-async def add_requests(model: ModelSnapshot, requests: list[EngineCoreRequest], queue: asyncio.Queue) -> None:
+async def add_requests(model: ModelSnapshot, requests: list[EngineCoreRequest], queue: asyncio.Queue[EngineCoreOutput]) -> None:
     """Send ``requests`` to a live replica of ``model``, outputs to ``queue``; 503 when none is alive."""
     try:
         await link().add_requests(model.served_model_name, requests, queue)
@@ -55,7 +55,7 @@ class GenerationRun:
                                   include_stop_str_in_output=include_stop_str_in_output,
                                   skip_special_tokens=skip_special_tokens, arrival_time=arrival_time)
         self.processor = OutputProcessor(self.state)
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
         self._closed = False
 
     choices = property(lambda self: self.state.choices, doc="The ``ChoiceState`` s, in choice order.")
@@ -120,7 +120,7 @@ async def run_pooling(model: ModelSnapshot, requests: list[EngineCoreRequest]) -
     refused an input (e.g. a token id beyond the model's vocabulary).
     """
     lk = link()
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
     index = {r.request_id: i for i, r in enumerate(requests)}
     vectors: list[np.ndarray | None] = [None] * len(requests)
     await add_requests(model, requests, queue)

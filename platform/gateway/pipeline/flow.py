@@ -3,14 +3,17 @@ embeddings share between the preamble and the response."""
 
 from __future__ import annotations
 
+from gateway.http import GatewayConsumer
 from gateway.model_cache import ModelSnapshot
 from gateway.pipeline import admission, limits
 from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.scope import RequestScope
 from inference.input_processor import ProcessedInput
+from inference.renderer.tokenizer_cache import LoadedTokenizer
+from tenancy.selectors import AuthContext
 
 
-async def hold_before_render(consumer, scope: RequestScope, ctx, model: ModelSnapshot, *, n: int, size: int,
+async def hold_before_render(consumer: GatewayConsumer, scope: RequestScope, ctx: AuthContext, model: ModelSnapshot, *, n: int, size: int,
                              exact: bool, max_tokens: int | None = None, tokens: int | None = None) -> None:
     """Steps 2-3, before any render or image work: the key's limits on an estimate (``tokens``, else
     ``limits.estimate(model, size, n, max_tokens)``; 429), then the admission pre-check of ``n`` requests of at
@@ -21,7 +24,7 @@ async def hold_before_render(consumer, scope: RequestScope, ctx, model: ModelSna
     scope.reservation = await admission.precheck(model, scope.recorder.request_id, n, size, exact=exact)
 
 
-async def admit_and_start(scope: RequestScope, model: ModelSnapshot, tokenizer, processed: ProcessedInput, *,
+async def admit_and_start(scope: RequestScope, model: ModelSnapshot, tokenizer: LoadedTokenizer, processed: ProcessedInput, *,
                           stop: list[str] | None, include_stop_str_in_output: bool, skip_special_tokens: bool,
                           arrival_time: float) -> GenerationRun:
     """Steps 3 (exact reserve: ``n`` × real prompt tokens; 503) and 7 (engine hand-off; 503): returns the

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import hashlib
 
+from typing import Any
+
+from tenancy.selectors import AuthContext
 from gateway.model_cache import ModelSnapshot
 from gateway.pipeline.failures import api_error_from
 from inference.input_processor import (
@@ -16,9 +19,10 @@ from inference.input_processor import (
     process_inputs,
 )
 from inference.protocol.openai import RequestValidationError
+from inference.renderer.tokenizer_cache import LoadedTokenizer
 
 
-def cache_salt_for(ctx, request_salt: str | None = None) -> str:
+def cache_salt_for(ctx: AuthContext, request_salt: str | None = None) -> str:
     """The cache salt of a request: 64 hex characters, SHA-256 over the caller's cache scope
     (``AuthContext.cache_scope``: its tenant, or the operator-set cache group it shares) and, when given, the
     request's own ``cache_salt`` (vLLM's field, which narrows sharing further; it never replaces the tenant
@@ -31,20 +35,20 @@ def cache_salt_for(ctx, request_salt: str | None = None) -> str:
     return h.hexdigest()
 
 
-def vocab_size_of(tokenizer, model: ModelSnapshot) -> int:
+def vocab_size_of(tokenizer: LoadedTokenizer, model: ModelSnapshot) -> int:
     """Valid prompt ids are ``[0, this)``: ids the tokenizer can decode (added tokens included) that the
     model's embedding also has rows for."""
     model_vocab = model_vocab_size(model.model_dir)
     return min(int(tokenizer.vocab_size), model_vocab) if model_vocab else int(tokenizer.vocab_size)
 
 
-def eos_ids_of(tokenizer) -> list[int]:
+def eos_ids_of(tokenizer: LoadedTokenizer) -> list[int]:
     """The tokenizer's EOS id as a list (empty when it has none)."""
     eos = getattr(tokenizer, "eos_token_id", None)
     return [eos] if isinstance(eos, int) else []
 
 
-def process(req, model: ModelSnapshot, tokenizer, *, external_id: str, prompt_token_ids: list[int],
+def process(req: Any, model: ModelSnapshot, tokenizer: LoadedTokenizer, *, external_id: str, prompt_token_ids: list[int],
             prompt_param: str, client_id: str, arrival_time: float | None, logprobs: int | None, cache_salt: str,
             defaults: GenerationDefaults | None = None, param_prefix: str = "") -> ProcessedInput:
     """``process_inputs`` for ``req`` on ``model`` (its ``generation_config.json`` defaults unless ``defaults``
@@ -60,7 +64,7 @@ def process(req, model: ModelSnapshot, tokenizer, *, external_id: str, prompt_to
         raise api_error_from(exc, param_prefix=param_prefix) from None
 
 
-def attach_media(processed: ProcessedInput, rendered: dict) -> None:
+def attach_media(processed: ProcessedInput, rendered: dict[str, Any]) -> None:
     """Give every engine request of ``processed`` the image feature keys of ``rendered`` (no-op without)."""
     keys = list(rendered.get("mm_cache_keys") or [])
     if keys:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 from django.conf import settings
 
@@ -15,7 +15,9 @@ from gateway.model_cache import ModelSnapshot
 from gateway.pipeline.clients import redis
 from gateway.pipeline.failures import api_error_from
 from inference.admission import estimate_prompt_tokens
-from tenancy.limits import RateLimitExceeded, grant_headers, limits_acquire, limits_reservation, limits_settle
+from tenancy.selectors import AuthContext
+from gateway.http import GatewayConsumer
+from tenancy.limits import LimitGrant, RateLimitExceeded, grant_headers, limits_acquire, limits_reservation, limits_settle
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ def estimate(model: ModelSnapshot, size: int, n: int, max_tokens: int | None, *,
     return min(limits_reservation(prompt, completion, n), n * max_len)
 
 
-async def acquire(consumer, ctx, tokens: int):
+async def acquire(consumer: GatewayConsumer, ctx: AuthContext, tokens: int) -> LimitGrant:
     """Reserve one request against RPM, one concurrency slot, and ``tokens`` against TPM and budgets (Redis,
     atomic, shared by every api process); add the ``x-ratelimit-*`` headers to ``consumer``'s response.
     Returns the grant to ``settle``. Raises ``ApiError`` 429 (``Retry-After`` and ``x-ratelimit-*``)."""
@@ -45,7 +47,7 @@ async def acquire(consumer, ctx, tokens: int):
     return grant
 
 
-async def settle(grant, actual_tokens: int) -> None:
+async def settle(grant: LimitGrant | None, actual_tokens: int) -> None:
     """Settle ``grant`` on the tokens really used (no-op for ``None``; never raises: the concurrency lease
     expires by itself if this fails)."""
     if grant is None:
@@ -57,7 +59,7 @@ async def settle(grant, actual_tokens: int) -> None:
 
 
 @asynccontextmanager
-async def held(consumer, ctx, tokens: int = 0) -> AsyncIterator[Any]:
+async def held(consumer: GatewayConsumer, ctx: AuthContext, tokens: int = 0) -> AsyncIterator[LimitGrant]:
     """Hold the key's limits around a route that generates nothing (``/tokenize``, render routes, abort):
     ``acquire`` on entry (429, nothing held), ``settle`` once on any exit on ``tokens``."""
     grant = await acquire(consumer, ctx, tokens)

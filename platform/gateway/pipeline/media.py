@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, cast
 
 from django.conf import settings
 
@@ -58,13 +58,13 @@ return 1
 """
 
 
-def mm_tenant_key(prefix: str, tenant_id) -> str:
+def mm_tenant_key(prefix: str, tenant_id: int) -> str:
     """Redis sorted set of a tenant's ``mm`` task leases (member: lease id, score: expiry in ms)."""
     return f"{prefix}:mm:tenant:{tenant_id}"
 
 
 @asynccontextmanager
-async def mm_tenant_slot(tenant_id) -> AsyncIterator[None]:
+async def mm_tenant_slot(tenant_id: int | None) -> AsyncIterator[None]:
     """Hold one of ``tenant_id``'s ``MM_TENANT_MAX_CONCURRENT`` image-work slots (module docstring) while the
     body runs; released on every exit. ``tenant_id`` None or a limit of 0: no bound. Raises ``ApiError`` 429 when
     the tenant already holds them all."""
@@ -94,7 +94,8 @@ def allowed_domains_for(model_name: str) -> list[str]:
     return [str(v) for v in value] if isinstance(value, list) else []
 
 
-async def call_mm(model: ModelSnapshot, items: list[dict], cache_salt: str, tenant_id=None) -> list[dict]:
+async def call_mm(model: ModelSnapshot, items: list[dict[str, Any]], cache_salt: str,
+                  tenant_id: int | None = None) -> list[dict[str, Any]]:
     """Preprocess ``items`` (``{"part", "url"}`` or ``{"part", "key", "blob"}`` each) on the ``mm`` queue, keyed
     under ``cache_salt``, in one of ``tenant_id``'s image-work slots (``mm_tenant_slot``); returns
     ``[{"key", "num_tokens", "cached"}]``. Client errors → 400 naming the part; tenant over its slots → 429; no
@@ -116,11 +117,12 @@ async def call_mm(model: ModelSnapshot, items: list[dict], cache_salt: str, tena
             raise ApiError(500, "Image preprocessing failed unexpectedly", ErrorType.SERVER, None,
                            ErrorCode.MM_INTERNAL_ERROR)
         raise bad_request(err.get("message") or "bad image", err.get("param"), err.get("code") or ErrorCode.INVALID_IMAGE)
-    return result["items"]
+    mm_items: list[dict[str, Any]] = result["items"]
+    return mm_items
 
 
 async def cached_images(model: ModelSnapshot, items: list[ImageItem], cache_salt: str,
-                        ) -> tuple[list[dict | None], list[dict]]:
+                        ) -> tuple[list[dict[str, Any] | None], list[dict[str, Any]]]:
     """Look up the ``data:`` URL images of ``items`` in the shared feature cache, under the caller's
     ``cache_salt`` (``inputs.cache_salt_for``: another tenant's copy of an image is not a hit).
 
@@ -131,7 +133,7 @@ async def cached_images(model: ModelSnapshot, items: list[ImageItem], cache_salt
     computed in a thread (base64 decode + SHA-256), the lookup is one ``HMGET`` of the small metadata hash.
     Raises 400 for a malformed or oversized ``data:`` URL.
     """
-    out: list[dict | None] = [None] * len(items)
+    out: list[dict[str, Any] | None] = [None] * len(items)
     data_items = [(i, it) for i, it in enumerate(items) if it.url.startswith("data:")]
     decoded: dict[int, tuple[str, bytes]] = {}
     if data_items:
@@ -146,10 +148,10 @@ async def cached_images(model: ModelSnapshot, items: list[ImageItem], cache_salt
         metas = await redis().hmget(feature_meta_key(settings.LINK_PREFIX), [key for key, _data in found])
         for (i, _it), (key, data), raw in zip(data_items, found, metas):
             if raw is not None:
-                out[i] = {"key": key, "num_tokens": feature_meta_decode(raw)["num_tokens"], "cached": True}
+                out[i] = {"key": key, "num_tokens": feature_meta_decode(cast(bytes, raw))["num_tokens"], "cached": True}
             else:
                 decoded[i] = (key, data)
-    work: list[dict] = []
+    work: list[dict[str, Any]] = []
     if decoded:
         async with redis().pipeline(transaction=False) as pipe:
             for key, data in decoded.values():
@@ -165,7 +167,8 @@ async def cached_images(model: ModelSnapshot, items: list[ImageItem], cache_salt
     return out, work
 
 
-async def render_chat_media(model: ModelSnapshot, payload: dict, *, cache_salt: str, tenant_id=None) -> dict:
+async def render_chat_media(model: ModelSnapshot, payload: dict[str, Any], *, cache_salt: str,
+                            tenant_id: int | None = None) -> dict[str, Any]:
     """``call_render("inference.render_chat", payload)``, plus images when the messages have any: returns
     the render result with ``prompt_token_ids`` expanded and ``mm_cache_keys`` (one per image, in order), the
     feature-cache keys salted with ``cache_salt`` (``inputs.cache_salt_for``). ``tenant_id``: whose
@@ -183,17 +186,20 @@ async def render_chat_media(model: ModelSnapshot, payload: dict, *, cache_salt: 
     mm_items, work = await cached_images(model, items, cache_salt)
     missing = [i for i, hit in enumerate(mm_items) if hit is None]
 
-    async def preprocess_missing() -> list[dict]:
+    async def preprocess_missing() -> list[dict[str, Any]]:
         return await call_mm(model, work, cache_salt, tenant_id) if work else []
 
     rendered, fresh = await asyncio.gather(
         call_render("inference.render_chat", {**payload, "messages": messages}), preprocess_missing())
     for i, item in zip(missing, fresh):
         mm_items[i] = item
+    done = [it for it in mm_items if it is not None]
+    if len(done) != len(mm_items):
+        raise RuntimeError("the mm worker answered fewer items than it was given")
     try:
         ids = expand_image_tokens(rendered["prompt_token_ids"], vc["image_token_id"],
-                                  [int(it["num_tokens"]) for it in mm_items])
+                                  [int(it["num_tokens"]) for it in done])
     except ImageError as exc:
         raise bad_request(exc.message, exc.param, exc.code) from None
-    return {**rendered, "prompt_token_ids": ids, "mm_cache_keys": [it["key"] for it in mm_items],
-            "mm_num_tokens": [int(it["num_tokens"]) for it in mm_items]}
+    return {**rendered, "prompt_token_ids": ids, "mm_cache_keys": [it["key"] for it in done],
+            "mm_num_tokens": [int(it["num_tokens"]) for it in done]}

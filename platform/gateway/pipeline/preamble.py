@@ -11,10 +11,11 @@ from typing import Any, Callable
 
 from gateway import auth
 from gateway.errors import ErrorCode, bad_request, not_found
-from gateway.http import OFF_LOOP_PARSE_BYTES, json_body
+from gateway.http import OFF_LOOP_PARSE_BYTES, GatewayConsumer, json_body
 from gateway.model_cache import ModelSnapshot, get_model
 from gateway.pipeline.failures import api_error_from
 from inference.protocol.openai import MAX_REQUEST_ID_LEN, RequestValidationError, validate_request
+from tenancy.selectors import AuthContext
 
 
 def client_request_id(header_value: bytes | None, body_value: str | None) -> str:
@@ -42,7 +43,7 @@ def client_request_id(header_value: bytes | None, body_value: str | None) -> str
     return secrets.token_hex(8)
 
 
-async def validated_body(body: bytes, validate: Callable[[dict], Any]) -> Any:
+async def validated_body(body: bytes, validate: Callable[[dict[str, Any]], Any]) -> Any:
     """``validate(await json_body(body))``: the validation too runs in a worker thread when the body is over
     ``OFF_LOOP_PARSE_BYTES``, as its parsing does (validating a large body, e.g. 2,048 messages or a long
     token-id list, takes milliseconds: not on the event loop). Raises what they raise
@@ -53,14 +54,14 @@ async def validated_body(body: bytes, validate: Callable[[dict], Any]) -> Any:
     return validate(data)
 
 
-async def authenticate(consumer, scope: str = "inference"):
+async def authenticate(consumer: GatewayConsumer, scope: str = "inference") -> AuthContext:
     """The caller's ``AuthContext`` (401 without a valid key, 403 without ``scope``)."""
     ctx = await auth.authenticate(consumer.scope["headers"])
     auth.require_scope(ctx, scope)
     return ctx
 
 
-async def parse(body: bytes, validate: Callable[[dict], Any] | type) -> Any:
+async def parse(body: bytes, validate: Callable[[dict[str, Any]], Any] | type) -> Any:
     """``body`` parsed and validated by ``validate`` (a pydantic schema class or a function of the JSON dict);
     ``ApiError`` 400 naming the field."""
     if isinstance(validate, type):
@@ -71,7 +72,7 @@ async def parse(body: bytes, validate: Callable[[dict], Any] | type) -> Any:
         raise api_error_from(exc) from None
 
 
-def echo_request_id(consumer, request_id: str) -> None:
+def echo_request_id(consumer: GatewayConsumer, request_id: str) -> None:
     """Echo ``request_id`` as the response's ``X-Request-Id``."""
     consumer.extra_headers.append((b"x-request-id", request_id.encode()))
 
@@ -81,13 +82,13 @@ class Preamble:
     """An authenticated, validated request: ``ctx`` (``AuthContext``), ``req`` (the validated body),
     ``base_id`` (the client's id, echoed) and ``external_id`` (``id_prefix + base_id``, shown in responses)."""
 
-    ctx: Any
+    ctx: AuthContext
     req: Any
     base_id: str
     external_id: str
 
 
-async def preamble(consumer, body: bytes, schema, id_prefix: str) -> Preamble:
+async def preamble(consumer: GatewayConsumer, body: bytes, schema: type, id_prefix: str) -> Preamble:
     """DESIGN.md §2 steps 1-2 for the inference endpoints: authenticate (401; 403 without the ``inference``
     scope), parse and validate ``body`` into ``schema`` (400 naming the field), and echo the client's request
     id (``X-Request-Id`` header, else body ``request_id``, else random)."""
@@ -98,7 +99,7 @@ async def preamble(consumer, body: bytes, schema, id_prefix: str) -> Preamble:
     return Preamble(ctx, req, base_id, id_prefix + base_id)
 
 
-async def resolve_model(ctx, name: str | None) -> ModelSnapshot:
+async def resolve_model(ctx: AuthContext, name: str | None) -> ModelSnapshot:
     """The served model for ``name`` (400 when missing, 404 when unknown, 403 when the key may not use it)."""
     if not name:
         raise bad_request("'model' is required", "model")

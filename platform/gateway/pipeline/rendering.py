@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 from django.conf import settings
 
@@ -28,7 +28,8 @@ from gateway.errors import ApiError, ErrorCode, ErrorType, bad_request, unavaila
 from gateway.model_cache import ModelSnapshot
 from inference import tasks as render_tasks
 from inference.render_client import RenderReplyWaiter, RenderUnavailableError
-from inference.renderer.tokenizer_cache import get_tokenizer
+from inference.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeChatRequest
+from inference.renderer.tokenizer_cache import LoadedTokenizer, get_tokenizer
 
 RENDER_QUEUE = "render"
 RENDER_ROUTES = ("celery", "inline")
@@ -47,7 +48,7 @@ _RENDER_CODES = {"TemplateTimeoutError": ErrorCode.TEMPLATE_TIMEOUT, "NoChatTemp
 def render_route() -> str:
     """This process's rendering route, ``"celery"`` or ``"inline"`` (``settings.RENDER_ROUTE``, validated when
     the settings load)."""
-    return settings.RENDER_ROUTE
+    return str(settings.RENDER_ROUTE)
 
 
 def is_client_template(task: str, payload: dict[str, Any]) -> bool:
@@ -128,12 +129,12 @@ def render_error(err: dict[str, Any]) -> ApiError:
     return bad_request(message, err.get("param"), _RENDER_CODES.get(etype, ErrorCode.INVALID_PROMPT))
 
 
-async def load_tokenizer(model: ModelSnapshot):
+async def load_tokenizer(model: ModelSnapshot) -> LoadedTokenizer:
     """The model's tokenizer, loaded once per process off the event loop."""
     return await asyncio.to_thread(get_tokenizer, model.tokenizer_dir)
 
 
-def check_prompt_chars(model: ModelSnapshot, tokenizer, n_chars: int, param: str) -> None:
+def check_prompt_chars(model: ModelSnapshot, tokenizer: LoadedTokenizer, n_chars: int, param: str) -> None:
     """Refuse, before rendering or tokenizing, text that cannot fit the context whatever its tokenization:
     more than ``max_model_len × (longest token string in the vocabulary)`` characters (vLLM's character
     pre-check, ``vllm/entrypoints/renderer.py``). Keeps a huge prompt from holding a render worker.
@@ -146,7 +147,7 @@ def check_prompt_chars(model: ModelSnapshot, tokenizer, n_chars: int, param: str
             f"input.", param, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
 
 
-def message_chars(messages) -> int:
+def message_chars(messages: list[ChatMessage]) -> int:
     """Characters of text in chat ``messages`` (string contents and text parts)."""
     total = 0
     for m in messages:
@@ -158,7 +159,7 @@ def message_chars(messages) -> int:
     return total
 
 
-def chat_template_for(model: ModelSnapshot, req) -> str | None:
+def chat_template_for(model: ModelSnapshot, req: ChatCompletionRequest | TokenizeChatRequest) -> str | None:
     """The template to render with: request template (only if the registry allows it), else the registry
     override, else ``None`` (the tokenizer's own)."""
     if req.chat_template is not None:
@@ -169,7 +170,7 @@ def chat_template_for(model: ModelSnapshot, req) -> str | None:
     return model.chat_template or None
 
 
-def chat_render_payload(model: ModelSnapshot, req) -> dict:
+def chat_render_payload(model: ModelSnapshot, req: ChatCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
     """The ``inference.render_chat`` task payload of a chat request (``ChatCompletionRequest`` or a chat
     ``/tokenize`` body) on ``model``: the same payload on every route that renders a chat."""
     add_generation_prompt = bool(req.add_generation_prompt)
@@ -195,14 +196,15 @@ async def tokenize_prompt(model: ModelSnapshot, prompt: str, add_special_tokens:
     """Token ids of a completion-style text ``prompt``."""
     result = await call_render("inference.tokenize_prompt", {
         "tokenizer_dir": model.tokenizer_dir, "prompt": prompt, "add_special_tokens": add_special_tokens})
-    return result["prompt_token_ids"]
+    ids: list[int] = result["prompt_token_ids"]
+    return ids
 
 
-async def prompt_ids_for(model: ModelSnapshot, req) -> tuple[list[int], str | None]:
+async def prompt_ids_for(model: ModelSnapshot, req: CompletionRequest) -> tuple[list[int], str | None]:
     """``(prompt_token_ids, prompt_text)`` of a ``CompletionRequest``: token-id prompts pass through; text is
     tokenized (BOS per ``add_special_tokens``, default true)."""
     if isinstance(req.prompt, list):
-        return list(req.prompt), None
+        return list(cast(list[int], req.prompt)), None  # validated: one prompt, a str or a list of ids
     return await tokenize_prompt(model, req.prompt, req.add_special_tokens is not False), req.prompt
 
 
@@ -210,4 +212,5 @@ async def detokenize(model: ModelSnapshot, tokens: list[int], skip_special_token
     """Text of ``tokens`` (``/detokenize``)."""
     result = await call_render("inference.detokenize", {
         "tokenizer_dir": model.tokenizer_dir, "tokens": tokens, "skip_special_tokens": skip_special_tokens})
-    return result["prompt"]
+    text: str = result["prompt"]
+    return text

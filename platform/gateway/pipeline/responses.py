@@ -5,14 +5,17 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
+from gateway.http import GatewayConsumer
 from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.usage import usage_dict
 from inference.output_processor import ChoiceDelta, ChoiceState
 
-ChoiceOf = Callable[[ChoiceDelta, ChoiceState], "dict | None"]
+ChoiceOf = Callable[[ChoiceDelta, ChoiceState], "dict[str, Any] | None"]
+# envelope(choices, usage) -> one response object or chunk
+Envelope = Callable[[list[dict[str, Any]], "dict[str, Any] | None"], dict[str, Any]]
 
 
-def run_usage(run: GenerationRun) -> dict:
+def run_usage(run: GenerationRun) -> dict[str, Any]:
     """The OpenAI ``usage`` object of a finished run."""
     return usage_dict(run.prompt_tokens, run.completion_tokens, run.num_cached_tokens)
 
@@ -24,8 +27,8 @@ async def complete(run: GenerationRun) -> None:
     run.raise_for_engine_error(retry_after=True)
 
 
-async def stream(consumer, run: GenerationRun, envelope: Callable[[list, Any], dict], choice_of: ChoiceOf, *,
-                 include_usage: bool, first_events: Iterable[dict] = ()) -> None:
+async def stream(consumer: GatewayConsumer, run: GenerationRun, envelope: Envelope, choice_of: ChoiceOf, *,
+                 include_usage: bool, first_events: Iterable[dict[str, Any]] = ()) -> None:
     """Stream ``run`` as SSE: 200 + headers, ``first_events``, then one chunk ``envelope([choice], None)`` per
     delta for which ``choice_of(delta, state)`` gives a choice (``None``: nothing to send yet), the usage chunk
     ``envelope([], usage)`` when ``include_usage``, and ``[DONE]``. An engine failure ends the stream with an

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Coroutine
+
+from tenancy.selectors import AuthContext
 
 from gateway.errors import ApiError
 from gateway.pipeline import admission, limits
@@ -46,10 +48,10 @@ class RequestScope:
         await self.recorder.emit()
 
 
-_background_tasks: set[asyncio.Task] = set()
+_background_tasks: set[asyncio.Task[None]] = set()
 
 
-def _background(coro) -> None:
+def _background(coro: Coroutine[Any, Any, None]) -> None:
     """Run ``coro`` on the loop without awaiting it (a reference is kept until it ends)."""
     task = asyncio.get_running_loop().create_task(coro)
     _background_tasks.add(task)
@@ -57,7 +59,7 @@ def _background(coro) -> None:
 
 
 @asynccontextmanager
-async def request_scope(endpoint: str, request_id: str, arrival: float, ctx, model_name: str | None,
+async def request_scope(endpoint: str, request_id: str, arrival: float, ctx: AuthContext, model_name: str | None,
                         n: int) -> AsyncIterator[RequestScope]:
     """Run one request's work inside; on exit (success, ``ApiError``, client disconnect) release what it holds
     (``RequestScope.release``), once.

@@ -16,9 +16,9 @@ from usage.events import usage_event_emit
 log = logging.getLogger(__name__)
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
     """OpenAI ``usage`` object (``prompt_tokens_details.cached_tokens`` only when some were cached)."""
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens:
         usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
