@@ -58,10 +58,13 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar, cast
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline as AsyncPipeline
+from redis.client import Pipeline
+from redis.typing import EncodableT, FieldT
 
 from inference.protocol.engine import EngineStats, live_replica_keys, replicas_index_key
 
@@ -348,7 +351,7 @@ class Admission:
     redis: aioredis.Redis
     prefix: str
     holder: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    _task: asyncio.Task | None = None
+    _task: asyncio.Task[None] | None = None
     _loop: asyncio.AbstractEventLoop | None = None
     _throughput: dict[str, tuple[float, float]] = field(default_factory=dict)
 
@@ -463,7 +466,7 @@ class Admission:
             res.released = True
             raise await self._refusal(m, out)
 
-    async def _refusal(self, model: str, out) -> AdmissionRefused:
+    async def _refusal(self, model: str, out: list[Any]) -> AdmissionRefused:
         reason = out[1].decode() if isinstance(out[1], bytes) else str(out[1])
         limit, reqs, toks = int(out[2]), int(out[3]), int(out[4])
         tps = await self.prefill_throughput(model)
@@ -500,7 +503,7 @@ class Admission:
         self._throughput[model] = (now + THROUGHPUT_CACHE_S, value)
         return value
 
-    async def snapshot(self, model: str) -> dict:
+    async def snapshot(self, model: str) -> dict[str, Any]:
         """``model_snapshot`` over the async client."""
         async with self.redis.pipeline(transaction=False) as pipe:
             _snapshot_cmds(pipe, self.prefix, model)
@@ -514,22 +517,22 @@ async def prefill_throughput_async(r: aioredis.Redis, prefix: str, model: str) -
     if not ids:
         return 0.0
     values = await r.mget(live_replica_keys(ids, prefix, model))
-    return sum(EngineStats.from_wire(v).prefill_tokens_per_s for v in values if v)
+    return sum((EngineStats.from_wire(cast(bytes, v)).prefill_tokens_per_s for v in values if v), 0.0)
 
 
 # ------------------------------------------------------------------------------------------------ sync side
-def _snapshot_cmds(pipe, prefix: str, model: str) -> None:
+def _snapshot_cmds(pipe: Pipeline | AsyncPipeline, prefix: str, model: str) -> None:
     pipe.hgetall(state_key(prefix, model))
     pipe.hgetall(limits_key(prefix, model))
     pipe.hgetall(refused_key(prefix, model))
     pipe.hgetall(ttft_key(prefix, model))
 
 
-def _ints(h: dict) -> dict[str, int]:
+def _ints(h: dict[Any, Any]) -> dict[str, int]:
     return {(k.decode() if isinstance(k, bytes) else k): int(float(v)) for k, v in h.items()}
 
 
-def _snapshot_parse(raw) -> dict:
+def _snapshot_parse(raw: list[Any]) -> dict[str, Any]:
     state, limits, refused, ttft = raw
     state, limits, refused = _ints(state), _ints(limits), _ints(refused)
     t = {(k.decode() if isinstance(k, bytes) else k): float(v) for k, v in ttft.items()}
@@ -545,7 +548,7 @@ def _snapshot_parse(raw) -> dict:
     }
 
 
-def model_snapshot(r: redis.Redis, prefix: str, model: str) -> dict:
+def model_snapshot(r: redis.Redis, prefix: str, model: str) -> dict[str, Any]:
     """The model's live admission state (one pipelined round trip, sync client).
 
     Returns ``queued_reqs``, ``queued_tokens`` (ints), ``max_num_queued_reqs`` / ``max_num_queued_tokens``
@@ -563,7 +566,7 @@ def limits_publish(r: redis.Redis, prefix: str, model: str, max_num_queued_reqs:
     with r.pipeline(transaction=True) as pipe:
         key = limits_key(prefix, model)
         pipe.delete(key)
-        mapping = {}
+        mapping: dict[FieldT, EncodableT] = {}
         if max_num_queued_reqs is not None:
             mapping[REASON_REQS] = int(max_num_queued_reqs)
         if max_num_queued_tokens is not None:
@@ -584,8 +587,8 @@ def prefill_throughput(r: redis.Redis, prefix: str, model: str) -> float:
     ids = r.zrangebyscore(replicas_index_key(prefix, model), int(time.time() * 1000), "+inf")
     if not ids:
         return 0.0
-    return sum(EngineStats.from_wire(v).prefill_tokens_per_s
-               for v in r.mget(live_replica_keys(ids, prefix, model)) if v)
+    return sum((EngineStats.from_wire(cast(bytes, v)).prefill_tokens_per_s
+                for v in r.mget(live_replica_keys(ids, prefix, model)) if v), 0.0)
 
 
 def reap(r: redis.Redis, prefix: str) -> int:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from inference.protocol.engine import EngineCoreRequest, SamplingParams
 from inference.protocol.openai import ModelName, RequestId, RequestValidationError, validate_request
+from inference.renderer.tokenizer_cache import LoadedTokenizer
 
 MAX_EMBEDDING_INPUTS = 2048
 
@@ -75,7 +76,7 @@ def normalize_input(value: Any) -> list[str | list[int]]:
     return out
 
 
-def tokenize_inputs(tokenizer, inputs: list[str | list[int]], *, add_special_tokens: bool,
+def tokenize_inputs(tokenizer: LoadedTokenizer, inputs: list[str | list[int]], *, add_special_tokens: bool,
                     truncate: int | None, max_model_len: int) -> list[list[int]]:
     """Token ids per input (blocking: call off the event loop).
 
@@ -144,13 +145,13 @@ def encode_vector(vec: np.ndarray, encoding_format: str) -> np.ndarray | str:
     return np.ascontiguousarray(vec, dtype=np.float32)
 
 
-def _validate_embeddings(data: dict) -> tuple[EmbeddingRequest, list[str | list[int]]]:
+def _validate_embeddings(data: dict[str, Any]) -> tuple[EmbeddingRequest, list[str | list[int]]]:
     """The validated request and its normalized inputs (raises ``RequestValidationError``)."""
     req = validate_request(EmbeddingRequest, data)
     return req, normalize_input(req.input)
 
 
-def validate_embeddings(data: dict) -> tuple[EmbeddingRequest, list[str | list[int]]]:
+def validate_embeddings(data: dict[str, Any]) -> tuple[EmbeddingRequest, list[str | list[int]]]:
     """The validated request and its normalized inputs (raises ``RequestValidationError``)."""
     req = validate_request(EmbeddingRequest, data)
     return req, normalize_input(req.input)

@@ -22,7 +22,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar, cast
 
 import msgpack
 import redis.asyncio as aioredis
@@ -73,7 +73,7 @@ class EngineLink:
     prefix: str
     client_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     _tracked: dict[str, _Tracked] = field(default_factory=dict)
-    _tasks: list[asyncio.Task] = field(default_factory=list)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _loop: asyncio.AbstractEventLoop | None = None
     _replicas_seen: dict[str, float] = field(default_factory=dict)  # model -> monotonic time a replica was seen
     _alive_set_at: float = -1e9
@@ -118,7 +118,7 @@ class EngineLink:
         if not ids:
             return []
         values = await self.redis.mget(live_replica_keys(ids, self.prefix, model))
-        return [EngineStats.from_wire(v) for v in values if v]
+        return [EngineStats.from_wire(cast(bytes, v)) for v in values if v]  # a bytes-mode pool
 
     # ----------------------------------------------------------------- requests
     async def add_requests(self, model: str, requests: list[EngineCoreRequest],
@@ -139,7 +139,7 @@ class EngineLink:
             await self._ensure_alive_key()
         queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
         for req in requests:
-            q: asyncio.Queue = queue if queue is not None else asyncio.Queue()
+            q: asyncio.Queue[EngineCoreOutput] = queue if queue is not None else asyncio.Queue()
             self._tracked[req.request_id] = _Tracked(model=model, queue=q, sent_at=now)
             queues[req.request_id] = q
         try:
@@ -150,7 +150,7 @@ class EngineLink:
             entries = pack_requests(requests)  # n children of one request: one entry, shared fields once
             async with self.redis.pipeline(transaction=len(entries) > 1) as pipe:
                 for entry in entries:
-                    pipe.xadd(requests_stream(self.prefix, model), entry)
+                    pipe.xadd(requests_stream(self.prefix, model), cast(dict[Any, Any], entry))  # str -> bytes fields
                 await pipe.execute()
         except BaseException:
             for req in requests:

@@ -15,6 +15,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 from inference.protocol.engine import EngineCoreRequest, SamplingParams
 from inference.protocol.openai import RequestValidationError
@@ -154,7 +155,7 @@ def resolve_max_tokens(*, prompt_len: int, max_model_len: int, requested: int | 
     return requested
 
 
-def build_sampling_params(req, *, max_tokens: int, defaults: GenerationDefaults, vocab_size: int,
+def build_sampling_params(req: Any, *, max_tokens: int, defaults: GenerationDefaults, vocab_size: int,
                           logprobs: int | None) -> SamplingParams:
     """Merge request values over model defaults over OpenAI defaults into ``SamplingParams``.
 
@@ -162,7 +163,7 @@ def build_sampling_params(req, *, max_tokens: int, defaults: GenerationDefaults,
     default. Raises ``RequestValidationError`` for ``logit_bias`` / ``stop_token_ids`` ids outside the
     vocabulary and ``min_tokens`` > ``max_tokens``.
     """
-    def pick(value, default, fallback):
+    def pick(value: Any, default: Any, fallback: Any) -> Any:
         if value is not None:
             return value
         return default if default is not None else fallback
@@ -210,7 +211,7 @@ def build_sampling_params(req, *, max_tokens: int, defaults: GenerationDefaults,
     )
 
 
-def process_inputs(req, *, external_id: str, prompt_token_ids: list[int], prompt_param: str,
+def process_inputs(req: Any, *, external_id: str, prompt_token_ids: list[int], prompt_param: str,
                    max_model_len: int, vocab_size: int, defaults: GenerationDefaults, client_id: str,
                    arrival_time: float | None = None, eos_token_ids: list[int] | None = None,
                    logprobs: int | None = None, cache_salt: str | None = None) -> ProcessedInput:

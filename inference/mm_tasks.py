@@ -46,7 +46,7 @@ def mm_tasks_counter_key(prefix: str) -> str:
     return f"{prefix}:mm:tasks_total"
 
 
-def run_mm_preprocess(payload: dict) -> dict[str, Any]:
+def run_mm_preprocess(payload: dict[str, Any]) -> dict[str, Any]:
     """payload ``{"redis_url", "prefix", "model_dir", "items": [{"part", "url"}], "allowed_domains"?:
     [str], "max_bytes"?: int, "cache_salt"?: str}`` → result dict (module docstring). Never raises for client
     errors."""
@@ -68,6 +68,6 @@ def run_mm_preprocess(payload: dict) -> dict[str, Any]:
 
 
 @shared_task(name="inference.mm_preprocess", soft_time_limit=MM_TIME_LIMIT_S, time_limit=MM_TIME_LIMIT_S + 5)
-def mm_preprocess_task(payload: dict) -> dict:
+def mm_preprocess_task(payload: dict[str, Any]) -> dict[str, Any]:
     """Celery task: fetch/decode/process the images of one request (see ``run_mm_preprocess``)."""
     return reply_if_requested(payload, run_mm_preprocess(payload))

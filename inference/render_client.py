@@ -19,9 +19,12 @@ import logging
 import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import redis.asyncio as aioredis
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +43,8 @@ class RenderReplyWaiter:
         self._redis = aioredis.Redis.from_url(redis_url)
         self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
         self.channel = f"{prefix}:render:reply:{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self._futures: dict[str, asyncio.Future] = {}
-        self._task: asyncio.Task | None = None
+        self._futures: dict[str, asyncio.Future[Any]] = {}
+        self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
 
     @classmethod
@@ -85,7 +88,7 @@ class RenderReplyWaiter:
                 log.exception("render reply listener error")
                 await asyncio.sleep(0.1)
 
-    async def call(self, app, task_name: str, payload: dict[str, Any], *, queue: str, timeout: float) -> Any:
+    async def call(self, app: Celery, task_name: str, payload: dict[str, Any], *, queue: str, timeout: float) -> Any:
         """Send ``task_name(payload)`` to ``queue`` and await the value the worker publishes back.
 
         Raises ``RenderUnavailableError`` when no reply arrives within ``timeout`` seconds (workers down,

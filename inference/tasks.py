@@ -60,6 +60,7 @@ def _error(exc: BaseException) -> dict[str, Any]:
     if isinstance(exc, SoftTimeLimitExceeded):
         # The limit is for the client's template; if most of the time went elsewhere (a cold worker loading the
         # tokenizer, a CPU-starved machine), the request was fine and the server was slow: 503, not 400.
+        err: RenderError
         if template_seconds() >= RENDER_TIME_LIMIT_S / 2:
             err = TemplateTimeoutError(f"rendering took longer than {RENDER_TIME_LIMIT_S:g} s and was abandoned")
         else:
@@ -77,7 +78,7 @@ def _require(payload: Any, key: str) -> Any:
     return payload[key]
 
 
-def run_render_chat(payload: dict) -> dict:
+def run_render_chat(payload: dict[str, Any]) -> dict[str, Any]:
     """The body of ``render_chat_task`` (callable in-process for the inline pool of DESIGN.md §4).
 
     payload: ``{"tokenizer_dir": str, "messages": list, "add_generation_prompt"?: bool,
@@ -100,7 +101,7 @@ def run_render_chat(payload: dict) -> dict:
         return _error(exc)
 
 
-def run_tokenize_prompt(payload: dict) -> dict:
+def run_tokenize_prompt(payload: dict[str, Any]) -> dict[str, Any]:
     """payload ``{"tokenizer_dir", "prompt", "add_special_tokens"?: bool (default True)}`` ->
     ``{"ok": True, "prompt_token_ids": [...]}`` or an error dict."""
     reset_template_seconds()
@@ -117,7 +118,7 @@ def run_tokenize_prompt(payload: dict) -> dict:
         return _error(exc)
 
 
-def run_detokenize(payload: dict) -> dict:
+def run_detokenize(payload: dict[str, Any]) -> dict[str, Any]:
     """payload ``{"tokenizer_dir", "tokens": [int], "skip_special_tokens"?: bool (default False)}``
     -> ``{"ok": True, "prompt": str}`` (vLLM's /detokenize field name) or an error dict."""
     reset_template_seconds()
@@ -137,7 +138,7 @@ def run_detokenize(payload: dict) -> dict:
 _reply_client: redis.Redis | None = None
 
 
-def reply_if_requested(payload: Any, result: dict) -> dict:
+def reply_if_requested(payload: Any, result: dict[str, Any]) -> dict[str, Any]:
     """Publish ``result`` on the caller's reply channel when the payload names one, then return it.
 
     The api process subscribes once to its own channel (``inference.render_client``) and sends tasks with
@@ -170,7 +171,7 @@ def render_tasks_counter_key(prefix: str) -> str:
     time_limit=RENDER_HARD_TIME_LIMIT_S,
     acks_late=False,
 )
-def render_chat_task(payload: dict) -> dict:
+def render_chat_task(payload: dict[str, Any]) -> dict[str, Any]:
     """Celery task: render + tokenize a chat (see ``run_render_chat``)."""
     return reply_if_requested(payload, run_render_chat(payload))
 
@@ -180,7 +181,7 @@ def render_chat_task(payload: dict) -> dict:
     soft_time_limit=RENDER_TIME_LIMIT_S,
     time_limit=RENDER_HARD_TIME_LIMIT_S,
 )
-def tokenize_prompt_task(payload: dict) -> dict:
+def tokenize_prompt_task(payload: dict[str, Any]) -> dict[str, Any]:
     """Celery task: tokenize a plain prompt (see ``run_tokenize_prompt``)."""
     return reply_if_requested(payload, run_tokenize_prompt(payload))
 
@@ -190,6 +191,6 @@ def tokenize_prompt_task(payload: dict) -> dict:
     soft_time_limit=RENDER_TIME_LIMIT_S,
     time_limit=RENDER_HARD_TIME_LIMIT_S,
 )
-def detokenize_task(payload: dict) -> dict:
+def detokenize_task(payload: dict[str, Any]) -> dict[str, Any]:
     """Celery task: ids -> text (see ``run_detokenize``)."""
     return reply_if_requested(payload, run_detokenize(payload))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,7 +46,7 @@ class ImageSpan:
     key: str
 
 
-def block_hashes(token_ids: list[int], spans: list[ImageSpan] = (), block_size: int = BLOCK_SIZE,
+def block_hashes(token_ids: list[int], spans: Sequence[ImageSpan] = (), block_size: int = BLOCK_SIZE,
                  cache_salt: str | None = None) -> list[bytes]:
     """Chained hashes of the full blocks of ``token_ids``: entry ``i`` names tokens ``[0, (i+1)·block_size)``.
 

@@ -26,9 +26,13 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import msgpack
 import numpy as np
+
+if TYPE_CHECKING:
+    import redis
 
 DEFAULT_MAX_BYTES = int(os.environ.get("MM_CACHE_MAX_BYTES", str(512 * 1024 * 1024)))
 
@@ -58,7 +62,7 @@ return evicted
 """
 
 
-def mm_cache_key(image_bytes: bytes, processor_settings: dict, cache_salt: str | None = None) -> str:
+def mm_cache_key(image_bytes: bytes, processor_settings: dict[str, Any], cache_salt: str | None = None) -> str:
     """SHA-256 hex of the canonical JSON of ``processor_settings``, the cache salt (when given) and the image
     bytes. The salt (the gateway's per-tenant ``cache_salt``) keeps tenants from sharing, and so
     from probing, each other's processed images; the engine's encoder cache and the prefix cache's image keys
@@ -84,9 +88,10 @@ class ImageFeatures:
     def to_bytes(self) -> bytes:
         """msgpack encoding (see module docstring)."""
         pv = np.ascontiguousarray(self.pixel_values, dtype="<f4")
-        return msgpack.packb({"pixel_values": pv.tobytes(), "shape": list(pv.shape),
-                              "grid_thw": [int(x) for x in self.grid_thw], "num_tokens": int(self.num_tokens)},
-                             use_bin_type=True)
+        data: bytes = msgpack.packb({"pixel_values": pv.tobytes(), "shape": list(pv.shape),
+                                     "grid_thw": [int(x) for x in self.grid_thw], "num_tokens": int(self.num_tokens)},
+                                    use_bin_type=True)
+        return data
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> ImageFeatures:
@@ -101,7 +106,7 @@ def feature_meta_key(prefix: str) -> str:
     return f"{prefix}:mm:meta"
 
 
-def feature_meta_decode(raw: bytes) -> dict:
+def feature_meta_decode(raw: bytes) -> dict[str, Any]:
     """``{"num_tokens": int, "grid_thw": [t, h, w]}`` from a ``meta`` hash value."""
     d = msgpack.unpackb(raw, raw=False)
     return {"num_tokens": int(d["num_tokens"]), "grid_thw": [int(x) for x in d["grid_thw"]]}
@@ -110,7 +115,7 @@ def feature_meta_decode(raw: bytes) -> dict:
 class FeatureCache:
     """The shared cache over a synchronous ``redis.Redis`` client (workers and engines are synchronous)."""
 
-    def __init__(self, client, prefix: str, max_bytes: int = DEFAULT_MAX_BYTES):
+    def __init__(self, client: redis.Redis, prefix: str, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.r = client
         self.prefix = prefix
         self.max_bytes = int(max_bytes)
@@ -125,16 +130,16 @@ class FeatureCache:
         if raw is None:
             return None
         self.r.zadd(f"{self.prefix}:mm:lru", {key: time.time()}, xx=True)
-        return ImageFeatures.from_bytes(raw)
+        return ImageFeatures.from_bytes(cast(bytes, raw))  # a bytes-mode client
 
-    def get_meta(self, key: str) -> dict | None:
+    def get_meta(self, key: str) -> dict[str, Any] | None:
         """``{"num_tokens", "grid_thw"}`` of a cached entry (one small hash field, not the pixels), or
         ``None``; refreshes the entry's recency."""
         raw = self.r.hget(feature_meta_key(self.prefix), key)
         if raw is None:
             return None
         self.r.zadd(f"{self.prefix}:mm:lru", {key: time.time()}, xx=True)
-        return feature_meta_decode(raw)
+        return feature_meta_decode(cast(bytes, raw))
 
     def put(self, key: str, feats: ImageFeatures) -> int:
         """Store ``feats`` under ``key``; evict least recently used entries over ``max_bytes``. Returns the

@@ -36,11 +36,12 @@ import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import SplitResult, urljoin, urlsplit
 
 from .image import ImageError
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 _EXTRA_BLOCKED = [ipaddress.ip_network(n) for n in (
     "0.0.0.0/8", "100.64.0.0/10", "192.0.0.0/24", "198.18.0.0/15", "224.0.0.0/4", "240.0.0.0/4",
     "::/96", "100::/64", "2001::/32", "fec0::/10", "ff00::/8",
@@ -53,7 +54,7 @@ class FetchError(ImageError):
     """A URL that may not or could not be fetched (HTTP 400)."""
 
 
-def parse_allow_nets(value: str | None) -> list:
+def parse_allow_nets(value: str | None) -> list[IPNetwork]:
     """Networks from a comma-separated CIDR list (``MM_FETCH_ALLOW_NETS``); bad entries raise ``ValueError``."""
     return [ipaddress.ip_network(v.strip(), strict=False) for v in (value or "").split(",") if v.strip()]
 
@@ -68,7 +69,7 @@ def _embedded_v4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
     return None
 
 
-def address_decision(ip: str | IPAddress, allow_nets: list | None = None) -> str | None:
+def address_decision(ip: str | IPAddress, allow_nets: list[IPNetwork] | None = None) -> str | None:
     """``None`` when ``ip`` may be connected to, else the reason it is refused (see module docstring).
 
     ``allow_nets``: operator-allowlisted networks; an address inside one is allowed whatever its range.
@@ -124,7 +125,7 @@ class FetchPolicy:
     timeout_s: float = float(os.environ.get("MM_FETCH_TIMEOUT_S", "5"))
     max_bytes: int = int(os.environ.get("MM_FETCH_MAX_BYTES", str(20 * 1024 * 1024)))
     max_redirects: int = int(os.environ.get("MM_FETCH_MAX_REDIRECTS", "3"))
-    allow_nets: list = field(default_factory=lambda: parse_allow_nets(os.environ.get("MM_FETCH_ALLOW_NETS")))
+    allow_nets: list[IPNetwork] = field(default_factory=lambda: parse_allow_nets(os.environ.get("MM_FETCH_ALLOW_NETS")))
     allowed_domains: list[str] = field(default_factory=list)
     user_agent: str = "llmp-media-fetch/1"
 
@@ -135,7 +136,7 @@ def _resolve(host: str, port: int) -> list[str]:
     except ValueError:
         pass
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return list(dict.fromkeys(info[4][0] for info in infos))
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
 
 def fetch_urls(items: list[tuple[str, str]], policy: FetchPolicy) -> list[bytes | FetchError]:
@@ -223,7 +224,7 @@ def _remaining(deadline: float, part: str) -> float:
     return left
 
 
-def _get_once(ip: str, port: int, scheme: str, host: str, parts, deadline: float, policy: FetchPolicy,
+def _get_once(ip: str, port: int, scheme: str, host: str, parts: SplitResult, deadline: float, policy: FetchPolicy,
               part: str) -> tuple[int, str | None, bytes]:
     """One GET to the checked address ``ip``; returns (status, Location, body or b"" for redirects)."""
     sock = None

@@ -20,8 +20,12 @@ import io
 import os
 import re
 import warnings
+from typing import TYPE_CHECKING, Any
 
 import pybase64
+
+if TYPE_CHECKING:
+    from PIL.Image import Image as PILImage
 
 MAX_IMAGE_PIXELS = int(os.environ.get("MM_MAX_IMAGE_PIXELS", str(40_000_000)))
 MAX_IMAGE_SIDE = int(os.environ.get("MM_MAX_IMAGE_SIDE", "16384"))
@@ -39,7 +43,7 @@ class ImageError(ValueError):
         self.param = param
         self.code = code
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """``{"type": "ImageError", "message", "param", "code"}`` (Celery task results)."""
         return {"type": "ImageError", "message": self.message, "param": self.param, "code": self.code}
 
@@ -64,7 +68,7 @@ def parse_data_url(url: str, part: str, max_bytes: int) -> bytes:
         raise ImageError(f"{part}: data: URL is not valid base64", part) from None
 
 
-def decode_image(data: bytes, part: str):
+def decode_image(data: bytes, part: str) -> PILImage:
     """Decode ``data`` to an RGB ``PIL.Image.Image`` (GIF: first frame). Raises ``ImageError``."""
     from PIL import Image, UnidentifiedImageError
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -73,7 +74,7 @@ def replicas_index_key(prefix: str, model: str) -> str:
     return f"{prefix}:engine:{model}:replicas"
 
 
-def live_replica_keys(ids: list, prefix: str, model: str) -> list[str]:
+def live_replica_keys(ids: Sequence[Any], prefix: str, model: str) -> list[str]:
     """Heartbeat keys of the replica ids returned by the index (bytes or str)."""
     return [replica_key(prefix, model, i.decode() if isinstance(i, bytes) else i) for i in ids]
 
@@ -158,8 +159,9 @@ class EngineCoreRequest:
         """Serialise to msgpack bytes (fields as a map; ``sampling_params`` as a nested map). Built from the
         instances' ``__dict__`` rather than ``dataclasses.asdict``, which deep-copies every list (a prompt
         of thousands of ids) before msgpack reads it once."""
-        return msgpack.packb({**self.__dict__, "sampling_params": dict(self.sampling_params.__dict__)},
-                             use_bin_type=True)
+        data: bytes = msgpack.packb({**self.__dict__, "sampling_params": dict(self.sampling_params.__dict__)},
+                                    use_bin_type=True)
+        return data
 
     @classmethod
     def from_wire(cls, data: bytes) -> EngineCoreRequest:
@@ -266,8 +268,9 @@ class EngineCoreOutputs:
     def to_wire(self) -> bytes:
         """Serialise to msgpack bytes (shallow maps, no ``dataclasses.asdict`` deep copy: this runs once
         per engine step per api process)."""
-        return msgpack.packb({"engine_id": self.engine_id, "timestamp": self.timestamp,
-                              "outputs": [o.__dict__ for o in self.outputs]}, use_bin_type=True)
+        data: bytes = msgpack.packb({"engine_id": self.engine_id, "timestamp": self.timestamp,
+                                     "outputs": [o.__dict__ for o in self.outputs]}, use_bin_type=True)
+        return data
 
     @classmethod
     def from_wire(cls, data: bytes) -> EngineCoreOutputs:
@@ -302,7 +305,8 @@ class EngineStats:
 
     def to_wire(self) -> bytes:
         """Serialise to msgpack bytes."""
-        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+        data: bytes = msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+        return data
 
     @classmethod
     def from_wire(cls, data: bytes) -> EngineStats:

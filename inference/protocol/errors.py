@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from enum import StrEnum
+from typing import Any
 
 
 class ErrorType(StrEnum):
@@ -57,7 +58,7 @@ class ErrorCode(StrEnum):
 INTERNAL_ERROR_MESSAGE = "The server had an error while processing your request."
 
 
-def error_dict(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+def error_dict(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """The OpenAI error envelope ``{"error": {"message", "type", "param", "code"}}`` (plain ``str`` values)."""
     return {"error": {"message": message, "type": str(type_), "param": param,
                       "code": None if code is None else str(code)}}

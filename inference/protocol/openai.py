@@ -563,7 +563,7 @@ def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
     return ".".join(cleaned) if cleaned else None
 
 
-def validate_request(model_cls: type[_Base], data: dict[str, Any]) -> Any:
+def validate_request(model_cls: type[BaseModel], data: dict[str, Any]) -> Any:
     """Validate ``data`` into ``model_cls``; raise ``RequestValidationError`` naming the first bad field."""
     try:
         return model_cls.model_validate(data)
@@ -668,9 +668,12 @@ class GenerateSamplingParams(_Base):
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
 
-    _check_stop = field_validator("stop")(_SamplingFields._check_stop.__func__)
-    _count_logit_bias = field_validator("logit_bias", mode="before")(_SamplingFields._count_logit_bias.__func__)
-    _check_logit_bias = field_validator("logit_bias")(_SamplingFields._check_logit_bias.__func__)
+    # the same validators as the sampling fields' (the classmethods' functions, re-registered here)
+    _check_stop = field_validator("stop")(_SamplingFields._check_stop.__func__)  # type: ignore[attr-defined]
+    _count_logit_bias = field_validator("logit_bias", mode="before")(
+        _SamplingFields._count_logit_bias.__func__)  # type: ignore[attr-defined]
+    _check_logit_bias = field_validator("logit_bias")(
+        _SamplingFields._check_logit_bias.__func__)  # type: ignore[attr-defined]
 
     @model_validator(mode="after")
     def _check_greedy_n(self) -> GenerateSamplingParams:

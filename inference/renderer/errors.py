@@ -9,6 +9,8 @@ to 500 like vLLM does (``vllm/renderers/hf.py::_render_with_timeout`` raises ``T
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class RenderError(ValueError):
     """Base class of every renderer error.
@@ -26,7 +28,7 @@ class RenderError(ValueError):
         self.message = message
         self.param = param if param is not None else self.default_param
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """``{"type": <class name>, "message": str, "param": str | None}`` (the Celery task shape)."""
         return {"type": type(self).__name__, "message": self.message, "param": self.param}
 

@@ -67,7 +67,8 @@ def _token_str(value: Any) -> str | None:
     if isinstance(value, str):
         return value
     if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
+        content: str | None = value["content"]
+        return content
     return None
 
 
@@ -89,7 +90,7 @@ def _clean_up_tokenization(text: str) -> str:
     return text
 
 
-def _is_byte_level(tok_json: dict) -> bool:
+def _is_byte_level(tok_json: dict[str, Any]) -> bool:
     def has_bl(node: Any) -> bool:
         if isinstance(node, dict):
             if node.get("type") == "ByteLevel":
@@ -102,7 +103,7 @@ def _is_byte_level(tok_json: dict) -> bool:
     return has_bl(tok_json.get("pre_tokenizer")) or has_bl(tok_json.get("decoder"))
 
 
-def _llama_rewrite(tok_json: dict, config: dict) -> dict:
+def _llama_rewrite(tok_json: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """Apply transformers 5's LlamaTokenizer rebuild to a SentencePiece-style tokenizer.json."""
     add_prefix_space = config.get("add_prefix_space")
     add_prefix_space = True if add_prefix_space is None else bool(add_prefix_space)
@@ -159,7 +160,7 @@ class LoadedTokenizer:
 
     path: str
     tokenizer: tokenizers.Tokenizer
-    config: dict
+    config: dict[str, Any]
     special_tokens_map: dict[str, str]
     chat_template: str | None
     chat_templates: dict[str, str]
@@ -171,7 +172,7 @@ class LoadedTokenizer:
     add_eos_token: bool
     clean_up_tokenization_spaces: bool
     control_tokens: tuple[str, ...] = ()
-    control_regex: re.Pattern | None = None
+    control_regex: re.Pattern[str] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _text_only: tokenizers.Tokenizer | None = field(default=None, repr=False)
 
@@ -284,9 +285,10 @@ class LoadedTokenizer:
         return self.tokenizer.id_to_token(token_id)
 
 
-def _read_json(path: str) -> dict:
+def _read_json(path: str) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        data: dict[str, Any] = json.load(f)
+        return data
 
 
 def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
@@ -303,7 +305,7 @@ def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
         base_class = tclass.removesuffix("Fast")
         with open(tj_path, encoding="utf-8") as f:
             raw = f.read()
-        tok_json: dict | None = None
+        tok_json: dict[str, Any] | None = None
         if base_class == "LlamaTokenizer":
             tok_json = json.loads(raw)
             if not _is_byte_level(tok_json):
@@ -411,19 +413,19 @@ def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
     )
 
 
-def literal_trie_regex(strings: tuple[str, ...] | list[str]) -> re.Pattern:
+def literal_trie_regex(strings: tuple[str, ...] | list[str]) -> re.Pattern[str]:
     """A compiled regex matching any of ``strings`` (literals), built as a trie so that a search costs about
     one pass over the text however many strings there are (DeepSeek-V3 has 804 special tokens). At a given
     start the longest string wins, and ``finditer`` scans left to right: the leftmost-longest matching of the
     ``tokenizers`` added vocabulary (Aho-Corasick ``LeftmostLongest``)."""
-    trie: dict = {}
+    trie: dict[str, Any] = {}
     for s in strings:
         node = trie
         for ch in s:
             node = node.setdefault(ch, {})
         node[""] = {}
 
-    def build(node: dict) -> str:
+    def build(node: dict[str, Any]) -> str:
         alts = [re.escape(ch) + build(child) for ch, child in sorted(node.items()) if ch]
         if not alts:
             return ""
