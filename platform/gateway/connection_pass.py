@@ -42,7 +42,7 @@ import logging
 import socket
 import struct
 import time
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, cast
 
 from django.conf import settings
 
@@ -54,11 +54,15 @@ ADOPTED, REFUSED = b"1", b"0"
 _HEAD = struct.Struct("!Id")  # prefix length, deadline (time.monotonic(): CLOCK_MONOTONIC, one per host)
 MAX_PREFIX_BYTES = 64 * 1024 * 1024  # a prefix is at most the front's body limit plus the headers
 
-Scope = dict
-Receive = Callable[[], Awaitable[dict]]
+Scope = dict[str, Any]  # ASGI scope and receive callable
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+ASGIApp = Callable[..., Awaitable[None]]
+
+if TYPE_CHECKING:
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 
-def passable_cycle(scope: Scope, receive: Receive):
+def passable_cycle(scope: Scope, receive: Receive) -> RequestResponseCycle | None:
     """``_passable_cycle``, or None should uvicorn's internals differ from those read here (then the request is
     relayed, never failed)."""
     try:
@@ -68,7 +72,7 @@ def passable_cycle(scope: Scope, receive: Receive):
         return None
 
 
-def _passable_cycle(scope: Scope, receive: Receive):
+def _passable_cycle(scope: Scope, receive: Receive) -> RequestResponseCycle | None:
     """The front's uvicorn httptools request cycle behind ``receive`` when this request's connection can be passed
     (plain HTTP/1.x, a ``Content-Length`` body, nothing of a next request read yet, a pass socket configured),
     else None. Call it and ``pass_connection`` with no ``await`` between them."""
@@ -112,7 +116,7 @@ def request_head(scope: Scope) -> bytes:
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
-async def pass_connection(scope: Scope, cycle, body_read: list[bytes]) -> str:
+async def pass_connection(scope: Scope, cycle: RequestResponseCycle, body_read: list[bytes]) -> str:
     """Pass the client connection of ``cycle`` (from ``passable_cycle``) to the multimodal api, ``body_read`` being
     the body bytes this process has already taken from it. Returns ``"passed"`` (the multimodal api owns the
     connection; the caller returns without sending anything), ``"kept"`` (refused; nothing changed: relay or
@@ -138,7 +142,7 @@ async def pass_connection(scope: Scope, cycle, body_read: list[bytes]) -> str:
             await asyncio.wait_for(send(), PASS_DEADLINE_S)
             answer = await asyncio.wait_for(loop.sock_recv(link, 1),
                                             max(0.0, deadline + ADOPT_GRACE_S - time.monotonic()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             # not all bytes taken by the deadline: it can never adopt; taken, but unanswered past the grace: it
             # is stalled, and refuses when it gets to the pass (deadline passed)
             log.warning("the multimodal api did not take a passed connection in time; serving it here")
@@ -164,7 +168,7 @@ async def serve_passed_connections(listener: socket.socket, protocol_factory: Ca
     first request is served (a metric)."""
     loop = asyncio.get_running_loop()
     listener.setblocking(False)
-    tasks: set[asyncio.Task] = set()
+    tasks: set[asyncio.Task[None]] = set()
     while True:
         link, _addr = await loop.sock_accept(listener)
         task = asyncio.ensure_future(_adopt(link, protocol_factory, on_adopted))
@@ -172,7 +176,8 @@ async def serve_passed_connections(listener: socket.socket, protocol_factory: Ca
         task.add_done_callback(tasks.discard)
 
 
-async def _adopt(link: socket.socket, protocol_factory, on_adopted) -> None:
+async def _adopt(link: socket.socket, protocol_factory: Callable[[], Any],
+                 on_adopted: Callable[[], Awaitable[None]] | None) -> None:
     loop = asyncio.get_running_loop()
     client = None
     try:
@@ -210,19 +215,19 @@ async def _adopt(link: socket.socket, protocol_factory, on_adopted) -> None:
         client.setblocking(False)
 
         def factory() -> asyncio.Protocol:
-            protocol = protocol_factory()
+            protocol: Any = protocol_factory()  # the server's own protocol class (uvicorn's), patched below
             if on_adopted is not None:  # awaited before the first request on the connection is served
                 protocol.app = _first_call_preceded_by(protocol.app, on_adopted)
             made = protocol.connection_made
 
-            def connection_made(transport) -> None:
+            def connection_made(transport: asyncio.BaseTransport) -> None:
                 made(transport)
                 # before the transport's reader is registered (both are call_soon'd, in this order), so the
                 # passed bytes are parsed before anything read from the socket
                 protocol.data_received(bytes(prefix))
 
             protocol.connection_made = connection_made
-            return protocol
+            return cast(asyncio.Protocol, protocol)
 
         try:
             await loop.connect_accepted_socket(factory, client)
@@ -243,11 +248,11 @@ async def _adopt(link: socket.socket, protocol_factory, on_adopted) -> None:
         link.close()
 
 
-def _first_call_preceded_by(app, hook: Callable[[], Awaitable[None]]):
+def _first_call_preceded_by(app: ASGIApp, hook: Callable[[], Awaitable[None]]) -> ASGIApp:
     """``app`` (an ASGI application) with ``hook`` awaited before its first call."""
     pending = [hook]
 
-    async def wrapped(scope, receive, send):
+    async def wrapped(scope: Scope, receive: Receive, send: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
         if pending:
             await pending.pop()()
         return await app(scope, receive, send)
@@ -257,8 +262,8 @@ def _first_call_preceded_by(app, hook: Callable[[], Awaitable[None]]):
 
 async def _readable(sock: socket.socket) -> None:
     loop = asyncio.get_running_loop()
-    ready = loop.create_future()
-    loop.add_reader(sock.fileno(), lambda: ready.done() or ready.set_result(None))
+    ready: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(sock.fileno(), lambda: None if ready.done() else ready.set_result(None))
     try:
         await ready
     finally:

@@ -384,7 +384,7 @@ def test_killing_one_multimodal_worker_leaves_no_client_waiting(live_vl, passing
     workers = [p for p in children if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
     assert len(workers) == 2
     inode = _listening_inode(passing["pass_sock"])
-    held = lambda pid: any(os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]"  # noqa: E731
+    held = lambda pid: any(os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]"
                            for fd in os.listdir(f"/proc/{pid}/fd"))
     assert held(workers[0]) and held(workers[1]) and not held(parent)
     os.kill(workers[0], signal.SIGKILL)
