@@ -19,7 +19,6 @@ runaway templates well before either limit.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import json
@@ -28,6 +27,7 @@ import redis
 from celery import shared_task
 from celery.exceptions import SoftTimeLimitExceeded
 
+from inference.config import SETTINGS
 from inference.renderer.chat_template import (
     detokenize,
     render_chat,
@@ -39,8 +39,8 @@ from inference.renderer.errors import RenderError, RenderOverloadedError, Templa
 
 logger = logging.getLogger(__name__)
 
-RENDER_TIME_LIMIT_S = float(os.environ.get("RENDER_TIME_LIMIT_S", "5"))
-RENDER_HARD_TIME_LIMIT_S = RENDER_TIME_LIMIT_S + float(os.environ.get("RENDER_HARD_TIME_LIMIT_EXTRA_S", "2"))
+RENDER_TIME_LIMIT_S = SETTINGS.render_time_limit_s
+RENDER_HARD_TIME_LIMIT_S = RENDER_TIME_LIMIT_S + SETTINGS.render_hard_time_limit_extra_s
 
 _RENDER_ARGS = (
     "add_generation_prompt",
@@ -149,7 +149,7 @@ def reply_if_requested(payload: Any, result: dict) -> dict:
         if _reply_client is None:
             from celery import current_app
 
-            _reply_client = redis.Redis.from_url(os.environ.get("REDIS_URL") or current_app.conf.result_backend)
+            _reply_client = redis.Redis.from_url(SETTINGS.redis_url or current_app.conf.result_backend)
         channel = payload["reply_to"]
         prefix = channel.split(":render:reply:")[0]
         pipe = _reply_client.pipeline(transaction=False)

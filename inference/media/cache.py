@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 
 import msgpack
 import numpy as np
 
-DEFAULT_MAX_BYTES = int(os.environ.get("MM_CACHE_MAX_BYTES", str(512 * 1024 * 1024)))
+from inference.config import SETTINGS
+
+DEFAULT_MAX_BYTES = SETTINGS.mm_cache_max_bytes
 
 _PUT_LUA = """
 -- KEYS: feat key, lru, sizes, total, meta ; ARGV: value, key id, now, max_bytes, feat prefix, meta value

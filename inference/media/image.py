@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import binascii
 import io
-import os
 import re
 import warnings
 
 import pybase64
 
-MAX_IMAGE_PIXELS = int(os.environ.get("MM_MAX_IMAGE_PIXELS", str(40_000_000)))
-MAX_IMAGE_SIDE = int(os.environ.get("MM_MAX_IMAGE_SIDE", "16384"))
+from inference.config import SETTINGS
+
+MAX_IMAGE_PIXELS = SETTINGS.mm_max_image_pixels
+MAX_IMAGE_SIDE = SETTINGS.mm_max_image_side
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,",
                        re.IGNORECASE)

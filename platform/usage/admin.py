@@ -7,6 +7,7 @@ from django.core.exceptions import PermissionDenied
 from django.template.response import TemplateResponse
 
 from .models import UsageRecord, UsageRollup
+from .web import BadParam, bad_param_response, can_view_all_tenants, operator_dashboard_context
 
 
 @admin.register(UsageRecord)
@@ -36,8 +37,6 @@ class UsageDashboardAdmin(admin.ModelAdmin):
     """"Usage dashboard" in the admin index: charts over the rollups of every tenant, live over WebSocket."""
 
     def changelist_view(self, request, extra_context=None):
-        from .web import BadParam, bad_param_response, can_view_all_tenants, operator_dashboard_context
-
         if not can_view_all_tenants(request.user):
             raise PermissionDenied
         try:
@@ -49,8 +48,6 @@ class UsageDashboardAdmin(admin.ModelAdmin):
 
     def has_view_permission(self, request, obj=None):
         """All-tenant usage: ``usage.view_usagerollup`` (not merely staff); see ``usage.web.can_view_all_tenants``."""
-        from .web import can_view_all_tenants
-
         return can_view_all_tenants(request.user)
 
     def has_add_permission(self, request):

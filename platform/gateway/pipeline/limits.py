@@ -15,7 +15,8 @@ from gateway.model_cache import ModelSnapshot
 from gateway.pipeline.clients import redis
 from gateway.pipeline.failures import api_error_from
 from inference.admission import estimate_prompt_tokens
-from tenancy.limits import RateLimitExceeded, grant_headers, limits_acquire, limits_reservation, limits_settle
+from tenancy.limits import (LEASE_TTL_S, RateLimitExceeded, grant_headers, limits_acquire, limits_reservation,
+                            limits_settle)
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,9 @@ async def settle(grant, actual_tokens: int) -> None:
     if grant is None:
         return
     try:
-        await asyncio.shield(limits_settle(redis(), settings.LINK_PREFIX, grant, actual_tokens=actual_tokens))
+        marker_ttl_s = max(LEASE_TTL_S, settings.LIMITS_SETTLED_MARKER_TTL_S)
+        await asyncio.shield(limits_settle(redis(), settings.LINK_PREFIX, grant, actual_tokens=actual_tokens,
+                                           marker_ttl_s=marker_ttl_s))
     except Exception:  # noqa: BLE001
         log.exception("rate-limit settle failed")
 

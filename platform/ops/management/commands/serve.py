@@ -26,7 +26,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--host", default="127.0.0.1")
-        parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+        parser.add_argument("--port", type=int, default=settings.SERVE_PORT)
         parser.add_argument("--api-workers", type=int, default=1, help="uvicorn worker processes")
         parser.add_argument("--mm-api-workers", type=int, default=1,
                             help="uvicorn worker processes of the multimodal api, which the front api hands image "
@@ -48,7 +48,7 @@ class Command(BaseCommand):
         # and what earlier runs left under var/ is made so too: dirs 0700, files and sockets 0600
         os.umask(0o077)
         private_tree(var_dir)
-        env = dict(os.environ)
+        env = dict(os.environ)  # the children's environment (passed on, not read as a setting)
         env.pop("MULTIMODAL_API_SOCKET", None)  # only the front api forwards, to the multimodal api serve starts
         env["PYTHONPATH"] = os.pathsep.join([str(Path(settings.REPO_DIR) / "platform"), str(settings.REPO_DIR),
                                              env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
