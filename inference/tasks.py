@@ -18,8 +18,9 @@ runaway templates well before either limit.
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import json
 
@@ -77,6 +78,24 @@ def _require(payload: Any, key: str) -> Any:
     return payload[key]
 
 
+def _structured(body: Callable[[dict], dict]) -> Callable[[dict], dict]:
+    """A task body that never raises: the template clock reset first, then ``body(payload)``'s result, or any
+    failure (Ctrl-C and exit aside) as the error dict of ``_error``."""
+
+    @functools.wraps(body)
+    def run(payload: dict) -> dict:
+        reset_template_seconds()
+        try:
+            return body(payload)
+        except BaseException as exc:  # noqa: BLE001 - every failure becomes a structured result
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            return _error(exc)
+
+    return run
+
+
+@_structured
 def run_render_chat(payload: dict) -> dict:
     """The body of ``render_chat_task`` (callable in-process for the inline pool of DESIGN.md §4).
 
@@ -89,49 +108,33 @@ def run_render_chat(payload: dict) -> dict:
     strings in request text stay text.
     Returns ``{"ok": True, "prompt_text": str, "prompt_token_ids": list[int]}`` or an error dict.
     """
-    reset_template_seconds()
-    try:
-        kwargs = {k: payload[k] for k in _RENDER_ARGS if isinstance(payload, dict) and k in payload}
-        out = render_chat(_require(payload, "tokenizer_dir"), _require(payload, "messages"), **kwargs)
-        return {"ok": True, "prompt_text": out.prompt_text, "prompt_token_ids": out.prompt_token_ids}
-    except BaseException as exc:  # noqa: BLE001 - every failure becomes a structured result
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        return _error(exc)
+    kwargs = {k: payload[k] for k in _RENDER_ARGS if isinstance(payload, dict) and k in payload}
+    out = render_chat(_require(payload, "tokenizer_dir"), _require(payload, "messages"), **kwargs)
+    return {"ok": True, "prompt_text": out.prompt_text, "prompt_token_ids": out.prompt_token_ids}
 
 
+@_structured
 def run_tokenize_prompt(payload: dict) -> dict:
     """payload ``{"tokenizer_dir", "prompt", "add_special_tokens"?: bool (default True)}`` ->
     ``{"ok": True, "prompt_token_ids": [...]}`` or an error dict."""
-    reset_template_seconds()
-    try:
-        ids = tokenize_prompt(
-            _require(payload, "tokenizer_dir"),
-            _require(payload, "prompt"),
-            add_special_tokens=bool(payload.get("add_special_tokens", True)),
-        )
-        return {"ok": True, "prompt_token_ids": ids}
-    except BaseException as exc:  # noqa: BLE001
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        return _error(exc)
+    ids = tokenize_prompt(
+        _require(payload, "tokenizer_dir"),
+        _require(payload, "prompt"),
+        add_special_tokens=bool(payload.get("add_special_tokens", True)),
+    )
+    return {"ok": True, "prompt_token_ids": ids}
 
 
+@_structured
 def run_detokenize(payload: dict) -> dict:
     """payload ``{"tokenizer_dir", "tokens": [int], "skip_special_tokens"?: bool (default False)}``
     -> ``{"ok": True, "prompt": str}`` (vLLM's /detokenize field name) or an error dict."""
-    reset_template_seconds()
-    try:
-        text = detokenize(
-            _require(payload, "tokenizer_dir"),
-            _require(payload, "tokens"),
-            skip_special_tokens=bool(payload.get("skip_special_tokens", False)),
-        )
-        return {"ok": True, "prompt": text}
-    except BaseException as exc:  # noqa: BLE001
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        return _error(exc)
+    text = detokenize(
+        _require(payload, "tokenizer_dir"),
+        _require(payload, "tokens"),
+        skip_special_tokens=bool(payload.get("skip_special_tokens", False)),
+    )
+    return {"ok": True, "prompt": text}
 
 
 _reply_client: redis.Redis | None = None
@@ -164,32 +167,26 @@ def render_tasks_counter_key(prefix: str) -> str:
     return f"{prefix}:metrics:render_tasks_total"
 
 
-@shared_task(
-    name="inference.render_chat",
-    soft_time_limit=RENDER_TIME_LIMIT_S,
-    time_limit=RENDER_HARD_TIME_LIMIT_S,
-    acks_late=False,
-)
+def _render_task(name: str, **options: Any):
+    """``shared_task`` named ``name`` with the render queue's time limits (``RENDER_TIME_LIMIT_S`` soft,
+    ``RENDER_HARD_TIME_LIMIT_S`` hard)."""
+    return shared_task(name=name, soft_time_limit=RENDER_TIME_LIMIT_S, time_limit=RENDER_HARD_TIME_LIMIT_S,
+                       **options)
+
+
+@_render_task("inference.render_chat", acks_late=False)
 def render_chat_task(payload: dict) -> dict:
     """Celery task: render + tokenize a chat (see ``run_render_chat``)."""
     return reply_if_requested(payload, run_render_chat(payload))
 
 
-@shared_task(
-    name="inference.tokenize_prompt",
-    soft_time_limit=RENDER_TIME_LIMIT_S,
-    time_limit=RENDER_HARD_TIME_LIMIT_S,
-)
+@_render_task("inference.tokenize_prompt")
 def tokenize_prompt_task(payload: dict) -> dict:
     """Celery task: tokenize a plain prompt (see ``run_tokenize_prompt``)."""
     return reply_if_requested(payload, run_tokenize_prompt(payload))
 
 
-@shared_task(
-    name="inference.detokenize",
-    soft_time_limit=RENDER_TIME_LIMIT_S,
-    time_limit=RENDER_HARD_TIME_LIMIT_S,
-)
+@_render_task("inference.detokenize")
 def detokenize_task(payload: dict) -> dict:
     """Celery task: ids -> text (see ``run_detokenize``)."""
     return reply_if_requested(payload, run_detokenize(payload))

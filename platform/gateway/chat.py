@@ -52,13 +52,7 @@ class ChatCompletionsConsumer(GatewayConsumer):
     async def _stream(self, req, run, external_id: str, created: int, tokenizer) -> None:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         cursor = responses.LogprobCursor(run)
-
-        def envelope(choices, usage):
-            body = {"id": external_id, "object": "chat.completion.chunk", "created": created,
-                    "model": run.model.served_model_name, "choices": choices}
-            if include_usage:
-                body["usage"] = usage
-            return body
+        envelope = responses.chunk_envelope("chat.completion.chunk", external_id, created, run, include_usage)
 
         def choice_of(d, state):
             if d.finish_reason is None and not d.text:

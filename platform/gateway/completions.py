@@ -54,13 +54,7 @@ class CompletionsConsumer(GatewayConsumer):
     async def _stream(self, req, run, external_id, created, tokenizer, echo_text) -> None:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         cursor = responses.LogprobCursor(run)
-
-        def envelope(choices, usage):
-            body = {"id": external_id, "object": "text_completion", "created": created,
-                    "model": run.model.served_model_name, "choices": choices}
-            if include_usage:
-                body["usage"] = usage
-            return body
+        envelope = responses.chunk_envelope("text_completion", external_id, created, run, include_usage)
 
         def choice_of(d, state):
             if d.finish_reason is None and not d.text:

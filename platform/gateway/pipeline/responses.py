@@ -46,6 +46,22 @@ async def stream(consumer, run: GenerationRun, envelope: Callable[[list, Any], d
     await consumer.end_sse()
 
 
+def chunk_envelope(obj: str, external_id: str, created: int, run: GenerationRun,
+                   include_usage: bool) -> Callable[[list, Any], dict]:
+    """The ``envelope(choices, usage)`` of ``stream`` for OpenAI's streamed objects (``obj``:
+    ``"chat.completion.chunk"`` or ``"text_completion"``): ``{"id", "object", "created", "model", "choices"}``,
+    plus ``usage`` (``None`` but on the last chunk) when the client asked for ``stream_options.include_usage``."""
+
+    def envelope(choices: list, usage: Any) -> dict:
+        body = {"id": external_id, "object": obj, "created": created, "model": run.model.served_model_name,
+                "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return body
+
+    return envelope
+
+
 class LogprobCursor:
     """Per choice, how many of its tokens' logprobs were already sent (streams send each token's once)."""
 

@@ -6,7 +6,6 @@ import os
 import signal
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import redis
@@ -15,7 +14,8 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from ops.bootstrap import demo_bootstrap, embedded_redis_config_write, private_tree, redacted_url
-from ops.supervisor import RestartPolicy, Supervisor, parse_cpu_list, python, unix_socket_accepts, wait_until
+from ops.supervisor import (RestartPolicy, Supervisor, http_ok, parse_cpu_list, python, redis_ping,
+                            unix_socket_accepts, wait_until)
 from inference.protocol.engine import replicas_index_key
 from registry.selectors import served_models_enabled
 
@@ -82,7 +82,7 @@ class Command(BaseCommand):
         # every child (Celery, engines, both apis, the channel layer) reads REDIS_URL from its environment
         env["REDIS_URL"] = redis_url
         client = redis.Redis.from_url(redis_url)
-        wait_until(lambda: _ping(client), 20, f"Redis at {redacted_url(redis_url)}", sup)
+        wait_until(lambda: redis_ping(client), 20, f"Redis at {redacted_url(redis_url)}", sup)
         where = f" (password in {settings.EMBEDDED_REDIS_PASSWORD_FILE})" if settings.REDIS_EMBEDDED else ""
         self.stdout.write(f"redis: {redacted_url(redis_url)}{where}")
 
@@ -140,7 +140,7 @@ class Command(BaseCommand):
                        300, f"engine for {m.served_model_name}", sup)
         host = opts["host"] if ":" not in opts["host"] else f"[{opts['host']}]"
         base = f"http://{host}:{opts['port']}"
-        wait_until(lambda: _http_ok(base + "/health"), 60, "the API server", sup)
+        wait_until(lambda: http_ok(base + "/health"), 60, "the API server", sup)
         self._banner(base, info, var_dir)
         policy = RestartPolicy()
         parked: tuple | None = None  # (child, retry at): a multimodal api that crashed past its restart budget
@@ -233,18 +233,3 @@ def _mm_socket_path(var_dir: Path) -> str:
     if path.exists():  # a socket left by a process that was killed
         path.unlink()
     return str(path)
-
-
-def _ping(client) -> bool:
-    try:
-        return bool(client.ping())
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return resp.status == 200
-    except Exception:  # noqa: BLE001
-        return False
