@@ -66,13 +66,14 @@ from redis.asyncio.client import Pipeline as AsyncPipeline
 from redis.client import Pipeline
 from redis.typing import EncodableT, FieldT
 
+from inference.config import SETTINGS
 from inference.protocol.engine import EngineStats, live_replica_keys, replicas_index_key
 
 log = logging.getLogger(__name__)
 
-LEASE_TTL_S = float(os.environ.get("ADMISSION_LEASE_TTL_S", "5"))
-LEASE_REFRESH_S = float(os.environ.get("ADMISSION_LEASE_REFRESH_S", "1"))
-RETRY_AFTER_MAX_S = int(os.environ.get("ADMISSION_RETRY_AFTER_MAX_S", "60"))
+LEASE_TTL_S = SETTINGS.admission_lease_ttl_s
+LEASE_REFRESH_S = SETTINGS.admission_lease_refresh_s
+RETRY_AFTER_MAX_S = SETTINGS.admission_retry_after_max_s
 THROUGHPUT_CACHE_S = 1.0
 ESTIMATE_OVERHEAD_TOKENS = 16
 

@@ -15,12 +15,12 @@ Result: ``{"ok": True, "items": [{"key", "num_tokens", "cached"}]}`` or ``{"ok":
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import redis
 from celery import shared_task
 
+from inference.config import SETTINGS
 from inference.tasks import reply_if_requested
 from celery.exceptions import SoftTimeLimitExceeded
 
@@ -29,7 +29,7 @@ from inference.renderer.multimodal import preprocess_images
 
 logger = logging.getLogger(__name__)
 
-MM_TIME_LIMIT_S = float(os.environ.get("MM_TIME_LIMIT_S", "30"))
+MM_TIME_LIMIT_S = SETTINGS.mm_time_limit_s
 MM_QUEUE = "mm"
 _clients: dict[str, redis.Redis] = {}
 

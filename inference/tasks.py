@@ -18,9 +18,9 @@ runaway templates well before either limit.
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
-from typing import Any
+from typing import Any, Callable
 
 import json
 
@@ -28,6 +28,7 @@ import redis
 from celery import shared_task
 from celery.exceptions import SoftTimeLimitExceeded
 
+from inference.config import SETTINGS
 from inference.renderer.chat_template import (
     detokenize,
     render_chat,
@@ -39,8 +40,8 @@ from inference.renderer.errors import RenderError, RenderOverloadedError, Templa
 
 logger = logging.getLogger(__name__)
 
-RENDER_TIME_LIMIT_S = float(os.environ.get("RENDER_TIME_LIMIT_S", "5"))
-RENDER_HARD_TIME_LIMIT_S = RENDER_TIME_LIMIT_S + float(os.environ.get("RENDER_HARD_TIME_LIMIT_EXTRA_S", "2"))
+RENDER_TIME_LIMIT_S = SETTINGS.render_time_limit_s
+RENDER_HARD_TIME_LIMIT_S = RENDER_TIME_LIMIT_S + SETTINGS.render_hard_time_limit_extra_s
 
 _RENDER_ARGS = (
     "add_generation_prompt",
@@ -78,6 +79,24 @@ def _require(payload: Any, key: str) -> Any:
     return payload[key]
 
 
+def _structured(body: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """A task body that never raises: the template clock reset first, then ``body(payload)``'s result, or any
+    failure (Ctrl-C and exit aside) as the error dict of ``_error``."""
+
+    @functools.wraps(body)
+    def run(payload: dict[str, Any]) -> dict[str, Any]:
+        reset_template_seconds()
+        try:
+            return body(payload)
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            return _error(exc)
+
+    return run
+
+
+@_structured
 def run_render_chat(payload: dict[str, Any]) -> dict[str, Any]:
     """The body of ``render_chat_task`` (callable in-process for the inline pool of DESIGN.md §4).
 
@@ -90,49 +109,33 @@ def run_render_chat(payload: dict[str, Any]) -> dict[str, Any]:
     strings in request text stay text.
     Returns ``{"ok": True, "prompt_text": str, "prompt_token_ids": list[int]}`` or an error dict.
     """
-    reset_template_seconds()
-    try:
-        kwargs = {k: payload[k] for k in _RENDER_ARGS if isinstance(payload, dict) and k in payload}
-        out = render_chat(_require(payload, "tokenizer_dir"), _require(payload, "messages"), **kwargs)
-        return {"ok": True, "prompt_text": out.prompt_text, "prompt_token_ids": out.prompt_token_ids}
-    except BaseException as exc:  # every failure becomes a structured result
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        return _error(exc)
+    kwargs = {k: payload[k] for k in _RENDER_ARGS if isinstance(payload, dict) and k in payload}
+    out = render_chat(_require(payload, "tokenizer_dir"), _require(payload, "messages"), **kwargs)
+    return {"ok": True, "prompt_text": out.prompt_text, "prompt_token_ids": out.prompt_token_ids}
 
 
+@_structured
 def run_tokenize_prompt(payload: dict[str, Any]) -> dict[str, Any]:
     """payload ``{"tokenizer_dir", "prompt", "add_special_tokens"?: bool (default True)}`` ->
     ``{"ok": True, "prompt_token_ids": [...]}`` or an error dict."""
-    reset_template_seconds()
-    try:
-        ids = tokenize_prompt(
-            _require(payload, "tokenizer_dir"),
-            _require(payload, "prompt"),
-            add_special_tokens=bool(payload.get("add_special_tokens", True)),
-        )
-        return {"ok": True, "prompt_token_ids": ids}
-    except BaseException as exc:
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        return _error(exc)
+    ids = tokenize_prompt(
+        _require(payload, "tokenizer_dir"),
+        _require(payload, "prompt"),
+        add_special_tokens=bool(payload.get("add_special_tokens", True)),
+    )
+    return {"ok": True, "prompt_token_ids": ids}
 
 
+@_structured
 def run_detokenize(payload: dict[str, Any]) -> dict[str, Any]:
     """payload ``{"tokenizer_dir", "tokens": [int], "skip_special_tokens"?: bool (default False)}``
     -> ``{"ok": True, "prompt": str}`` (vLLM's /detokenize field name) or an error dict."""
-    reset_template_seconds()
-    try:
-        text = detokenize(
-            _require(payload, "tokenizer_dir"),
-            _require(payload, "tokens"),
-            skip_special_tokens=bool(payload.get("skip_special_tokens", False)),
-        )
-        return {"ok": True, "prompt": text}
-    except BaseException as exc:
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        return _error(exc)
+    text = detokenize(
+        _require(payload, "tokenizer_dir"),
+        _require(payload, "tokens"),
+        skip_special_tokens=bool(payload.get("skip_special_tokens", False)),
+    )
+    return {"ok": True, "prompt": text}
 
 
 _reply_client: redis.Redis | None = None
@@ -150,7 +153,7 @@ def reply_if_requested(payload: Any, result: dict[str, Any]) -> dict[str, Any]:
         if _reply_client is None:
             from celery import current_app
 
-            _reply_client = redis.Redis.from_url(os.environ.get("REDIS_URL") or current_app.conf.result_backend)
+            _reply_client = redis.Redis.from_url(SETTINGS.redis_url or current_app.conf.result_backend)
         channel = payload["reply_to"]
         prefix = channel.split(":render:reply:")[0]
         pipe = _reply_client.pipeline(transaction=False)
@@ -165,32 +168,27 @@ def render_tasks_counter_key(prefix: str) -> str:
     return f"{prefix}:metrics:render_tasks_total"
 
 
-@shared_task(
-    name="inference.render_chat",
-    soft_time_limit=RENDER_TIME_LIMIT_S,
-    time_limit=RENDER_HARD_TIME_LIMIT_S,
-    acks_late=False,
-)
+def _render_task(name: str, **options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """``shared_task`` named ``name`` with the render queue's time limits (``RENDER_TIME_LIMIT_S`` soft,
+    ``RENDER_HARD_TIME_LIMIT_S`` hard)."""
+    decorator: Callable[[Callable[..., Any]], Any] = shared_task(
+        name=name, soft_time_limit=RENDER_TIME_LIMIT_S, time_limit=RENDER_HARD_TIME_LIMIT_S, **options)
+    return decorator
+
+
+@_render_task("inference.render_chat", acks_late=False)
 def render_chat_task(payload: dict[str, Any]) -> dict[str, Any]:
     """Celery task: render + tokenize a chat (see ``run_render_chat``)."""
     return reply_if_requested(payload, run_render_chat(payload))
 
 
-@shared_task(
-    name="inference.tokenize_prompt",
-    soft_time_limit=RENDER_TIME_LIMIT_S,
-    time_limit=RENDER_HARD_TIME_LIMIT_S,
-)
+@_render_task("inference.tokenize_prompt")
 def tokenize_prompt_task(payload: dict[str, Any]) -> dict[str, Any]:
     """Celery task: tokenize a plain prompt (see ``run_tokenize_prompt``)."""
     return reply_if_requested(payload, run_tokenize_prompt(payload))
 
 
-@shared_task(
-    name="inference.detokenize",
-    soft_time_limit=RENDER_TIME_LIMIT_S,
-    time_limit=RENDER_HARD_TIME_LIMIT_S,
-)
+@_render_task("inference.detokenize")
 def detokenize_task(payload: dict[str, Any]) -> dict[str, Any]:
     """Celery task: ids -> text (see ``run_detokenize``)."""
     return reply_if_requested(payload, run_detokenize(payload))

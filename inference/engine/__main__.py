@@ -15,6 +15,8 @@ import logging
 import os
 import sys
 
+from inference.config import SETTINGS
+
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB
 
 
@@ -23,7 +25,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m inference.engine", description="LLM engine replica")
     ap.add_argument("--model", required=True, help="served model name (engine link keys)")
     ap.add_argument("--model-dir", required=True, help="Hugging Face-format model directory")
-    ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
+    ap.add_argument("--redis-url", default=SETTINGS.redis_url or "redis://127.0.0.1:6379/0",
                     help="default: $REDIS_URL; pass a URL holding a password in REDIS_URL, since a command line "
                          "is visible to every local user (ps)")
     ap.add_argument("--device", default="cpu")
@@ -38,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="generate (causal LM) or embed (pooling mode, encoder models)")
     ap.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB,
                     help="MiB of prompt K/V kept for prompts that share a prefix (0 disables)")
-    ap.add_argument("--log-level", default=os.environ.get("ENGINE_LOG_LEVEL", "INFO"))
+    ap.add_argument("--log-level", default=SETTINGS.engine_log_level)
     return ap.parse_args(argv)
 
 
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
 
+    # Lazy loads of torch and the model code, after the arguments parse (``--help`` and a bad flag answer at once).
     from .core import EngineCore, install_signal_handlers
     from .runner import ModelRunner
 

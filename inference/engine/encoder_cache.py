@@ -8,13 +8,14 @@ recently used first out. One engine process, one thread: no locking.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
 
-DEFAULT_MAX_BYTES = int(os.environ.get("ENCODER_CACHE_MAX_BYTES", str(256 * 1024 * 1024)))
+from inference.config import SETTINGS
+
+DEFAULT_MAX_BYTES = SETTINGS.encoder_cache_max_bytes
 
 
 class EncodedImage(NamedTuple):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -31,10 +30,12 @@ from typing import TYPE_CHECKING, Any, cast
 import msgpack
 import numpy as np
 
+from inference.config import SETTINGS
+
 if TYPE_CHECKING:
     import redis
 
-DEFAULT_MAX_BYTES = int(os.environ.get("MM_CACHE_MAX_BYTES", str(512 * 1024 * 1024)))
+DEFAULT_MAX_BYTES = SETTINGS.mm_cache_max_bytes
 
 _PUT_LUA = """
 -- KEYS: feat key, lru, sizes, total, meta ; ARGV: value, key id, now, max_bytes, feat prefix, meta value

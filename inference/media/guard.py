@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import http.client
 import ipaddress
-import os
 import socket
 import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import SplitResult, urljoin, urlsplit
+
+from inference.config import SETTINGS
 
 from .image import ImageError
 
@@ -122,10 +123,10 @@ class FetchPolicy:
     """Fetch limits. ``allow_nets``: operator network allowlist; ``allowed_domains``: per-model hostname
     allowlist applied to every hop (empty = any)."""
 
-    timeout_s: float = float(os.environ.get("MM_FETCH_TIMEOUT_S", "5"))
-    max_bytes: int = int(os.environ.get("MM_FETCH_MAX_BYTES", str(20 * 1024 * 1024)))
-    max_redirects: int = int(os.environ.get("MM_FETCH_MAX_REDIRECTS", "3"))
-    allow_nets: list[IPNetwork] = field(default_factory=lambda: parse_allow_nets(os.environ.get("MM_FETCH_ALLOW_NETS")))
+    timeout_s: float = SETTINGS.mm_fetch_timeout_s
+    max_bytes: int = SETTINGS.mm_fetch_max_bytes
+    max_redirects: int = SETTINGS.mm_fetch_max_redirects
+    allow_nets: list[IPNetwork] = field(default_factory=lambda: parse_allow_nets(SETTINGS.mm_fetch_allow_nets))
     allowed_domains: list[str] = field(default_factory=list)
     user_agent: str = "llmp-media-fetch/1"
 

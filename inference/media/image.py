@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import binascii
 import io
-import os
 import re
 import warnings
 from typing import TYPE_CHECKING, Any
 
 import pybase64
 
+from inference.config import SETTINGS
+
 if TYPE_CHECKING:
     from PIL.Image import Image as PILImage
 
-MAX_IMAGE_PIXELS = int(os.environ.get("MM_MAX_IMAGE_PIXELS", str(40_000_000)))
-MAX_IMAGE_SIDE = int(os.environ.get("MM_MAX_IMAGE_SIDE", "16384"))
+MAX_IMAGE_PIXELS = SETTINGS.mm_max_image_pixels
+MAX_IMAGE_SIDE = SETTINGS.mm_max_image_side
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,",
                        re.IGNORECASE)

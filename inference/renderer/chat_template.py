@@ -36,7 +36,6 @@ Pipeline of ``render_chat`` (sources in brackets):
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -45,6 +44,8 @@ from typing import Any
 
 import jinja2
 import jinja2.nodes
+
+from inference.config import SETTINGS
 
 from .errors import (
     InvalidMessagesError,
@@ -59,8 +60,8 @@ from .errors import (
 from .sandbox import ChatTemplateEnvironment, RenderBudget, activate_budget, deactivate_budget
 from .tokenizer_cache import LoadedTokenizer, get_tokenizer
 
-DEFAULT_MAX_OUTPUT_CHARS = int(os.environ.get("RENDER_MAX_OUTPUT_CHARS", str(1 << 20)))
-DEFAULT_MAX_OPS = int(os.environ.get("RENDER_MAX_OPS", "200000"))
+DEFAULT_MAX_OUTPUT_CHARS = SETTINGS.render_max_output_chars
+DEFAULT_MAX_OPS = SETTINGS.render_max_ops
 
 # Arguments of render_chat that chat_template_kwargs may not override (vLLM rejects
 # ``chat_template``/``tokenize`` in chat_template_kwargs; the others would collide).

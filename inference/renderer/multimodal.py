@@ -23,19 +23,19 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from inference.config import SETTINGS
 from inference.media.cache import FeatureCache, ImageFeatures, mm_cache_key
 from inference.media.guard import FetchPolicy, fetch_urls
 from inference.media.image import ImageError, decode_image, parse_data_url
 
-URL_CACHE_TTL_S = int(os.environ.get("MM_URL_CACHE_TTL_S", "300"))
-MM_BLOB_TTL_S = int(os.environ.get("MM_BLOB_TTL_S", "120"))  # image bytes waiting for an mm worker
-MAX_IMAGES_PER_REQUEST = int(os.environ.get("MM_MAX_IMAGES_PER_REQUEST", "16"))
+URL_CACHE_TTL_S = SETTINGS.mm_url_cache_ttl_s
+MM_BLOB_TTL_S = SETTINGS.mm_blob_ttl_s  # image bytes waiting for an mm worker
+MAX_IMAGES_PER_REQUEST = SETTINGS.mm_max_images_per_request
 
 
 @dataclass

@@ -15,6 +15,8 @@ import time
 from celery import Celery
 from celery.signals import worker_process_init
 
+from config.gc_tuning import freeze_startup_objects
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
 
@@ -38,8 +40,6 @@ def _init_child(**_kwargs) -> None:
     served models now (a cold child took 1-3 s on its first request under load, and up to the 5 s render limit
     with four children loading at once), then start-up objects leave the collector's walks
     (``config.gc_tuning``)."""
-    from config.gc_tuning import freeze_startup_objects
-
     if "render" in (app.amqp.queues.consume_from or {}):
         _warm_renderer()
     freeze_startup_objects()
@@ -50,6 +50,8 @@ def _warm_renderer() -> None:
     (the request that needs a broken tokenizer gets the error)."""
     import logging
 
+    # Lazy: this module is imported with the settings (config/__init__.py), before the apps (registry's models)
+    # are ready, and by processes that never render (api, usage worker, beat), which need not load the renderer.
     from inference.renderer.chat_template import warm_up
     from registry.selectors import served_models_enabled
 

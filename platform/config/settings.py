@@ -1,5 +1,8 @@
 """Django settings for the serving platform's control plane; every deployment knob comes from the environment.
 
+This module is the one reader of the environment on the Django side (``inference/config.py`` is the one of
+``inference/``, which runs without Django; ``tests/test_architecture.py`` checks that no other module reads it).
+
 Environment variables (all optional on one machine; see ``deploy/`` for many machines):
 
 ==========================  =================================================================================
@@ -57,6 +60,11 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
                             device first with ``manage.py enrol_totp USERNAME``. Default off.
 ``DJANGO_MAX_BODY_BYTES``   largest request body Django's routes (admin, ``/api/v1``, dashboards) accept; larger
                             ones get 413 before they are read. Default 2621440 (2.5 MiB).
+``ADMISSION_REPUBLISH_S``   seconds between beat's republishing of every model's admission limits to Redis
+                            (admission/apps.py), so a flushed Redis recovers by itself. Default 10.
+``PORT``                    default ``--port`` of ``manage.py serve``. Default 8000.
+``OPERATOR_PASSWORD``       password of the ``operator`` account ``manage.py serve --demo`` creates (ops/bootstrap.py).
+                            Default: random (stored in ``var/operator_password``).
 ``MAX_API_KEYS_PER_TENANT``  most active (not revoked, not expired) API keys a tenant may hold; creating or
                             rotating with grace past it answers 403 ``api_key_limit_reached``. Default 1000.
 ==========================  =================================================================================
@@ -323,6 +331,12 @@ REST_FRAMEWORK = {
 
 # --- API key management limits (tenancy.services) ------------------------------------------------------
 MAX_API_KEYS_PER_TENANT = int(_env_first("MAX_API_KEYS_PER_TENANT", default="1000"))
+
+# --- key limits (tenancy.limits), admission (admission.apps), bootstrap and serve (ops) ---------------------
+LIMITS_SETTLED_MARKER_TTL_S = float(_env_first("LIMITS_SETTLED_MARKER_TTL_S", default="600"))
+ADMISSION_REPUBLISH_S = float(_env_first("ADMISSION_REPUBLISH_S", default="10"))
+OPERATOR_PASSWORD = _env_first("OPERATOR_PASSWORD")
+SERVE_PORT = int(_env_first("PORT", default="8000"))
 
 # --- TLS deployments, cookies, login throttling, admin second factor, body size --------------
 SESSION_COOKIE_HTTPONLY = True

@@ -57,13 +57,7 @@ class ChatCompletionsConsumer(GatewayConsumer):
                       tokenizer: LoadedTokenizer) -> None:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         cursor = responses.LogprobCursor(run)
-
-        def envelope(choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
-            body: dict[str, Any] = {"id": external_id, "object": "chat.completion.chunk", "created": created,
-                    "model": run.model.served_model_name, "choices": choices}
-            if include_usage:
-                body["usage"] = usage
-            return body
+        envelope = responses.chunk_envelope("chat.completion.chunk", external_id, created, run, include_usage)
 
         def choice_of(d: ChoiceDelta, state: ChoiceState) -> dict[str, Any] | None:
             if d.finish_reason is None and not d.text:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from urllib.parse import urlsplit, urlunsplit
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 
 from registry.services import served_model_register
@@ -97,7 +98,7 @@ def operator_ensure(var_dir: Path, username: str = "operator") -> str | None:
     pw_file = var_dir / "operator_password"
     if user_model.objects.filter(username=username).exists():
         return pw_file.read_text().strip() if pw_file.exists() else None
-    password = os.environ.get("OPERATOR_PASSWORD") or secrets.token_urlsafe(12)
+    password = settings.OPERATOR_PASSWORD or secrets.token_urlsafe(12)
     user_model.objects.create_superuser(username=username, email="", password=password)
     _private_write(pw_file, password)
     return password

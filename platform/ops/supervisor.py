@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,6 +168,23 @@ def port_open(host: str, port: int) -> bool:
         with socket.create_connection((host, port), timeout=0.5):
             return True
     except OSError:
+        return False
+
+
+def http_ok(url: str) -> bool:
+    """True when a GET of ``url`` answers 200 within 1 s (anything else, errors included: False)."""
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return resp.status == 200
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def redis_ping(client) -> bool:
+    """True when the redis-py ``client`` answers ``PING`` (any error: False)."""
+    try:
+        return bool(client.ping())
+    except Exception:  # noqa: BLE001
         return False
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import calendar
 import math
-import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -44,13 +43,14 @@ LEASE_TTL_S = 30.0
 LIMIT_CODES = {"rpm": "rate_limit_exceeded", "tpm": "rate_limit_exceeded",
                "concurrency": "concurrency_limit_exceeded", "budget": "insufficient_quota"}
 BUDGET_PERIODS = ("day", "week", "month")
-# How long a grant's settled marker lives (``LIMITS_SETTLED_MARKER_TTL_S``, seconds, default 600). The marker makes
+# How long a grant's settled marker lives by default (seconds; the gateway passes ``LIMITS_SETTLED_MARKER_TTL_S``
+# of config/settings.py, at least ``LEASE_TTL_S``). The marker makes
 # settling idempotent; the only second settle of a grant is a retry of the same request's exit path (a repeated
 # EVAL after a Redis timeout, a second ``finally``), which comes within seconds of the first, while the request
 # that holds the grant is still finishing. Any TTL longer than that window, and longer than a lease
 # (``LEASE_TTL_S``, so a marker never outlives nothing it guards), is correct; 10 minutes leaves a wide margin and
 # keeps at most 10 minutes of request rate in markers (24 h kept 86 million keys at 1,000 requests/s).
-SETTLED_MARKER_TTL_S = max(LEASE_TTL_S, float(os.environ.get("LIMITS_SETTLED_MARKER_TTL_S", "600")))
+SETTLED_MARKER_TTL_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,8 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
+from .limits import Limits
+
 
 def _default_scopes() -> list[str]:
     return ["inference"]
@@ -30,8 +32,6 @@ class LimitFields(models.Model):
 
     def limits(self):
         """These limits as a ``tenancy.limits.Limits`` (the hot path's Django-free form)."""
-        from .limits import Limits
-
         return Limits(rpm=self.rpm_limit, tpm=self.tpm_limit, max_concurrent=self.max_concurrent_requests,
                       token_budget=self.token_budget, budget_period=self.budget_period or "month")
 

@@ -7,19 +7,11 @@ from django.core.exceptions import PermissionDenied
 from django.template.response import TemplateResponse
 
 from .models import UsageRecord, UsageRollup
+from .web import BadParam, bad_param_response, can_view_all_tenants, operator_dashboard_context
 
 
-@admin.register(UsageRecord)
-class UsageRecordAdmin(admin.ModelAdmin):
-    list_display = (
-        "request_id", "created_at", "tenant", "api_key", "served_model_name", "endpoint", "status_code",
-        "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "n", "ttft_ms", "e2e_latency_ms",
-    )
-    list_filter = ("status_code", "endpoint", "finish_reason", "served_model_name", "created_at", "tenant")
-    search_fields = ("request_id", "served_model_name", "api_key__prefix", "tenant__name")
-    list_select_related = ("tenant", "api_key")
-    date_hierarchy = "created_at"
-    show_full_result_count = False
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """An admin page that can neither add, change nor delete: usage is written by the gateway only."""
 
     def has_add_permission(self, request):
         return False
@@ -31,13 +23,24 @@ class UsageRecordAdmin(admin.ModelAdmin):
         return False
 
 
+@admin.register(UsageRecord)
+class UsageRecordAdmin(ReadOnlyAdmin):
+    list_display = (
+        "request_id", "created_at", "tenant", "api_key", "served_model_name", "endpoint", "status_code",
+        "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "n", "ttft_ms", "e2e_latency_ms",
+    )
+    list_filter = ("status_code", "endpoint", "finish_reason", "served_model_name", "created_at", "tenant")
+    search_fields = ("request_id", "served_model_name", "api_key__prefix", "tenant__name")
+    list_select_related = ("tenant", "api_key")
+    date_hierarchy = "created_at"
+    show_full_result_count = False
+
+
 @admin.register(UsageRollup)
-class UsageDashboardAdmin(admin.ModelAdmin):
+class UsageDashboardAdmin(ReadOnlyAdmin):
     """"Usage dashboard" in the admin index: charts over the rollups of every tenant, live over WebSocket."""
 
     def changelist_view(self, request, extra_context=None):
-        from .web import BadParam, bad_param_response, can_view_all_tenants, operator_dashboard_context
-
         if not can_view_all_tenants(request.user):
             raise PermissionDenied
         try:
@@ -49,15 +52,4 @@ class UsageDashboardAdmin(admin.ModelAdmin):
 
     def has_view_permission(self, request, obj=None):
         """All-tenant usage: ``usage.view_usagerollup`` (not merely staff); see ``usage.web.can_view_all_tenants``."""
-        from .web import can_view_all_tenants
-
         return can_view_all_tenants(request.user)
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False

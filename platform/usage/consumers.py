@@ -18,8 +18,12 @@ import time
 
 from asgiref.sync import sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.contrib.auth import get_user_model
+
+from tenancy.models import ApiKey, Tenant
 
 from .live import LIVE_GROUP
+from .web import can_view_all_tenants, dashboard_payload
 
 MIN_INTERVAL_S = 0.5
 REFRESH_S = 10.0
@@ -34,12 +38,6 @@ def _resolve(user_pk, want_operator: bool, key_id):
     None = all tenants); False when it owns no such tenant/key; ``_REFUSED`` when the user is gone or
     inactive, or asks for all tenants without ``usage.web.can_view_all_tenants``. Blocking: call it off the
     event loop."""
-    from django.contrib.auth import get_user_model
-
-    from tenancy.models import ApiKey, Tenant
-
-    from .web import can_view_all_tenants
-
     user = get_user_model().objects.filter(pk=user_pk).first()
     if user is None or not user.is_active:
         return _REFUSED
@@ -103,8 +101,6 @@ class UsageLiveConsumer(AsyncJsonWebsocketConsumer):
             await self._push()
 
     async def _push(self):
-        from .web import dashboard_payload
-
         if self.refused:
             return
         user_pk = self.scope["user"].pk

@@ -8,6 +8,7 @@ import redis
 from celery import shared_task
 from django.conf import settings
 
+from .live import usage_live_notify
 from .rollups import usage_rollup_all
 from .services import usage_events_flush
 
@@ -58,8 +59,6 @@ def rollup_usage(max_records: int = 5000, max_rounds: int = 20) -> int:
 def _notify_dashboards() -> None:
     """Tell live dashboards (Channels group ``usage.live``) that new rollups exist; never raises."""
     try:
-        from .live import usage_live_notify
-
         usage_live_notify()
     except Exception:  # noqa: BLE001 - a dashboard ping must never fail a flush
         pass

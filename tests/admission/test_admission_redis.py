@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import uuid
 
 import pytest
 import redis
@@ -12,6 +11,7 @@ import redis.asyncio as aioredis
 
 from inference import admission as adm
 from inference.admission import Admission, AdmissionRefused
+from tests.support.redis import fresh_prefix
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/11")
 M = "m1"
@@ -19,12 +19,8 @@ M = "m1"
 
 @pytest.fixture
 def prefix():
-    p = f"admtest-{uuid.uuid4().hex[:8]}"
-    yield p
-    r = redis.Redis.from_url(REDIS_URL)
-    keys = list(r.scan_iter(match=f"{p}:*", count=1000))
-    if keys:
-        r.delete(*keys)
+    with fresh_prefix("admtest", REDIS_URL) as value:
+        yield value
 
 
 @pytest.fixture

@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.live_platform import start_platform
+from tests.support.live import platform_fixture
 
-
-@pytest.fixture(scope="session")
-def live(tmp_path_factory):
-    platform = start_platform(tmp_path_factory.mktemp("live"))
-    yield platform
-    platform.stop()
+live = platform_fixture("live")
 
 
 @pytest.fixture(scope="session")

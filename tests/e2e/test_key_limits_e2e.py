@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-
-def limited_key(live, **limits) -> str:
-    secret = live.new_key()
-    sets = "; ".join(f"k.{name} = {value}" for name, value in limits.items())
-    live.manage("shell", "-c", (
-        "from tenancy.models import ApiKey; from tenancy.selectors import api_key_authenticate; "
-        f"k = ApiKey.objects.get(pk=api_key_authenticate('{secret}').key_id); {sets}; k.save()"))
-    return secret
+from tests.support.live import limited_key
 
 
 def chat(live, key, model_name, **extra):

@@ -14,17 +14,11 @@ import pytest
 
 from tests.embeddings.conftest import EMBED_MODEL
 from tests.embeddings.reference import DirectMiniLM, minilm_dir
+from tests.support.live import post_json
 
 
 def post(live, path: str, body: dict, key: str | None = None, timeout: float = 60):
-    data = json.dumps(body).encode()
-    req = urllib.request.Request(live.base_url + path, data=data, method="POST", headers={
-        "Content-Type": "application/json", "Authorization": f"Bearer {key or live.api_key}"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return post_json(live, path, body, key=key, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

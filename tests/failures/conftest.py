@@ -2,13 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
+from tests.support.live import platform_fixture
 
-from tests.live_platform import start_platform
-
-
-@pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    platform = start_platform(tmp_path_factory.mktemp("live-failures"))
-    yield platform
-    platform.stop()
+live = platform_fixture("live-failures", scope="module")

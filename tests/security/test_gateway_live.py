@@ -20,6 +20,7 @@ import pytest
 
 from inference.tasks import render_tasks_counter_key
 from tests.live_platform import DEMO_MODEL, MODEL_DIR, start_platform
+from tests.support.live import limited_key
 
 EMBED_MODEL = "tiny-embed"  # the demo model's directory registered for pooling: no engine serves it here
 
@@ -37,15 +38,6 @@ def live(tmp_path_factory):
         raise
     yield platform
     platform.stop()
-
-
-def limited_key(live, **limits) -> str:
-    secret = live.new_key()
-    sets = "; ".join(f"k.{name} = {value}" for name, value in limits.items())
-    live.manage("shell", "-c", (
-        "from tenancy.models import ApiKey; from tenancy.selectors import api_key_authenticate; "
-        f"k = ApiKey.objects.get(pk=api_key_authenticate('{secret}').key_id); {sets}; k.save()"))
-    return secret
 
 
 def raw_request(base_url: str, head: bytes, body: bytes, timeout: float = 20.0):

@@ -11,11 +11,9 @@ from __future__ import annotations
 import os
 import secrets
 import shlex
-import signal
 import stat
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import redis
 
 from tests.frontend.test_serve_split import _cmdline, _descendants
 from tests.live_platform import REPO, ensure_demo_assets, free_port
+from tests.support.serve import banner_key, serve_banner, stop_serve
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -57,27 +56,13 @@ def served(tmp_path_factory):
     proc = subprocess.Popen([sys.executable, str(REPO / "manage.py"), "serve", "--demo", "--port", str(port)],
                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    lines: list[str] = []
     try:
-        deadline = time.monotonic() + 420
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line, "serve exited early:\n" + "".join(lines)
-            lines.append(line)
-            if line.startswith("Press Ctrl-C"):
-                break
-        else:
-            pytest.fail("serve not ready:\n" + "".join(lines))
+        lines = serve_banner(proc.stdout, 420)
         yield {"proc": proc, "var": var_dir, "base": f"http://127.0.0.1:{port}", "lines": lines,
                "redis_port": int(env["EMBEDDED_REDIS_PORT"]), "old_password": old_password,
-               "key": next(ln.split()[-1] for ln in lines if ln.startswith("API key"))}
+               "key": banner_key(lines)}
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_serve(proc)
 
 
 def _mode(path: Path) -> int:

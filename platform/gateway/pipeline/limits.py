@@ -15,9 +15,17 @@ from gateway.model_cache import ModelSnapshot
 from gateway.pipeline.clients import redis
 from gateway.pipeline.failures import api_error_from
 from inference.admission import estimate_prompt_tokens
-from tenancy.selectors import AuthContext
 from gateway.http import GatewayConsumer
-from tenancy.limits import LimitGrant, RateLimitExceeded, grant_headers, limits_acquire, limits_reservation, limits_settle
+from tenancy.limits import (
+    LEASE_TTL_S,
+    LimitGrant,
+    RateLimitExceeded,
+    grant_headers,
+    limits_acquire,
+    limits_reservation,
+    limits_settle,
+)
+from tenancy.selectors import AuthContext
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +61,9 @@ async def settle(grant: LimitGrant | None, actual_tokens: int) -> None:
     if grant is None:
         return
     try:
-        await asyncio.shield(limits_settle(redis(), settings.LINK_PREFIX, grant, actual_tokens=actual_tokens))
+        marker_ttl_s = max(LEASE_TTL_S, settings.LIMITS_SETTLED_MARKER_TTL_S)
+        await asyncio.shield(limits_settle(redis(), settings.LINK_PREFIX, grant, actual_tokens=actual_tokens,
+                                           marker_ttl_s=marker_ttl_s))
     except Exception:
         log.exception("rate-limit settle failed")
 

@@ -49,6 +49,22 @@ async def stream(consumer: GatewayConsumer, run: GenerationRun, envelope: Envelo
     await consumer.end_sse()
 
 
+def chunk_envelope(obj: str, external_id: str, created: int, run: GenerationRun,
+                   include_usage: bool) -> Callable[[list[dict[str, Any]], Any], dict[str, Any]]:
+    """The ``envelope(choices, usage)`` of ``stream`` for OpenAI's streamed objects (``obj``:
+    ``"chat.completion.chunk"`` or ``"text_completion"``): ``{"id", "object", "created", "model", "choices"}``,
+    plus ``usage`` (``None`` but on the last chunk) when the client asked for ``stream_options.include_usage``."""
+
+    def envelope(choices: list[dict[str, Any]], usage: Any) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": external_id, "object": obj, "created": created, "model": run.model.served_model_name,
+                "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return body
+
+    return envelope
+
+
 class LogprobCursor:
     """Per choice, how many of its tokens' logprobs were already sent (streams send each token's once)."""
 

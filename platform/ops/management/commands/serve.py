@@ -6,7 +6,6 @@ import os
 import signal
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import redis
@@ -15,7 +14,8 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from ops.bootstrap import demo_bootstrap, embedded_redis_config_write, private_tree, redacted_url
-from ops.supervisor import RestartPolicy, Supervisor, parse_cpu_list, python, unix_socket_accepts, wait_until
+from ops.supervisor import (RestartPolicy, Supervisor, http_ok, parse_cpu_list, python, redis_ping,
+                            unix_socket_accepts, wait_until)
 from inference.protocol.engine import replicas_index_key
 from registry.selectors import served_models_enabled
 
@@ -26,7 +26,7 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--host", default="127.0.0.1")
-        parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
+        parser.add_argument("--port", type=int, default=settings.SERVE_PORT)
         parser.add_argument("--api-workers", type=int, default=1, help="uvicorn worker processes")
         parser.add_argument("--mm-api-workers", type=int, default=1,
                             help="uvicorn worker processes of the multimodal api, which the front api hands image "
@@ -48,7 +48,7 @@ class Command(BaseCommand):
         # and what earlier runs left under var/ is made so too: dirs 0700, files and sockets 0600
         os.umask(0o077)
         private_tree(var_dir)
-        env = dict(os.environ)
+        env = dict(os.environ)  # the children's environment (passed on, not read as a setting)
         env.pop("MULTIMODAL_API_SOCKET", None)  # only the front api forwards, to the multimodal api serve starts
         env["PYTHONPATH"] = os.pathsep.join([str(Path(settings.REPO_DIR) / "platform"), str(settings.REPO_DIR),
                                              env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -82,7 +82,7 @@ class Command(BaseCommand):
         # every child (Celery, engines, both apis, the channel layer) reads REDIS_URL from its environment
         env["REDIS_URL"] = redis_url
         client = redis.Redis.from_url(redis_url)
-        wait_until(lambda: _ping(client), 20, f"Redis at {redacted_url(redis_url)}", sup)
+        wait_until(lambda: redis_ping(client), 20, f"Redis at {redacted_url(redis_url)}", sup)
         where = f" (password in {settings.EMBEDDED_REDIS_PASSWORD_FILE})" if settings.REDIS_EMBEDDED else ""
         self.stdout.write(f"redis: {redacted_url(redis_url)}{where}")
 
@@ -140,7 +140,7 @@ class Command(BaseCommand):
                        300, f"engine for {m.served_model_name}", sup)
         host = opts["host"] if ":" not in opts["host"] else f"[{opts['host']}]"
         base = f"http://{host}:{opts['port']}"
-        wait_until(lambda: _http_ok(base + "/health"), 60, "the API server", sup)
+        wait_until(lambda: http_ok(base + "/health"), 60, "the API server", sup)
         self._banner(base, info, var_dir)
         policy = RestartPolicy()
         parked: tuple | None = None  # (child, retry at): a multimodal api that crashed past its restart budget
@@ -233,18 +233,3 @@ def _mm_socket_path(var_dir: Path) -> str:
     if path.exists():  # a socket left by a process that was killed
         path.unlink()
     return str(path)
-
-
-def _ping(client) -> bool:
-    try:
-        return bool(client.ping())
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return resp.status == 200
-    except Exception:  # noqa: BLE001
-        return False

@@ -1,0 +1,121 @@
+"""The one reader of the environment for ``inference/`` (Django-free: the engine process, the Celery ``render`` and
+``mm`` tasks and the gateway all import it; no other module under ``inference/`` reads ``os.environ``).
+
+Read once, at import, into the frozen ``SETTINGS``; the modules that use a value keep a module-level name for it
+(e.g. ``inference.tasks.RENDER_TIME_LIMIT_S``). Every variable is optional; an unset or empty one takes its default.
+The Django side reads its own settings in ``platform/config/settings.py`` (``tests/test_architecture.py`` checks
+that nothing else reads the environment).
+
+=================================  =======  ===================  ===========================================================
+variable                           type     default              meaning (unit; read by)
+=================================  =======  ===================  ===========================================================
+``REDIS_URL``                      str      unset (``None``)     Redis of the platform; the engine falls back to
+                                                                 ``redis://127.0.0.1:6379/0``, a render worker to Celery's
+                                                                 result backend (``engine/__main__.py``, ``tasks.py``)
+``ENGINE_LOG_LEVEL``               str      ``INFO``             the engine process's log level (``engine/__main__.py``)
+``ENCODER_CACHE_MAX_BYTES``        int      268435456 (256 MiB)  bytes of vision-encoder outputs an engine keeps
+                                                                 (``engine/encoder_cache.py``)
+``ADMISSION_LEASE_TTL_S``          float    5                    seconds an admission reservation's lease lives without a
+                                                                 refresh (``admission.py``)
+``ADMISSION_LEASE_REFRESH_S``      float    1                    seconds between lease refreshes (``admission.py``)
+``ADMISSION_RETRY_AFTER_MAX_S``    int      60                   largest ``Retry-After`` of an admission 503, seconds
+                                                                 (``admission.py``)
+``RENDER_TIME_LIMIT_S``            float    5                    soft time limit of a render task, seconds (``tasks.py``)
+``RENDER_HARD_TIME_LIMIT_EXTRA_S`` float    2                    seconds past the soft limit before the worker child is
+                                                                 killed (``tasks.py``)
+``RENDER_MAX_OUTPUT_CHARS``        int      1048576              characters a chat template may output
+                                                                 (``renderer/chat_template.py``)
+``RENDER_MAX_OPS``                 int      200000               sandbox operations a chat template may run
+                                                                 (``renderer/chat_template.py``, ``renderer/sandbox.py``)
+``MM_TIME_LIMIT_S``                float    30                   soft time limit of an image (``mm``) task, seconds
+                                                                 (``mm_tasks.py``)
+``MM_URL_CACHE_TTL_S``             int      300                  seconds a fetched image URL's cache key is remembered
+                                                                 (``renderer/multimodal.py``)
+``MM_BLOB_TTL_S``                  int      120                  seconds image bytes wait in Redis for an ``mm`` worker
+                                                                 (``renderer/multimodal.py``, the gateway's media step)
+``MM_MAX_IMAGES_PER_REQUEST``      int      16                   images one request may carry (``renderer/multimodal.py``)
+``MM_CACHE_MAX_BYTES``             int      536870912 (512 MiB)  bytes of image features in the Redis feature cache
+                                                                 (``media/cache.py``)
+``MM_MAX_IMAGE_PIXELS``            int      40000000             pixels of one decoded image (``media/image.py``)
+``MM_MAX_IMAGE_SIDE``              int      16384                pixels of an image's longer side (``media/image.py``)
+``MM_FETCH_TIMEOUT_S``             float    5                    deadline of one image URL fetch, seconds
+                                                                 (``media/guard.py``)
+``MM_FETCH_MAX_BYTES``             int      20971520 (20 MiB)    bytes of one fetched image (``media/guard.py``)
+``MM_FETCH_MAX_REDIRECTS``         int      3                    redirects one fetch follows (``media/guard.py``)
+``MM_FETCH_ALLOW_NETS``            str      unset (``None``)     comma-separated networks image fetches may reach besides
+                                                                 public addresses (``media/guard.py:parse_allow_nets``)
+=================================  =======  ===================  ===========================================================
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+__all__ = ["InferenceSettings", "SETTINGS"]
+
+
+def _str(env: Mapping[str, str], name: str) -> str | None:
+    """``env[name]``, or ``None`` when unset or empty."""
+    value = env.get(name)
+    return value if value else None
+
+
+def _parse(default: object, raw: str) -> object:
+    """``raw`` as the type of the field whose default is ``default`` (int or float; anything else stays text)."""
+    if isinstance(default, int):
+        return int(raw)
+    if isinstance(default, float):
+        return float(raw)
+    return raw
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceSettings:
+    """The environment variables of ``inference/``, typed (names, defaults and units: the module docstring)."""
+
+    redis_url: str | None = None
+    engine_log_level: str = "INFO"
+    encoder_cache_max_bytes: int = 256 * 1024 * 1024
+    admission_lease_ttl_s: float = 5.0
+    admission_lease_refresh_s: float = 1.0
+    admission_retry_after_max_s: int = 60
+    render_time_limit_s: float = 5.0
+    render_hard_time_limit_extra_s: float = 2.0
+    render_max_output_chars: int = 1 << 20
+    render_max_ops: int = 200_000
+    mm_time_limit_s: float = 30.0
+    mm_url_cache_ttl_s: int = 300
+    mm_blob_ttl_s: int = 120
+    mm_max_images_per_request: int = 16
+    mm_cache_max_bytes: int = 512 * 1024 * 1024
+    mm_max_image_pixels: int = 40_000_000
+    mm_max_image_side: int = 16384
+    mm_fetch_timeout_s: float = 5.0
+    mm_fetch_max_bytes: int = 20 * 1024 * 1024
+    mm_fetch_max_redirects: int = 3
+    mm_fetch_allow_nets: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> InferenceSettings:
+        """Read every field from ``env`` (default ``os.environ``): the field's name upper-cased is the variable.
+
+        Raises ``ValueError`` when a set variable does not parse as its field's type.
+        """
+        env = os.environ if env is None else env
+        values: dict[str, object] = {}
+        for name, default in cls._defaults().items():
+            raw = _str(env, name.upper())
+            if raw is None:
+                continue
+            values[name] = _parse(default, raw)
+        return cls(**values)  # type: ignore[arg-type]
+
+    @classmethod
+    def _defaults(cls) -> dict[str, object]:
+        default = cls()
+        return {name: getattr(default, name) for name in cls.__dataclass_fields__}
+
+
+SETTINGS = InferenceSettings.from_env()

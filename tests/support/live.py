@@ -1,0 +1,68 @@
+"""Helpers for tests against a live platform (``tests.live_platform.LivePlatform``): fixtures that start one,
+keys with limits, JSON POSTs."""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from tests.live_platform import LivePlatform, start_platform, wait_until
+
+
+@contextmanager
+def running_platform(tmp_dir: Path, **start_kwargs: Any) -> Iterator[LivePlatform]:
+    """``start_platform(tmp_dir, **start_kwargs)``, stopped when the block ends (an error in it included)."""
+    live = start_platform(tmp_dir, **start_kwargs)
+    try:
+        yield live
+    finally:
+        live.stop()
+
+
+def start_replica(live: LivePlatform, name: str, model: str, model_dir: str | Path, *args: str) -> None:
+    """Start an engine replica ``name`` of ``model`` (``python -m inference.engine`` with ``args`` added) on
+    ``live``'s Redis and prefix; wait (at most 180 s) until ``model`` has a heartbeat."""
+    live.sup.start(name, [sys.executable, "-m", "inference.engine", "--model", model, "--model-dir", str(model_dir),
+                          "--redis-url", live.redis_url, "--link-prefix", live.prefix, *args])
+    wait_until(lambda: bool(live.replicas(model)), 180, f"{name} heartbeat", live.sup)
+
+
+def platform_fixture(label: str, *, scope: str = "session", **start_kwargs: Any):
+    """A pytest fixture (assign it to a name in a conftest or test module) yielding a platform started with
+    ``start_platform(tmp dir "label", **start_kwargs)`` for ``scope``, stopped afterwards."""
+
+    @pytest.fixture(scope=scope)
+    def _platform(tmp_path_factory):
+        with running_platform(tmp_path_factory.mktemp(label), **start_kwargs) as platform:
+            yield platform
+
+    return _platform
+
+
+def limited_key(live, **limits: Any) -> str:
+    """A new API key of ``live`` whose ``ApiKey`` fields ``limits`` (e.g. ``rpm_limit=1``) are set; its secret."""
+    secret = live.new_key()
+    sets = "; ".join(f"k.{name} = {value}" for name, value in limits.items())
+    live.manage("shell", "-c", (
+        "from tenancy.models import ApiKey; from tenancy.selectors import api_key_authenticate; "
+        f"k = ApiKey.objects.get(pk=api_key_authenticate('{secret}').key_id); {sets}; k.save()"))
+    return secret
+
+
+def post_json(live, path: str, body: dict, *, key: str | None = None, timeout: float = 60) -> tuple[int, Any]:
+    """POST ``body`` as JSON to ``live``'s ``path`` with ``key`` (default: the platform's key); returns
+    ``(status, decoded JSON body)``, errors included."""
+    req = urllib.request.Request(live.base_url + path, data=json.dumps(body).encode(), method="POST", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {key or live.api_key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
