@@ -524,7 +524,7 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
 
     intercepted_binops = frozenset(["*", "**", "+", "%", "//"])
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(
             trim_blocks=True,
             lstrip_blocks=True,
