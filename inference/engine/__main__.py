@@ -66,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.task == "embed":
         from .pooling import PoolingEngineCore, PoolingRunner
 
-        runner = PoolingRunner(args.model_dir, device=args.device, dtype=dtype, max_model_len=args.max_model_len)
-        core_cls = PoolingEngineCore
+        runner: ModelRunner | PoolingRunner = PoolingRunner(args.model_dir, device=args.device, dtype=dtype,
+                                                            max_model_len=args.max_model_len)
+        core_cls: type[EngineCore] = PoolingEngineCore
     else:
         from .vl_runner import VLModelRunner, is_vision_language
 
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             runner = ModelRunner(args.model_dir, device=args.device, dtype=dtype, max_model_len=args.max_model_len,
                                  prefix_cache_mb=args.prefix_cache_mb)
         core_cls = EngineCore
-    core = core_cls(args.model, runner, args.redis_url, link_prefix=args.link_prefix,
+    # PoolingEngineCore takes the PoolingRunner (its ``runner`` annotation); EngineCore's parameter names ModelRunner
+    core = core_cls(args.model, runner, args.redis_url, link_prefix=args.link_prefix,  # type: ignore[arg-type]
                     engine_id=args.engine_id, max_num_seqs=args.max_num_seqs,
                     max_prefill_tokens=args.max_prefill_tokens)
     install_signal_handlers(core)

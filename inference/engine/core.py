@@ -25,6 +25,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import msgpack
 import redis
@@ -52,6 +53,9 @@ from inference.protocol.engine import (
 
 from .runner import ModelRunner, RequestError, Sequence, make_rng, now
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger("inference.engine")
 
 OUTPUT_MAXLEN = 10000
@@ -61,6 +65,19 @@ EARLY_ABORT_S = 60.0  # how long an abort for a not-yet-read request is remember
 RECLAIM_IDLE_MS = 2000  # a request entry read but not acknowledged this long belongs to a dead replica
 RECLAIM_INTERVAL_S = 1.0
 CONSUMER_FORGET_MS = 60_000  # dead replicas' consumers with nothing pending leave the group after this
+
+
+# replies of the engine's Redis connection (bytes mode, RESP2): redis-py's types cover every mode and protocol
+_StreamEntries = list[tuple[bytes, dict[bytes, bytes]]]
+_XReadReply = list[tuple[bytes, _StreamEntries]] | None
+
+
+class _OutputBase(TypedDict):
+    """The fields every output of a just-accepted request carries."""
+
+    request_id: str
+    queued_ts: float
+    engine_id: str
 
 
 class EngineCore:
@@ -103,7 +120,7 @@ class EngineCore:
         self.stats = EngineStats(engine_id=self.engine_id, model=model, pid=os.getpid(),
                                  device=runner.device.type, max_num_seqs=max_num_seqs,
                                  started_at=time.time())
-        self._ctl_last = "$"
+        self._ctl_last: bytes | str = "$"
         self._pending: dict[str, list[EngineCoreOutput]] = {}
         self._early_aborts: dict[str, float] = {}  # request id -> monotonic time the abort arrived
         self._next_client_check = time.monotonic() + CLIENT_CHECK_INTERVAL_S
@@ -115,7 +132,7 @@ class EngineCore:
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
-        last = self.redis.xrevrange(self.ctl_key, count=1)
+        last = cast(_StreamEntries, self.redis.xrevrange(self.ctl_key, count=1))
         self._ctl_last = last[0][0] if last else "0-0"
 
     def _heartbeat_loop(self) -> None:
@@ -154,11 +171,11 @@ class EngineCore:
         # Take at most what fits soon (2 × max_num_seqs held), leaving the rest to other replicas. The count is
         # of stream entries: an entry holding the n children of one request (``pack_requests``) adds n.
         room = self.max_num_seqs * 2 - len(self.waiting) - len(self.running)
-        resp = None
+        resp: _XReadReply = None
         if room > 0:
-            resp = self.redis.xreadgroup(ENGINE_GROUP, self.consumer, {self.req_key: ">"}, count=room,
-                                         block=100 if idle else None)
-        accepted_ids = []
+            resp = cast(_XReadReply, self.redis.xreadgroup(ENGINE_GROUP, self.consumer, {self.req_key: ">"},
+                                                           count=room, block=100 if idle else None))
+        accepted_ids: list[bytes] = []
         for _stream, entries in resp or []:
             for entry_id, fields in entries:
                 accepted_ids.append(entry_id)
@@ -217,7 +234,7 @@ class EngineCore:
 
     def _accept_one(self, req: EngineCoreRequest) -> None:
         seq = Sequence(request=req, queued_ts=now(), rng=make_rng(req.sampling_params.seed))
-        base = dict(request_id=req.request_id, queued_ts=seq.queued_ts, engine_id=self.engine_id)
+        base = _OutputBase(request_id=req.request_id, queued_ts=seq.queued_ts, engine_id=self.engine_id)
         try:
             if req.pooling and not hasattr(self.runner, "embed"):
                 raise RequestError("this engine serves a generative model; it cannot compute embeddings")
@@ -295,7 +312,7 @@ class EngineCore:
         if n >= sp.max_tokens or len(seq.request.prompt_token_ids) + n >= self.runner.max_model_len:
             seq.finish_reason = FINISH_LENGTH
 
-    def _apply(self, seqs: list[Sequence], logits) -> None:
+    def _apply(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         tokens, lps = self.runner.sample(logits, seqs)
         ts = now()
         for i, (seq, tok) in enumerate(zip(seqs, tokens)):
@@ -389,7 +406,7 @@ class EngineCore:
         self.runner.remove_rows([])
 
     # ------------------------------------------------------------------ lifecycle
-    def request_stop(self, *_args) -> None:
+    def request_stop(self, *_args: object) -> None:
         """Signal handler: ask the loop to stop after the current step."""
         self.stop_event.set()
 

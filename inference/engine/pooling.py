@@ -25,6 +25,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 
@@ -38,11 +39,20 @@ log = logging.getLogger("inference.engine")
 POOLING_MODES = ("mean", "cls", "max", "lasttoken")
 
 
-def pooling_recipe(model_dir: str | Path) -> dict:
+class PoolingRecipe(TypedDict):
+    """How a sentence-transformers directory pools: ``mode`` one of ``POOLING_MODES``, L2 ``normalize``, and its
+    ``max_seq_length`` in tokens (None: no bound of its own)."""
+
+    mode: str
+    normalize: bool
+    max_seq_length: int | None
+
+
+def pooling_recipe(model_dir: str | Path) -> PoolingRecipe:
     """``{"mode": "mean"|"cls"|"max"|"lasttoken", "normalize": bool, "max_seq_length": int|None}`` read
     from a sentence-transformers model directory (defaults: mean, normalised, no length bound)."""
     d = Path(model_dir)
-    recipe = {"mode": "mean", "normalize": True, "max_seq_length": None}
+    recipe: PoolingRecipe = {"mode": "mean", "normalize": True, "max_seq_length": None}
     modules_path = d / "modules.json"
     if modules_path.is_file():
         modules = json.loads(modules_path.read_text())
@@ -163,6 +173,9 @@ class PoolingEngineCore(EngineCore):
     """
 
     FLUSH_BEFORE_STEP = False
+    # not a ModelRunner: EngineCore's generation methods, the only users of the rest of that interface, are never
+    # reached here (``step`` is this class's own; ``running`` stays empty)
+    runner: PoolingRunner  # type: ignore[assignment]
 
     def step(self) -> None:
         """Encode one batch of waiting requests and emit one finished output per request."""

@@ -26,6 +26,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -33,9 +34,31 @@ from inference.protocol.engine import EngineCoreRequest, SamplingParams
 
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB, ImageSpan, PrefixCache, PrefixEntry, block_hashes
 
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
 log = logging.getLogger("inference.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _KVLayer(Protocol):
+    """A layer of a ``DynamicCache`` once filled: ``keys``/``values`` ``[B, kv_heads, T, head_dim]`` (transformers
+    types them ``Tensor | None``, None only before the first update)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+def _kv_layers(cache: DynamicCache) -> list[_KVLayer]:
+    """``cache``'s layers, filled (every cache here has been through a forward)."""
+    return cast("list[_KVLayer]", cache.layers)
+
+
+def _last_logits(out: Any) -> torch.Tensor:
+    """float32 ``[B, vocab]`` logits of the last position of a causal LM's output (``logits`` ``[B, T, vocab]``)."""
+    logits: torch.Tensor = out.logits
+    return logits[:, -1, :].float()
 
 
 class RequestError(ValueError):
@@ -108,7 +131,7 @@ class CpuLMHead(torch.nn.Module):
     object, so tied embeddings stay tied; same numbers up to float rounding.
     """
 
-    def __init__(self, weight: torch.nn.Parameter):
+    def __init__(self, weight: torch.Tensor):
         super().__init__()
         self.weight = weight
 
@@ -139,7 +162,7 @@ class ModelRunner:
     """
 
     def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32",
-                 max_model_len: int | None = None, auto_class=None,
+                 max_model_len: int | None = None, auto_class: type[Any] | None = None,
                  prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB):
         from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -148,10 +171,13 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
         self.model_dir = Path(model_dir)
-        loader = auto_class or AutoModelForCausalLM  # subclasses load other heads (vision-language)
+        # subclasses load other heads (vision-language); the model class is chosen at run time and transformers'
+        # model methods are loosely typed (``to`` is wrapped with functools.wraps, the head getters unannotated)
+        loader: Any = auto_class or AutoModelForCausalLM
         self.model = loader.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
         head = self.model.get_output_embeddings()
-        if self.device.type == "cpu" and type(head) is torch.nn.Linear and head.bias is None:
+        # torch types ``Linear.bias`` as a Tensor; it is None for a Linear built with bias=False
+        if self.device.type == "cpu" and type(head) is torch.nn.Linear and cast(object, head.bias) is None:
             self.model.set_output_embeddings(CpuLMHead(head.weight))
         cfg = self.model.config
         self.config = cfg
@@ -168,7 +194,7 @@ class ModelRunner:
         except OSError:
             eos = getattr(text_cfg, "eos_token_id", None)
         self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
-        self.cache = None  # DynamicCache of the running batch
+        self.cache: DynamicCache | None = None  # the running batch's K/V
         self.mask: torch.Tensor | None = None  # [B, T] long, 1 = real token
         layer_types = set(getattr(text_cfg, "layer_types", None) or ["full_attention"])
         full_attention = layer_types == {"full_attention"} and not getattr(text_cfg, "use_sliding_window", False)
@@ -219,8 +245,9 @@ class ModelRunner:
     def batch_size(self) -> int:
         return 0 if self.mask is None else int(self.mask.shape[0])
 
-    def _layers(self):
-        return self.cache.layers
+    def _layers(self) -> list[_KVLayer]:
+        assert self.cache is not None  # called only while a batch is held (``mask`` set)
+        return _kv_layers(self.cache)
 
     def remove_rows(self, keep: list[int]) -> None:
         """Keep only batch rows ``keep`` (in that order) and trim all-padding leading columns."""
@@ -238,7 +265,7 @@ class ModelRunner:
             layer.keys = layer.keys.index_select(0, idx)[:, :, start:]
             layer.values = layer.values.index_select(0, idx)[:, :, start:]
 
-    def _merge(self, cache, mask: torch.Tensor) -> None:
+    def _merge(self, cache: DynamicCache, mask: torch.Tensor) -> None:
         """Append a prefilled group (its own cache and mask) below the running batch."""
         if self.mask is None:
             self.cache, self.mask = cache, mask
@@ -254,7 +281,7 @@ class ModelRunner:
             return torch.cat([x.new_zeros(shape), x], dim=dim)
 
         self.mask = torch.cat([lpad(self.mask, 1, width - t_old), lpad(mask, 1, width - t_new)], 0)
-        for old, new in zip(self._layers(), cache.layers):
+        for old, new in zip(self._layers(), _kv_layers(cache)):
             old.keys = torch.cat([lpad(old.keys, 2, width - t_old), lpad(new.keys, 2, width - t_new)], 0)
             old.values = torch.cat([lpad(old.values, 2, width - t_old), lpad(new.values, 2, width - t_new)], 0)
 
@@ -289,17 +316,18 @@ class ModelRunner:
                 plain.append(s)
         return ([plain] if plain else []) + hits
 
-    def _prefix_cache_of(self, seq: Sequence):
+    def _prefix_cache_of(self, seq: Sequence) -> DynamicCache:
         """A fresh ``DynamicCache`` holding ``seq``'s cached prefix K/V (batch of one)."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.config)
         n = seq.num_cached_tokens
+        assert seq.prefix_entry is not None  # only sequences with a cached prefix (``prefill_groups``)
         for i, (k, v) in enumerate(seq.prefix_entry.kv):
             cache.update(k[None, :, :n].to(self.device), v[None, :, :n].to(self.device), i)
         return cache
 
-    def _store_prefixes(self, seqs: list[Sequence], cache, width: int) -> None:
+    def _store_prefixes(self, seqs: list[Sequence], cache: DynamicCache, width: int) -> None:
         """Offer each prefilled prompt's full blocks to the prefix cache (rows right-aligned at ``width``)."""
         if self.prefix_cache is None:
             return
@@ -309,7 +337,7 @@ class ModelRunner:
                 continue
             lo = width - len(s.request.prompt_token_ids)
             self.prefix_cache.insert(hashes, [(layer.keys[i, :, lo:], layer.values[i, :, lo:])
-                                              for layer in cache.layers])
+                                              for layer in _kv_layers(cache)])
         for s in seqs:
             s.prefix_entry = None  # the batch holds its own copy now
 
@@ -342,7 +370,7 @@ class ModelRunner:
             s.num_computed = n
         self._store_prefixes(seqs, cache, width)
         self._merge(cache, mask)
-        return out.logits[:, -1, :].float()
+        return _last_logits(out)
 
     def _prefill_cached(self, seq: Sequence) -> torch.Tensor:
         """Prefill one sequence whose first ``num_cached_tokens`` positions come from the prefix cache."""
@@ -357,7 +385,7 @@ class ModelRunner:
         seq.num_computed = n
         self._store_prefixes([seq], cache, n)
         self._merge(cache, mask)
-        return out.logits[:, -1, :].float()
+        return _last_logits(out)
 
     @torch.inference_mode()
     def decode(self, last_tokens: list[int], positions: list[int]) -> torch.Tensor:
@@ -368,14 +396,15 @@ class ModelRunner:
         b = self.batch_size
         ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device).view(b, 1)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device).view(b, 1)
+        assert self.mask is not None  # a decode step runs on a held batch
         self.mask = torch.cat([self.mask, self.mask.new_ones((b, 1))], 1)
         out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, cache=self.cache,
                          use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1, :].float()
+        return _last_logits(out)
 
     # ------------------------------------------------------------------ sampling
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list | None]:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[list[Any] | None] | None]:
         """Pick one token per row of ``logits`` ``[B, vocab]`` for ``seqs`` (same order).
 
         Applies, as vLLM does: logit_bias, min_tokens (EOS/stop masked), repetition / presence /
@@ -397,7 +426,7 @@ class ModelRunner:
         for i, s in enumerate(seqs):
             sp = s.params
             row = logits[i]
-            if s.bias_ids is not None:
+            if s.bias_ids is not None and s.bias_vals is not None:  # set together (``prepare``)
                 row.index_add_(0, s.bias_ids, s.bias_vals)
             if len(s.output_token_ids) < sp.min_tokens:
                 blocked = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(sp.eos_token_ids))
@@ -406,6 +435,7 @@ class ModelRunner:
                     row[blocked] = float("-inf")
             if sp.repetition_penalty != 1.0:
                 seen = s.prompt_ids_t
+                assert seen is not None  # set by ``prepare`` when repetition_penalty != 1
                 if s.output_token_ids:
                     seen = torch.cat([seen, torch.tensor(s.output_token_ids, device=self.device)])
                 seen = torch.unique(seen)
@@ -453,19 +483,20 @@ class ModelRunner:
             chosen[rows] = pick
         tokens = chosen.tolist()
 
-        entries = None
+        entries: list[list[Any] | None] | None = None
         if want_lp:
             entries = [None] * b
-            kmax = max(seqs[i].params.logprobs for i in want_lp)
+            kmax = max(seqs[i].params.logprobs or 0 for i in want_lp)  # not None: rows in want_lp asked
             tok_t = torch.tensor([tokens[i] for i in want_lp], device=self.device)
+            assert raw_lp is not None  # computed when want_lp
             sampled = raw_lp.gather(1, tok_t.unsqueeze(1)).squeeze(1).tolist()
             if kmax > 0:
-                tv, ti = torch.topk(raw_lp, kmax, dim=-1)
-                tv, ti = tv.tolist(), ti.tolist()
+                top_v, top_i = torch.topk(raw_lp, kmax, dim=-1)
+                tv, ti = top_v.tolist(), top_i.tolist()
             for j, i in enumerate(want_lp):
                 k = seqs[i].params.logprobs
-                top = [[ti[j][n], tv[j][n]] for n in range(k)] if k else []
-                entries[i] = [sampled[j], top]
+                top_lps = [[ti[j][n], tv[j][n]] for n in range(k)] if k else []
+                entries[i] = [sampled[j], top_lps]
         return tokens, entries
 
 

@@ -21,15 +21,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
-from inference.media.cache import FeatureCache
+from inference.media.cache import FeatureCache, ImageFeatures
 
 from .encoder_cache import EncodedImage, EncoderCache
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB, ImageSpan
-from .runner import ModelRunner, RequestError, Sequence
+from .runner import ModelRunner, RequestError, Sequence, _last_logits
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 def is_vision_language(model_dir: str) -> bool:
@@ -38,6 +42,10 @@ def is_vision_language(model_dir: str) -> bool:
         return "vision_config" in json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return False
+
+
+# one image of a prompt: (content key, its encoder-cache embeddings, else its processed features)
+_Image = tuple[str, EncodedImage | None, ImageFeatures | None]
 
 
 class VLModelRunner(ModelRunner):
@@ -64,7 +72,7 @@ class VLModelRunner(ModelRunner):
         super().prepare(seq)
         keys = list(seq.request.mm_cache_keys or [])
         n_placeholders = sum(1 for t in seq.request.prompt_token_ids if t == self.image_token_id)
-        images: list[tuple[str, EncodedImage | None, object]] = []  # (key, encoded, features)
+        images: list[_Image] = []  # (key, encoded, features)
         n_image_tokens = 0
         for k in keys:
             encoded = self.encoder_cache.get(k)
@@ -130,7 +138,7 @@ class VLModelRunner(ModelRunner):
         for s, n in zip(seqs, lens):
             s.num_computed = n
         self._finish_prefill(seqs, cache, mask, deltas, width)
-        return out.logits[:, -1, :].float()
+        return _last_logits(out)
 
     def _prefill_cached(self, seq: Sequence) -> torch.Tensor:
         """Prefill one sequence after its cached prefix (``num_cached_tokens`` positions): M-RoPE positions come
@@ -158,19 +166,20 @@ class VLModelRunner(ModelRunner):
                          use_cache=True, logits_to_keep=1, **self._mm_kwargs(encoded))
         seq.num_computed = n
         self._finish_prefill([seq], cache, mask, deltas, n)
-        return out.logits[:, -1, :].float()
+        return _last_logits(out)
 
     @staticmethod
-    def _mm_kwargs(encoded: list[EncodedImage]) -> dict:
+    def _mm_kwargs(encoded: list[EncodedImage]) -> dict[str, Any]:
         """The model's ``mm_encoder_outputs`` argument for already encoded images (empty without images)."""
         if not encoded:
             return {}
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
+        # one tensor per image: the model takes a tuple where the dataclass field is typed as one tensor
         return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(
-            pooler_output=tuple(e.embeds for e in encoded))}}
+            pooler_output=cast(Any, tuple(e.embeds for e in encoded)))}}
 
-    def _finish_prefill(self, seqs: list[Sequence], cache, mask: torch.Tensor, deltas: torch.Tensor,
+    def _finish_prefill(self, seqs: list[Sequence], cache: DynamicCache, mask: torch.Tensor, deltas: torch.Tensor,
                         width: int) -> None:
         """Offer the prompts to the prefix cache, drop their images, keep the rows' M-RoPE deltas and merge the
         group into the batch."""
@@ -181,20 +190,20 @@ class VLModelRunner(ModelRunner):
         self.row_deltas = deltas if self.row_deltas is None else torch.cat([self.row_deltas, deltas])
         self._merge(cache, mask)
 
-    def _encode(self, images: list[tuple]) -> list[EncodedImage]:
+    def _encode(self, images: list[_Image]) -> list[EncodedImage]:
         """``EncodedImage`` per image, in order: cached ones as they are, the others from one vision-tower
         pass over their pixels (then cached under their keys)."""
         out: list[EncodedImage | None] = [encoded for _key, encoded, _feats in images]
         todo = [i for i, (_key, encoded, _feats) in enumerate(images) if encoded is None]
         if todo:
-            feats = [images[i][2] for i in todo]
+            feats = [cast(ImageFeatures, images[i][2]) for i in todo]  # not encoded: features (``prepare``)
             pixels = torch.from_numpy(np.concatenate([f.pixel_values for f in feats])).to(self.device, self.dtype)
             grid = torch.tensor([f.grid_thw for f in feats], dtype=torch.long, device=self.device)
             embeds = self.model.model.get_image_features(pixels, grid, return_dict=True).pooler_output
             for i, f, e in zip(todo, feats, embeds):
                 # clone: ``e`` is a view of the whole batch's output, which must not stay alive in the cache
-                out[i] = EncodedImage(embeds=e.clone(), grid_thw=[int(x) for x in f.grid_thw])
-                self.encoder_cache.put(images[i][0], out[i])
+                out[i] = enc = EncodedImage(embeds=e.clone(), grid_thw=[int(x) for x in f.grid_thw])
+                self.encoder_cache.put(images[i][0], enc)
         return out  # type: ignore[return-value]
 
     @torch.inference_mode()
@@ -202,10 +211,11 @@ class VLModelRunner(ModelRunner):
         """One decode step; positions are shifted by each row's M-RoPE delta and repeated over the three
         sections. Returns float32 logits ``[B, vocab]``."""
         b = self.batch_size
+        assert self.mask is not None and self.row_deltas is not None  # a decode step runs on a held batch
         ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device).view(b, 1)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device) + self.row_deltas
         pos = pos.view(1, b, 1).expand(3, b, 1)
         self.mask = torch.cat([self.mask, self.mask.new_ones((b, 1))], 1)
         out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, cache=self.cache,
                          use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1, :].float()
+        return _last_logits(out)

@@ -36,11 +36,12 @@ Pipeline of ``render_chat`` (sources in brackets):
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import jinja2
 import jinja2.nodes
@@ -204,7 +205,7 @@ def _plain(value: Any, where: str) -> Any:
     raise InvalidMessagesError(f"{where} contains a value of unsupported type {type(value).__name__}", param=where)
 
 
-def _text_of_parts(parts: list, idx: int) -> list[str | None]:
+def _text_of_parts(parts: list[Any], idx: int) -> list[str | None]:
     """Texts of the parts; ``None`` marks a ``{"type": "image"}`` slot (multimodal prompts)."""
     texts: list[str | None] = []
     for j, part in enumerate(parts):
@@ -240,7 +241,7 @@ def _parse_arguments(args: Any) -> Any:
     return args
 
 
-def normalize_messages(messages: Any, *, content_format: str, template_has_developer: bool) -> list[dict]:
+def normalize_messages(messages: Any, *, content_format: str, template_has_developer: bool) -> list[dict[str, Any]]:
     """Normalise an OpenAI-style conversation for a template (module docstring, step 2).
 
     Returns fresh dicts (the input is not modified). Raises ``InvalidMessagesError``.
@@ -249,7 +250,7 @@ def normalize_messages(messages: Any, *, content_format: str, template_has_devel
         raise InvalidMessagesError("messages must be a list of message objects")
     if len(messages) == 0:
         raise InvalidMessagesError("messages must contain at least one message")
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     for i, raw in enumerate(messages):
         msg = _plain(raw, "messages")
         if not isinstance(msg, dict):
@@ -261,7 +262,7 @@ def normalize_messages(messages: Any, *, content_format: str, template_has_devel
             msg["role"] = role = "system"
         content = msg.get("content")
         if content is None:
-            texts: list[str] | None = []
+            texts: list[str | None] | None = []
         elif isinstance(content, str):
             texts = None
         elif isinstance(content, list):
@@ -275,7 +276,7 @@ def normalize_messages(messages: Any, *, content_format: str, template_has_devel
             if texts is not None and None in texts:
                 raise InvalidMessagesError(f"messages[{i}] has an image part but this model's chat template "
                                            "does not iterate over content parts")
-            msg["content"] = content if texts is None else "\n".join(texts)
+            msg["content"] = content if texts is None else "\n".join(cast("list[str]", texts))  # no image slot (above)
 
         if "tool_calls" in msg:
             calls = msg["tool_calls"]
@@ -384,14 +385,24 @@ def warm_up(tokenizer_dir: str, chat_template: str | None = None) -> None:
         tok.text_only_tokenizer()
 
 
+class _RenderArgs(TypedDict):
+    """The ``render_chat_text`` arguments ``render_chat`` passes to both of its renders."""
+
+    add_generation_prompt: bool
+    continue_final_message: bool
+    chat_template: str | None
+    max_output_chars: int | None
+    max_ops: int | None
+
+
 def render_chat(
     tokenizer_dir: str,
-    messages: list[dict],
+    messages: list[dict[str, Any]],
     *,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
-    tools: list[dict] | None = None,
-    documents: list[dict] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, Any]] | None = None,
     chat_template: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     add_special_tokens: bool = False,
@@ -419,8 +430,8 @@ def render_chat(
     neutralised (the trusted markup cannot be told apart then).
     """
     tok = get_tokenizer(tokenizer_dir)
-    args = dict(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                chat_template=chat_template, max_output_chars=max_output_chars, max_ops=max_ops)
+    args = _RenderArgs(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                       chat_template=chat_template, max_output_chars=max_output_chars, max_ops=max_ops)
     text = render_chat_text(tokenizer_dir, messages, tools=tools, documents=documents,
                             chat_template_kwargs=chat_template_kwargs, **args)
     inputs = (messages, tools, documents, chat_template_kwargs)
@@ -439,7 +450,7 @@ def render_chat(
 _NEUTRAL_CHAR = "\ue000"
 
 
-def _holds_control(pattern, value: Any) -> bool:
+def _holds_control(pattern: re.Pattern[str], value: Any) -> bool:
     """True when any string in ``value`` (nested dicts/lists/tuples, keys included) contains a match of
     ``pattern``."""
     stack = [value]
@@ -462,6 +473,7 @@ def _neutralize(tok: LoadedTokenizer, value: Any) -> Any:
     """Copy of ``value`` with every control-token string inside its strings (keys included) replaced by as
     many ``_NEUTRAL_CHAR`` characters (same length, so the template's output keeps its layout)."""
     pattern = tok.control_regex
+    assert pattern is not None  # called only for a tokenizer with control tokens (``render_chat``)
     if isinstance(value, str):
         return pattern.sub(lambda m: _NEUTRAL_CHAR * len(m.group()), value)
     if isinstance(value, dict):
@@ -488,6 +500,7 @@ def encode_rendered(tok: LoadedTokenizer, text: str, neutral: str, add_special_t
     occurrence is not in ``text`` (the template branches on the control-token strings, so its markup cannot be
     located): refused rather than guessed.
     """
+    assert tok.control_regex is not None  # called only for a tokenizer with control tokens (``render_chat``)
     trusted = [(m.start(), m.end()) for m in tok.control_regex.finditer(neutral)]
     if len(neutral) != len(text) or any(text[a:b] != neutral[a:b] for a, b in trusted):
         raise InvalidMessagesError(
@@ -498,12 +511,12 @@ def encode_rendered(tok: LoadedTokenizer, text: str, neutral: str, add_special_t
 
 def render_chat_text(
     tokenizer_dir: str,
-    messages: list[dict],
+    messages: list[dict[str, Any]],
     *,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
-    tools: list[dict] | None = None,
-    documents: list[dict] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, Any]] | None = None,
     chat_template: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     max_output_chars: int | None = None,

@@ -26,12 +26,15 @@ import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 from inference.config import SETTINGS
 from inference.media.cache import FeatureCache, ImageFeatures, mm_cache_key
 from inference.media.guard import FetchPolicy, fetch_urls
 from inference.media.image import ImageError, decode_image, parse_data_url
+
+if TYPE_CHECKING:
+    import redis
 
 URL_CACHE_TTL_S = SETTINGS.mm_url_cache_ttl_s
 MM_BLOB_TTL_S = SETTINGS.mm_blob_ttl_s  # image bytes waiting for an mm worker
@@ -46,7 +49,7 @@ class ImageItem:
     url: str
 
 
-def extract_images(messages: list[dict]) -> tuple[list[dict], list[ImageItem]]:
+def extract_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ImageItem]]:
     """Copy of ``messages`` with image parts replaced by ``{"type": "image"}``, and the image items in
     prompt order. Raises ``ImageError`` for a malformed image part or more than
     ``MAX_IMAGES_PER_REQUEST`` images."""
@@ -74,13 +77,13 @@ def extract_images(messages: list[dict]) -> tuple[list[dict], list[ImageItem]]:
     return out_msgs, items
 
 
-def has_images(messages: list[dict]) -> bool:
+def has_images(messages: list[dict[str, Any]]) -> bool:
     """True when any message has an ``image_url`` content part."""
     return any(isinstance(m.get("content"), list) and any(
         isinstance(p, dict) and p.get("type") == "image_url" for p in m["content"]) for m in messages)
 
 
-def vision_config(model_dir: str) -> dict | None:
+def vision_config(model_dir: str) -> dict[str, int] | None:
     """``{"image_token_id", "merge_size"}`` of a vision-language model directory, or ``None`` when the
     model has no vision tower (``config.json`` without ``vision_config``). Cached per file mtime."""
     path = Path(model_dir) / "config.json"
@@ -92,7 +95,7 @@ def vision_config(model_dir: str) -> dict | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _vision_config(path: str, _mtime_ns: int) -> dict | None:
+def _vision_config(path: str, _mtime_ns: int) -> dict[str, int] | None:
     try:
         cfg = json.loads(Path(path).read_text())
     except (OSError, ValueError):
@@ -126,31 +129,34 @@ _proc_lock = threading.Lock()
 _processors: dict[str, Any] = {}
 
 
-def get_image_processor(model_dir: str):
-    """The model's own HF image processor (``AutoImageProcessor``, local directory only), once per process."""
+def get_image_processor(model_dir: str) -> Any:
+    """The model's own HF image processor (``AutoImageProcessor``, local directory only), once per process (Any:
+    transformers leaves its loaders and processors unannotated)."""
     with _proc_lock:
         proc = _processors.get(model_dir)
         if proc is None:
             from transformers import AutoImageProcessor
 
-            proc = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
+            load = cast(Callable[..., Any], AutoImageProcessor.from_pretrained)  # unannotated
+            proc = load(model_dir, local_files_only=True)
             _processors[model_dir] = proc
         return proc
 
 
 PROCESSOR_CONFIG_FILES = ("preprocessor_config.json", "processor_config.json")
 _settings_lock = threading.Lock()
-_settings: dict[str, tuple[tuple, dict]] = {}
+_Stamp = tuple[tuple[str, int | None, int | None], ...]  # (file name, size, mtime ns) per config file
+_settings: dict[str, tuple[_Stamp, dict[str, Any]]] = {}
 
 
-def processor_settings(model_dir: str) -> dict:
+def processor_settings(model_dir: str) -> dict[str, Any]:
     """What the processed features depend on, without loading the processor: the SHA-256 of each of the
     model directory's processor configuration files (``PROCESSOR_CONFIG_FILES``) and the ``transformers``
     version. The api process (cache hits, see ``data_url_cache_entry``) and the ``mm`` workers compute the
     same value; an edited config file changes it at once (cached per file size and mtime)."""
     from importlib.metadata import version
 
-    stamp = []
+    stamp: list[tuple[str, int | None, int | None]] = []
     for name in PROCESSOR_CONFIG_FILES:
         try:
             st = (Path(model_dir) / name).stat()
@@ -209,9 +215,9 @@ def _url_cache_key(prefix: str, url: str, policy: FetchPolicy, settings_hash: st
     return f"{prefix}:mm:url:{h}"
 
 
-def preprocess_images(redis_client, prefix: str, model_dir: str, urls: list[dict],
+def preprocess_images(redis_client: redis.Redis, prefix: str, model_dir: str, urls: list[dict[str, str]],
                       allowed_domains: list[str] | None = None, max_bytes: int | None = None,
-                      cache_salt: str | None = None) -> list[dict]:
+                      cache_salt: str | None = None) -> list[dict[str, Any]]:
     """Preprocess the images of one request (blocking; runs on an ``mm`` worker).
 
     ``urls``: in prompt order, ``{"part": str, "url": str}`` or ``{"part", "key", "blob"}`` (bytes the api
@@ -231,8 +237,10 @@ def preprocess_images(redis_client, prefix: str, model_dir: str, urls: list[dict
         policy.max_bytes = int(max_bytes)
     url_keys = {i: _url_cache_key(prefix, it["url"], policy, settings_hash, cache_salt) for i, it in enumerate(urls)
                  if not it.get("blob") and it["url"].split(":", 1)[0].lower() in ("http", "https")}
-    cached_urls = dict(zip(url_keys, redis_client.mget(list(url_keys.values())))) if url_keys else {}
-    to_fetch = [i for i in url_keys if cached_urls[i] is None or cache.get_meta(cached_urls[i].decode()) is None]
+    # a bytes-mode client: replies are bytes (redis-py's types cover decoded clients too)
+    replies = cast("list[bytes | None]", redis_client.mget(list(url_keys.values()))) if url_keys else []
+    cached_urls = dict(zip(url_keys, replies))
+    to_fetch = [i for i in url_keys if (hit := cached_urls[i]) is None or cache.get_meta(hit.decode()) is None]
     fetched = dict(zip(to_fetch, fetch_urls([(urls[i]["url"], urls[i]["part"]) for i in to_fetch], policy)))
     results = []
     for index, item in enumerate(urls):
@@ -241,7 +249,7 @@ def preprocess_images(redis_client, prefix: str, model_dir: str, urls: list[dict
             key = str(item["key"])
             meta = cache.get_meta(key)  # processed meanwhile by a concurrent request
             if meta is None:
-                data = redis_client.get(item["blob"])
+                data = cast("bytes | None", redis_client.get(item["blob"]))
                 if data is None:
                     raise ImageError(f"{part}: the image expired before a preprocessing worker was free; retry",
                                      part, "image_expired")
@@ -254,18 +262,19 @@ def preprocess_images(redis_client, prefix: str, model_dir: str, urls: list[dict
             continue
         url = item["url"]
         url_key = url_keys.get(index)
-        if url_key is not None and index not in fetched and cached_urls[index] is not None:
-            meta = cache.get_meta(cached_urls[index].decode())  # looked up above: a hit, unless it expired since
+        if url_key is not None and index not in fetched and (hit := cached_urls[index]) is not None:
+            meta = cache.get_meta(hit.decode())  # looked up above: a hit, unless it expired since
             if meta is not None:
-                results.append({"key": cached_urls[index].decode(), "num_tokens": meta["num_tokens"], "cached": True})
+                results.append({"key": hit.decode(), "num_tokens": meta["num_tokens"], "cached": True})
                 continue
         if url.startswith("data:"):
             data = parse_data_url(url, part, policy.max_bytes)
         elif url.split(":", 1)[0].lower() in ("http", "https"):
             # fetched above; or, had its URL cache entry expired since, now
-            data = fetched[index] if index in fetched else fetch_urls([(url, part)], policy)[0]
-            if isinstance(data, ImageError):
-                raise data
+            got = fetched[index] if index in fetched else fetch_urls([(url, part)], policy)[0]
+            if isinstance(got, ImageError):
+                raise got
+            data = got
         else:
             raise ImageError(f"{part}: image URLs must be data:, http: or https:", part, "image_url_blocked")
         key = mm_cache_key(data, settings, cache_salt)

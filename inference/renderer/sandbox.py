@@ -50,15 +50,16 @@ import json
 import math
 import re
 import types
-from collections.abc import ItemsView, Iterator, KeysView, Mapping, ValuesView
-from contextvars import ContextVar
+from collections.abc import Callable, ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
+from contextvars import ContextVar, Token
 from datetime import datetime
-from typing import Any
+from typing import Any, NoReturn, cast
 
 import jinja2
 import jinja2.ext
 import jinja2.filters
 import jinja2.nodes
+import jinja2.parser
 import jinja2.utils
 import jinja2.visitor
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter
@@ -110,7 +111,7 @@ class RenderBudget:
             return self.charged(value)
         return value
 
-    def charged(self, iterator):
+    def charged(self, iterator: Iterator[Any]) -> Iterator[Any]:
         """``iterator`` re-yielded at one unit per element."""
         for item in iterator:
             self.spend()
@@ -164,12 +165,12 @@ class RenderBudget:
 _BUDGET: ContextVar[RenderBudget | None] = ContextVar("chat_template_budget", default=None)
 
 
-def activate_budget(budget: RenderBudget):
+def activate_budget(budget: RenderBudget) -> Token[RenderBudget | None]:
     """Make ``budget`` the current one; returns the token for ``deactivate_budget``."""
     return _BUDGET.set(budget)
 
 
-def deactivate_budget(token) -> None:
+def deactivate_budget(token: Token[RenderBudget | None]) -> None:
     """Restore the budget that was current before ``activate_budget``."""
     _BUDGET.reset(token)
 
@@ -180,53 +181,54 @@ class GenerationTag(jinja2.ext.Extension):
 
     tags = {"generation"}
 
-    def parse(self, parser):
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
         return jinja2.nodes.CallBlock(self.call_method("_render_body"), [], [], body).set_lineno(lineno)
 
-    def _render_body(self, caller):
+    def _render_body(self, caller: Callable[[], str]) -> str:
         return caller()
 
 
-def _raise_exception(message):
+def _raise_exception(message: str) -> NoReturn:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | str | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _strftime_now(fmt):
+def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
 class _TemplateDict:
     """``dict(...)`` for templates, without exposing the ``dict`` type itself."""
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
         return dict(*args, **kwargs)
 
-    def fromkeys(self, *args, **kwargs):
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
         return dict.fromkeys(*args, **kwargs)
 
 
 class _TemplateNamespace(jinja2.utils.Namespace):
     """Jinja's ``namespace`` refusing underscore-prefixed attribute names (as transformers does)."""
 
-    def __init__(*args, **kwargs):  # same signature trick as jinja2.utils.Namespace
+    def __init__(*args: Any, **kwargs: Any) -> None:  # same signature trick as jinja2.utils.Namespace
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
         for name in attrs:
             _TemplateNamespace._check_name(name)
         jinja2.utils.Namespace.__init__(self, attrs)
 
-    def __setitem__(self, name, value):
+    def __setitem__(self, name: str, value: Any) -> None:
         _TemplateNamespace._check_name(name)
         jinja2.utils.Namespace.__setitem__(self, name, value)
 
     @staticmethod
-    def _check_name(name):
+    def _check_name(name: object) -> None:
         if isinstance(name, str) and name.startswith("_"):
             raise jinja2.exceptions.SecurityError(
                 f"chat templates cannot store underscore-prefixed attributes on a namespace, got {name!r}"
@@ -235,27 +237,28 @@ class _TemplateNamespace(jinja2.utils.Namespace):
 
 # -- filter prechecks: same parameters as Jinja's filters (jinja2/filters.py); each raises
 # TemplateLimitError before the filter builds a result over budget.max_chars ---------------------------------
-def _width(budget, width, what):
+def _width(budget: RenderBudget, width: Any, what: str) -> None:
     if isinstance(width, int):
         budget.check_planned(width, what)
     elif isinstance(width, str):
         budget.check_planned(len(width), what)
 
 
-def _pre_center(budget, value, width=80):
+def _pre_center(budget: RenderBudget, value: Any, width: Any = 80) -> None:
     n = budget.text_size(value)
     if isinstance(width, int):
         budget.check_planned(max(n, width), "centered string")
 
 
-def _pre_indent(budget, s, width=4, first=False, blank=False):
+def _pre_indent(budget: RenderBudget, s: Any, width: Any = 4, first: Any = False, blank: Any = False) -> None:
     n = budget.text_size(s)
     lines = s.count("\n") + 1 if isinstance(s, str) else 1
     pad = width if isinstance(width, int) else len(width) if isinstance(width, str) else 0
     budget.check_planned(n + lines * max(pad, 0), "indented string")
 
 
-def _pre_wordwrap(budget, s, width=79, break_long_words=True, wrapstring=None, break_on_hyphens=True):
+def _pre_wordwrap(budget: RenderBudget, s: Any, width: Any = 79, break_long_words: Any = True, wrapstring: Any = None,
+                  break_on_hyphens: Any = True) -> None:
     n = budget.text_size(s)
     if isinstance(width, int) and width > 0:
         lines = (s.count("\n") + 1 if isinstance(s, str) else 1) + 2 * n // width + 1
@@ -264,7 +267,8 @@ def _pre_wordwrap(budget, s, width=79, break_long_words=True, wrapstring=None, b
         budget.check_planned(n + min(lines, n + 1) * sep, "wrapped string")
 
 
-def _pre_tojson(budget, x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+def _pre_tojson(budget: RenderBudget, x: Any, ensure_ascii: Any = False, indent: Any = None, separators: Any = None,
+                sort_keys: Any = False) -> None:
     width = indent if isinstance(indent, int) else len(indent) if isinstance(indent, str) else 0
     budget.check_planned(width, "JSON indentation")
     sep = 2
@@ -273,7 +277,7 @@ def _pre_tojson(budget, x, ensure_ascii=False, indent=None, separators=None, sor
     budget.text_size(x, json_indent=max(width, 1) if indent is not None else 0, item_sep=sep)
 
 
-def _pre_replace(budget, s, old, new, count=None):
+def _pre_replace(budget: RenderBudget, s: Any, old: Any, new: Any, count: Any = None) -> None:
     n = budget.text_size(s)
     text = s if isinstance(s, str) else None
     o = old if isinstance(old, str) else None
@@ -287,12 +291,13 @@ def _pre_replace(budget, s, old, new, count=None):
     budget.check_planned(n + hits * (len(w) - len(o)), "replaced string")
 
 
-def _join_items(context, value, args, kwargs):
+def _join_items(context: jinja2.runtime.Context, value: Any, args: tuple[Any, ...] | list[Any],
+                kwargs: dict[str, Any]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     """``join``'s arguments with the items listed and, for ``join(d, attribute)``, looked up first (what
     Jinja's ``do_join`` would join), so the precheck measures the very strings that get joined."""
     if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset, Mapping, KeysView,
                                                          ValuesView, ItemsView, Iterator)):
-        return value, args, kwargs
+        return value, tuple(args), kwargs
     args, kwargs = list(args), dict(kwargs)
     attribute = kwargs.pop("attribute", None)
     if len(args) > 1:
@@ -303,7 +308,7 @@ def _join_items(context, value, args, kwargs):
     return value, tuple(args), kwargs
 
 
-def _pre_join(budget, value, d="", attribute=None):
+def _pre_join(budget: RenderBudget, value: Any, d: Any = "", attribute: Any = None) -> None:
     # value already charged per element and listed by _join_items: the strings joined must fit max_chars.
     if not isinstance(value, list):
         return
@@ -314,24 +319,24 @@ def _pre_join(budget, value, d="", attribute=None):
         budget.check_planned(total, "joined string")
 
 
-def _pre_batch(budget, value, linecount, fill_with=None):
+def _pre_batch(budget: RenderBudget, value: Any, linecount: Any, fill_with: Any = None) -> None:
     if fill_with is not None and isinstance(linecount, int):
         budget.check_planned(linecount, "batch")
 
 
-def _pre_format(budget, value, *args, **kwargs):
+def _pre_format(budget: RenderBudget, value: Any, *args: Any, **kwargs: Any) -> None:
     check_printf(budget, value, kwargs or args)
 
 
-def _pre_stringify(budget, value, *args, **kwargs):
+def _pre_stringify(budget: RenderBudget, value: Any, *args: Any, **kwargs: Any) -> None:
     budget.text_size(value)
 
 
-def _pre_pprint(budget, value, *args, **kwargs):
+def _pre_pprint(budget: RenderBudget, value: Any, *args: Any, **kwargs: Any) -> None:
     budget.check_planned(2 * budget.text_size(value), "pretty-printed string")
 
 
-_PRECHECKS = {
+_PRECHECKS: dict[str, Callable[..., None]] = {
     "center": _pre_center,
     "indent": _pre_indent,
     "wordwrap": _pre_wordwrap,
@@ -398,7 +403,7 @@ def check_printf(budget: RenderBudget, fmt: Any, args: Any) -> None:
         budget.check_planned(total, "formatted string")
 
 
-def _guard_filter(name, f):
+def _guard_filter(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
     """``f`` (a Jinja filter) as a ``pass_context`` filter (never folded at compile time) that costs one unit
     plus one per element it walks (``_ITERATING_FILTERS``), runs ``_PRECHECKS[name]`` before ``f`` and checks
     the size of the result (an iterator result pays per element produced)."""
@@ -407,7 +412,7 @@ def _guard_filter(name, f):
     iterating = name in _ITERATING_FILTERS
 
     @functools.wraps(f)
-    def guarded(context, value, *args, **kwargs):
+    def guarded(context: jinja2.runtime.Context, value: Any, *args: Any, **kwargs: Any) -> Any:
         budget = _BUDGET.get()
         if budget is not None:
             budget.spend()
@@ -435,7 +440,7 @@ def _guard_filter(name, f):
 
 
 @jinja2.pass_context
-def _finalize(context, value):
+def _finalize(context: jinja2.runtime.Context, value: Any) -> Any:
     """Every ``{{ ... }}`` value, before Jinja turns it into a string: its text is measured first."""
     if not isinstance(value, str):
         budget = _BUDGET.get()
@@ -448,17 +453,17 @@ class _BudgetedFormatter(SandboxedFormatter):
     """Jinja's sandboxed ``str.format`` formatter, refusing a field (``{:>100000000}``, ``{:.100000000f}``)
     or a running total over ``max_chars`` before it is built."""
 
-    def __init__(self, env, budget):
+    def __init__(self, env: jinja2.Environment, budget: RenderBudget) -> None:
         super().__init__(env)
         self._budget = budget
         self._total = 0
 
-    def convert_field(self, value, conversion):
+    def convert_field(self, value: Any, conversion: str | None) -> Any:
         if conversion is not None:
             self._budget.check_planned(self._total + self._budget.text_size(value), "formatted string")
         return super().convert_field(value, conversion)
 
-    def format_field(self, value, format_spec):
+    def format_field(self, value: Any, format_spec: str) -> Any:
         budget = self._budget
         budget.spend()
         widths = [int(d) for d in re.findall(r"\d+", format_spec or "")]
@@ -467,9 +472,10 @@ class _BudgetedFormatter(SandboxedFormatter):
         return super().format_field(value, format_spec)
 
 
-def _check_str_method(budget, method, args, kwargs):
+def _check_str_method(budget: RenderBudget, method: types.BuiltinMethodType, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """Precheck of a call to a ``str`` method (``args``/``kwargs`` as given); returns the args to call with."""
-    s, name = method.__self__, method.__name__
+    s, name = cast(str, method.__self__), method.__name__  # a bound ``str`` method (the caller checks)
     if name in ("ljust", "rjust", "center", "zfill"):
         if args and isinstance(args[0], int):
             budget.check_planned(max(len(s), args[0]), "padded string")
@@ -502,14 +508,14 @@ def _check_str_method(budget, method, args, kwargs):
     return args
 
 
-def _lipsum(n=5, html=True, min=20, max=100):  # Jinja's parameter names
+def _lipsum(n: Any = 5, html: Any = True, min: Any = 20, max: Any = 100) -> str:  # Jinja's parameter names
     budget = _BUDGET.get()
     if budget is not None and isinstance(n, int) and isinstance(max, int):
         budget.check_planned(n * max * 12, "lorem ipsum")
     return jinja2.utils.generate_lorem_ipsum(n=n, html=html, min=min, max=max)
 
 
-def _strftime_now_budgeted(fmt):
+def _strftime_now_budgeted(fmt: Any) -> str:
     budget = _BUDGET.get()
     if budget is not None and isinstance(fmt, str):
         budget.check_planned(len(fmt) + fmt.count("%") * 64, "date string")
@@ -524,7 +530,7 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
 
     intercepted_binops = frozenset(["*", "**", "+", "%", "//"])
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(
             trim_blocks=True,
             lstrip_blocks=True,
@@ -541,13 +547,13 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
         self.globals["namespace"] = _TemplateNamespace
 
     # -- sandbox escapes fail loudly ----------------------------------------------------------
-    def unsafe_undefined(self, obj, attribute):
+    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         raise TemplateSecurityError(
             f"chat template accessed unsafe attribute {attribute!r} of {type(obj).__name__!r}"
         )
 
     # -- budgeted operations ------------------------------------------------------------------
-    def call(__self, __context, __obj, *args, **kwargs):  # jinja's signature
+    def call(__self, __context: jinja2.runtime.Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # jinja's signature
         budget = _BUDGET.get()
         if budget is not None:
             budget.spend()
@@ -560,7 +566,7 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
             budget.check_size(result)
         return result
 
-    def wrap_str_format(self, value):
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
         """``str.format``/``format_map`` of a template string, with ``_BudgetedFormatter`` (Jinja's
         ``SandboxedEnvironment.wrap_str_format`` otherwise)."""
         budget = _BUDGET.get()
@@ -571,10 +577,10 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
             or type(getattr(value, "__self__", None)) is not str
         ):
             return super().wrap_str_format(value)
-        fmt, is_format_map = value.__self__, value.__name__ == "format_map"
+        fmt, is_format_map = cast(str, value.__self__), value.__name__ == "format_map"  # checked above
         formatter = _BudgetedFormatter(self, budget)
 
-        def wrapper(*args, **kwargs):
+        def wrapper(*args: Any, **kwargs: Any) -> str:
             if is_format_map:
                 if kwargs:
                     raise TypeError("format_map() takes no keyword arguments")
@@ -585,7 +591,7 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
 
         return functools.update_wrapper(wrapper, value)
 
-    def call_binop(self, context, op, left, right):
+    def call_binop(self, context: jinja2.runtime.Context, op: str, left: Any, right: Any) -> Any:
         budget = _BUDGET.get()
         if budget is not None:
             budget.spend()
@@ -617,7 +623,7 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
             budget.check_size(result)
         return result
 
-    def loop_guard(self, iterable):
+    def loop_guard(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Wraps every ``{% for %}`` iterable: one budget unit per iteration."""
         budget = _BUDGET.get()
         if budget is None:
@@ -627,7 +633,7 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
             budget.spend()
             yield item
 
-    def concat_guard(self, *parts):
+    def concat_guard(self, *parts: Any) -> str:
         """``a ~ b ~ c`` (Jinja's str_join), with the size cap (measured before the parts become strings)."""
         budget = _BUDGET.get()
         if budget is not None:
@@ -642,9 +648,9 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
         return result
 
     # -- parse-time rewrite -------------------------------------------------------------------
-    def _parse(self, source, name, filename):
+    def _parse(self, source: str, name: str | None, filename: str | None) -> jinja2.nodes.Template:
         tree = super()._parse(source, name, filename)
-        tree = _GuardInserter().visit(tree)
+        tree = cast(jinja2.nodes.Template, _GuardInserter().visit(tree))  # the same root, its loops rewritten
         tree.set_environment(self)
         return tree
 
@@ -653,15 +659,15 @@ class _GuardInserter(jinja2.visitor.NodeTransformer):
     """Wraps ``{% for %}`` iterables in ``environment.loop_guard(...)`` and turns ``a ~ b`` into
     ``environment.concat_guard(a, b)``; the template cannot name ``environment``."""
 
-    def visit_For(self, node):
-        node = self.generic_visit(node)
+    def visit_For(self, node: jinja2.nodes.For) -> jinja2.nodes.Node:
+        node = cast(jinja2.nodes.For, self.generic_visit(node))  # the node itself, its children visited
         node.iter = jinja2.nodes.Call(
             jinja2.nodes.EnvironmentAttribute("loop_guard"), [node.iter], [], None, None, lineno=node.lineno
         )
         return node
 
-    def visit_Concat(self, node):
-        node = self.generic_visit(node)
+    def visit_Concat(self, node: jinja2.nodes.Concat) -> jinja2.nodes.Node:
+        node = cast(jinja2.nodes.Concat, self.generic_visit(node))  # the node itself, its children visited
         return jinja2.nodes.Call(
             jinja2.nodes.EnvironmentAttribute("concat_guard"), list(node.nodes), [], None, None, lineno=node.lineno
         )
