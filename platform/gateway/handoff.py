@@ -3,18 +3,16 @@
 Why: an image chat costs the api process that serves it 12-18 ms of CPU (body parsing and hashing, the feature
 cache, the mm queue, the engine link), a text ``/tokenize`` 1.7 ms (measured). On one asyncio loop and
 one GIL, text requests queue behind that work, so their p99 grows with the image load. ``manage.py serve``
-therefore runs a second server ("api-mm", ``python -m ops.mm_api``, ``--mm-api-workers``) on unix sockets and
-points the front api at them (``MULTIMODAL_API_SOCKET``, ``MULTIMODAL_PASS_SOCKET``); with ``--frontend-cores``
-the two also run on different cores.
+therefore runs a second server ("api-mm", ``python -m ops.mm_api``, ``--mm-api-workers``) on a unix socket and
+points the front api at it (``MULTIMODAL_API_SOCKET``); with ``--frontend-cores`` the two also run on different
+cores. Why a relay and not a passed connection: docs/handoff.md.
 
-The front api reads the request body of ``HANDOFF_PATHS`` (a chat body) until it names an ``"image_url"`` part.
-Where it can, it then passes the client's connection itself to the multimodal api (gateway/connection_pass.py,
-``MULTIMODAL_PASS_SOCKET``), which serves it from there on. Otherwise (a chunked or TLS request, one followed by
-a pipelined request, no pass socket, the pass refused) it forwards the request unchanged (method, path, headers,
-the body read so far and the rest as it arrives) to the multimodal api and relays its answer byte for byte
-(status, headers, streamed body). The multimodal api is the same Django/Channels application: it authenticates
-the key, validates, admits, streams and records usage itself, so a handed-off request behaves exactly as one
-served by the front (same errors, same envelope, same stream). Other bodies are replayed to the local gateway.
+The front api reads the request body of ``HANDOFF_PATHS`` (a chat body) until it names an ``"image_url"`` part,
+then forwards the request unchanged (method, path, headers, the body read so far and the rest as it arrives) to
+the multimodal api and relays its answer byte for byte (status, headers, streamed body). The multimodal api is
+the same Django/Channels application: it authenticates the key, validates, admits, streams and records usage
+itself, so a handed-off request behaves exactly as one served by the front (same errors, same envelope, same
+stream). Other bodies are replayed to the local gateway.
 
 Failure rules (nothing lost, nothing served twice):
 
@@ -28,9 +26,8 @@ Failure rules (nothing lost, nothing served twice):
   handles as its own (the engine request is aborted, the admission reservation and limits released).
 
 Counts per outcome are kept in Redis (``<prefix>:handoff``) and exported by ``/metrics`` as
-``gateway_handoffs_total{outcome}``: ``passed`` (connections) is counted by the multimodal api as it adopts one,
-``forwarded`` by the multimodal api as a relayed request arrives (so the front spends no Redis round trip on
-either), ``fallback`` and ``failed`` by the front.
+``gateway_handoffs_total{outcome}``: ``forwarded`` is counted by the multimodal api as a relayed request arrives
+(so the front spends no Redis round trip on it), ``fallback`` and ``failed`` by the front.
 """
 
 from __future__ import annotations
@@ -43,7 +40,7 @@ import aiohttp
 from django.conf import settings
 from multidict import CIMultiDict
 
-from gateway import connection_pass, ingress
+from gateway import ingress
 from gateway.errors import ApiError, unavailable
 from gateway.pipeline.clients import redis
 
@@ -56,7 +53,7 @@ _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te
                          b"upgrade", b"expect"})
 _RESPONSE_DROP = frozenset({"connection", "keep-alive", "transfer-encoding", "date", "server"})
 _AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
-OUTCOMES = ("passed", "forwarded", "fallback", "failed")
+OUTCOMES = ("forwarded", "fallback", "failed")
 # Set on forwarded requests: a process that receives one never forwards it again (no loop when a multimodal api
 # is itself, by mistake, given a MULTIMODAL_API_SOCKET). Believed only on a unix-socket listener: the router
 # removes it from any other request (gateway/ingress.py), so a client sending it over TCP changes nothing.
@@ -123,8 +120,7 @@ def handed_off(scope: Scope) -> bool:
 
 async def route(scope: Scope, receive: Receive, send: Send, local_app: App, max_body_bytes: int) -> None:
     """Serve one ``HANDOFF_PATHS`` request. The body is read until ``IMAGE_MARKER`` shows up in it or it ends: with
-    the marker, the connection is passed to the multimodal api where it can be (gateway/connection_pass.py), else
-    the request is forwarded there, the part read so far and then the rest streamed as
+    the marker, the request is forwarded to the multimodal api, the part read so far and then the rest streamed as
     it arrives (a 4 MB image body is never held whole here, and the two hops overlap); without it, or when that api
     is down, ``local_app`` runs with what was read replayed. A body over ``max_body_bytes`` goes to ``local_app``
     unread past the limit (it answers 413); a forwarded one is refused the same way by the multimodal api."""
@@ -146,16 +142,8 @@ async def route(scope: Scope, receive: Receive, send: Send, local_app: App, max_
         tail = (tail + chunk[-keep:])[-keep:]
         if size > max_body_bytes:  # let the gateway refuse it with its own 413
             break
-    if found and size <= max_body_bytes:
-        cycle = connection_pass.passable_cycle(scope, ingress.server_receive(receive))
-        # hand over the connection itself where possible: the front then does nothing more for it
-        outcome = await connection_pass.pass_connection(scope, cycle, chunks) if cycle is not None else "kept"
-        if outcome == "passed":
-            return
-        if outcome == "unreachable":  # down or hung: a relay would find the same, so serve it here
-            await count("fallback")
-        elif await _forward(scope, chunks, more, receive, send):
-            return
+    if found and size <= max_body_bytes and await _forward(scope, chunks, more, receive, send):
+        return
     replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": more}]
     await local_app(scope, _replay(replay, receive), send)
 
@@ -180,74 +168,9 @@ async def _forward(scope: Scope, chunks: list[bytes], more: bool, receive: Recei
     """Forward the request (its body: ``chunks`` read so far, then, when ``more``, the rest from ``receive``) and
     relay the answer. Returns False (nothing read past ``chunks``, nothing sent) when the multimodal api could not
     be reached, so the caller serves the request itself; True when this call answered the client (or it left)."""
-    headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope.get("headers", [])
-               if k.lower() not in _HOP_BY_HOP]
-    headers.append((HANDED_OFF_HEADER.decode(), "1"))
-    path = scope["path"] + ("?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else "")
-    body_done = asyncio.Event()
-    state = {"gone": False}
-
-    async def body() -> AsyncIterator[bytes]:
-        for chunk in chunks:
-            yield chunk
-        remaining = more
-        while remaining:
-            message = await receive()
-            if message["type"] != "http.request":
-                state["gone"] = True
-                raise _ClientGone()  # aiohttp drops the connection: the multimodal api sees the client leave
-            remaining = bool(message.get("more_body"))
-            yield message.get("body", b"")
-        body_done.set()
-
-    async def relay() -> bool:
-        try:
-            # the client's own headers only: nothing added (no User-Agent, Accept or Content-Type of aiohttp's);
-            # its Content-Length is kept, so the body goes on unchanged, not re-chunked
-            response = await _upstream.session().post("http://mm-api" + path, data=body(),
-                                                      headers=CIMultiDict(headers), skip_auto_headers=_AUTO_HEADERS)
-        except aiohttp.ClientConnectorError:
-            await count("fallback")
-            return False
-        except (aiohttp.ClientError, _ClientGone):
-            if state["gone"]:
-                return True
-            log.warning("the multimodal api failed before answering on %s", scope["path"], exc_info=True)
-            await count("failed")
-            await _send_unavailable(send)
-            return True
-        sse = response.headers.get("content-type", "").startswith("text/event-stream")
-        try:
-            out_headers = [(k, v) for k, v in response.raw_headers if k.decode("latin-1").lower() not in _RESPONSE_DROP]
-            await send({"type": "http.response.start", "status": response.status, "headers": out_headers})
-            async for chunk in response.content.iter_any():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            response.release()
-        except aiohttp.ClientError:
-            if state["gone"]:
-                return True
-            log.warning("the multimodal api failed mid-response on %s", scope["path"], exc_info=True)
-            await count("failed")
-            if sse:
-                err = ApiError(503, "The multimodal frontend failed while streaming this response; retry the "
-                               "request.", "server_error", None, "upstream_failed")
-                await send({"type": "http.response.body", "body": b"data: " + err.body() + b"\n\ndata: [DONE]\n\n",
-                            "more_body": False})
-            else:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            response.close()  # no-op after release(); else the connection is dropped (the multimodal api aborts)
-        return True
-
-    async def watch_disconnect() -> None:
-        await body_done.wait()  # until then the body generator owns receive() and notices a disconnect itself
-        await _wait_disconnect(receive)
-
-    if not more:
-        body_done.set()
-    relay_task = asyncio.ensure_future(relay())
-    disconnect_task = asyncio.ensure_future(watch_disconnect())
+    forwarding = _Forwarding(scope, chunks, more, receive, send)
+    relay_task = asyncio.ensure_future(forwarding.relay())
+    disconnect_task = asyncio.ensure_future(forwarding.watch_disconnect())
     try:
         await asyncio.wait({relay_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
@@ -264,6 +187,95 @@ async def _forward(scope: Scope, chunks: list[bytes], more: bool, receive: Recei
     except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone; nothing to answer
         pass
     return True
+
+
+class _Forwarding:
+    """One request on its way to the multimodal api: its body streamed up (``body``), the answer relayed down
+    (``relay``), and the client's disconnect watched once the body is through (``watch_disconnect``)."""
+
+    def __init__(self, scope: Scope, chunks: list[bytes], more: bool, receive: Receive, send: Send) -> None:
+        self.scope, self.chunks, self.more, self.receive, self.send = scope, chunks, more, receive, send
+        self.gone = False  # the client disconnected while its body was being forwarded
+        self.body_done = asyncio.Event()
+        if not more:
+            self.body_done.set()
+
+    def upstream_headers(self) -> CIMultiDict[str]:
+        """The client's own headers less the hop-by-hop ones, plus ``HANDED_OFF_HEADER``."""
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self.scope.get("headers", [])
+                   if k.lower() not in _HOP_BY_HOP]
+        headers.append((HANDED_OFF_HEADER.decode(), "1"))
+        return CIMultiDict(headers)
+
+    async def body(self) -> AsyncIterator[bytes]:
+        """The body: ``chunks``, then the rest from ``receive``; raises ``_ClientGone`` if the client leaves."""
+        for chunk in self.chunks:
+            yield chunk
+        remaining = self.more
+        while remaining:
+            message = await self.receive()
+            if message["type"] != "http.request":
+                self.gone = True
+                raise _ClientGone()  # aiohttp drops the connection: the multimodal api sees the client leave
+            remaining = bool(message.get("more_body"))
+            yield message.get("body", b"")
+        self.body_done.set()
+
+    async def relay(self) -> bool:
+        """Send the request up and relay the answer down; ``_forward``'s return value."""
+        scope = self.scope
+        path = scope["path"] + ("?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else "")
+        try:
+            # the client's own headers only: nothing added (no User-Agent, Accept or Content-Type of aiohttp's);
+            # its Content-Length is kept, so the body goes on unchanged, not re-chunked
+            response = await _upstream.session().post("http://mm-api" + path, data=self.body(),
+                                                      headers=self.upstream_headers(),
+                                                      skip_auto_headers=_AUTO_HEADERS)
+        except aiohttp.ClientConnectorError:
+            await count("fallback")
+            return False
+        except (aiohttp.ClientError, _ClientGone):
+            if self.gone:
+                return True
+            log.warning("the multimodal api failed before answering on %s", scope["path"], exc_info=True)
+            await count("failed")
+            await _send_unavailable(self.send)
+            return True
+        try:
+            await self.relay_response(response)
+        finally:
+            response.close()  # no-op after release(); else the connection is dropped (the multimodal api aborts)
+        return True
+
+    async def relay_response(self, response: aiohttp.ClientResponse) -> None:
+        """Relay ``response`` (status, headers, body as it streams); a failure mid-response ends a streamed (SSE)
+        answer with an in-band error event and ``[DONE]``, any other answer is cut short."""
+        send = self.send
+        sse = response.headers.get("content-type", "").startswith("text/event-stream")
+        try:
+            out_headers = [(k, v) for k, v in response.raw_headers if k.decode("latin-1").lower() not in _RESPONSE_DROP]
+            await send({"type": "http.response.start", "status": response.status, "headers": out_headers})
+            async for chunk in response.content.iter_any():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            response.release()
+        except aiohttp.ClientError:
+            if self.gone:
+                return
+            log.warning("the multimodal api failed mid-response on %s", self.scope["path"], exc_info=True)
+            await count("failed")
+            if sse:
+                err = ApiError(503, "The multimodal frontend failed while streaming this response; retry the "
+                               "request.", "server_error", None, "upstream_failed")
+                await send({"type": "http.response.body", "body": b"data: " + err.body() + b"\n\ndata: [DONE]\n\n",
+                            "more_body": False})
+            else:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def watch_disconnect(self) -> None:
+        """Return once the client disconnects (after the body: until then ``body`` owns ``receive``)."""
+        await self.body_done.wait()
+        await _wait_disconnect(self.receive)
 
 
 async def _wait_disconnect(receive: Receive) -> None:

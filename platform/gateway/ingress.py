@@ -87,8 +87,7 @@ def body_timeout_error() -> ApiError:
 
 class BodyDeadline:
     """A ``receive`` that enforces the body deadlines over ``inner`` (the server's ``receive``) and answers 408
-    through ``send`` when one passes (module docstring). ``inner`` stays reachable for code that must see the
-    server's own request cycle (gateway/connection_pass.py). ``total_s``/``idle_s`` default to the settings."""
+    through ``send`` when one passes (module docstring). ``total_s``/``idle_s`` default to the settings."""
 
     def __init__(self, inner: Receive, send: Send, total_s: float | None = None, idle_s: float | None = None):
         self.inner = inner
@@ -118,11 +117,6 @@ class BodyDeadline:
         if message["type"] != "http.request" or not message.get("more_body"):
             self._body_done = True
         return message
-
-
-def server_receive(receive: Receive) -> Receive:
-    """The server's own ``receive`` under a ``BodyDeadline`` (or ``receive`` itself)."""
-    return receive.inner if isinstance(receive, BodyDeadline) else receive
 
 
 def via_unix_socket(scope: Scope) -> bool:

@@ -10,9 +10,9 @@ Every value comes from Redis, so all api processes answer the same numbers (DESI
 * ``engine_prefill_tokens_per_second{model}`` (gauge) — summed measured prefill throughput;
 * ``time_to_first_token_seconds{model}`` (histogram) — TTFT of admitted requests, shared across processes
   (bucket counts kept in Redis by ``inference.admission``);
-* ``gateway_handoffs_total{outcome}`` (counter) — image requests the front api handed to the multimodal api with
-  their connection (``passed``, counted per connection) or relayed there (``forwarded``), served itself because
-  that api was down (``fallback``), or lost with it (``failed``): gateway/handoff.py.
+* ``gateway_handoffs_total{outcome}`` (counter) — image requests the front api relayed to the multimodal api
+  (``forwarded``), served itself because that api was down (``fallback``), or lost with it (``failed``):
+  gateway/handoff.py.
 """
 
 from __future__ import annotations

@@ -87,10 +87,9 @@ def test_var_and_everything_in_it_is_private_to_the_user(served):
     assert not loose, loose
 
 
-def test_the_multimodal_api_sockets_are_not_world_writable(served):
+def test_the_multimodal_api_socket_is_not_world_writable(served):
     socks = sorted(p for p in (served["var"] / "run").iterdir() if stat.S_ISSOCK(os.lstat(p).st_mode))
-    assert {p.name for p in socks} == {"mm-api.sock", "mm-pass.sock"}, socks
-    assert {p.name: oct(_mode(p)) for p in socks} == {"mm-api.sock": "0o600", "mm-pass.sock": "0o600"}
+    assert {p.name: oct(_mode(p)) for p in socks} == {"mm-api.sock": "0o600"}, socks
 
 
 def test_embedded_redis_refuses_clients_without_the_password_and_the_platform_works(served):

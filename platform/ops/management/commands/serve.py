@@ -117,19 +117,16 @@ class Command(BaseCommand):
                 "--device", m.device, "--dtype", m.dtype if m.dtype != "auto" else "float32",
                 "--max-num-seqs", str(m.max_num_seqs), "--max-model-len", str(m.max_model_len),
                 "--link-prefix", settings.LINK_PREFIX, "--task", m.task], cpus=back_cpus)
-        front_env, mm_socket, pass_socket = {}, None, None
+        front_env, mm_socket = {}, None
         if opts["mm_api_workers"] > 0:
             mm_socket = _mm_socket_path(var_dir)
-            pass_socket = str(Path(mm_socket).with_name("mm-pass.sock"))
-            # the multimodal api: the same application on a unix socket, handed image chats by the front api
-            # (their client connections passed over pass_socket, or relayed: gateway/handoff.py)
-            sup.start("api-mm", [py, "-m", "ops.mm_api", "--uds", mm_socket, "--pass-socket", pass_socket,
+            # the multimodal api: the same application on a unix socket, image chats relayed to it by the front
+            # api (gateway/handoff.py)
+            sup.start("api-mm", [py, "-m", "ops.mm_api", "--uds", mm_socket,
                                  "--workers", str(opts["mm_api_workers"]), "--timeout-graceful-shutdown", "5"],
                       cpus=back_cpus)
-            wait_until(lambda: unix_socket_accepts(mm_socket) and unix_socket_accepts(pass_socket), 60,
-                       "the multimodal api", sup)
+            wait_until(lambda: unix_socket_accepts(mm_socket), 60, "the multimodal api", sup)
             front_env["MULTIMODAL_API_SOCKET"] = mm_socket
-            front_env["MULTIMODAL_PASS_SOCKET"] = pass_socket
         sup.start("api", [py, "-m", "uvicorn", "config.asgi:application", "--host", opts["host"],
                           "--port", str(opts["port"]), "--workers", str(opts["api_workers"]),
                           "--no-access-log", "--timeout-graceful-shutdown", "5"],
@@ -153,10 +150,8 @@ class Command(BaseCommand):
                 # multimodal api is down, the front api serves image chats itself (gateway/handoff.py), so one
                 # that keeps crashing is set aside and tried again after the restart window, not fatal.
                 code = dead.proc.returncode
-                if dead.name == "api-mm":
-                    for path in (mm_socket, pass_socket):  # a killed launcher leaves its socket files
-                        if path and os.path.exists(path):
-                            os.unlink(path)
+                if dead.name == "api-mm" and mm_socket and os.path.exists(mm_socket):
+                    os.unlink(mm_socket)  # a killed launcher leaves its socket file
                 if dead.name in ("redis", "api"):
                     raise RuntimeError(f"{dead.name} exited with code {code}; see {dead.log_path}")
                 if not policy.allow(dead.name, time.monotonic()):
