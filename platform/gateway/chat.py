@@ -29,7 +29,7 @@ class ChatCompletionsConsumer(GatewayConsumer):
         pre = await preamble.preamble(self, body, ChatCompletionRequest, "chatcmpl-")
         ctx, req, n = pre.ctx, pre.req, pre.req.n or 1
         async with request_scope("chat.completions", new_internal_id(pre.external_id), arrival, ctx, req.model,
-                                 n) as scope:
+                                 n, grant=pre.grant) as scope:
             model = await preamble.resolve_model(ctx, req.model)
             await hold_before_render(self, scope, ctx, model, n=n, size=len(body), exact=False,
                                      max_tokens=req.requested_max_tokens[0])

@@ -29,7 +29,7 @@ class CompletionsConsumer(GatewayConsumer):
         ctx, req, n = pre.ctx, pre.req, pre.req.n or 1
         ids_prompt = isinstance(req.prompt, list)  # token ids: sizes are exact; text: UTF-8 bytes bound
         async with request_scope("completions", new_internal_id(pre.external_id), arrival, ctx, req.model,
-                                 n) as scope:
+                                 n, grant=pre.grant) as scope:
             model = await preamble.resolve_model(ctx, req.model)
             await hold_before_render(self, scope, ctx, model, n=n, exact=ids_prompt,
                                      size=len(req.prompt) if ids_prompt else len(req.prompt.encode()),

@@ -97,13 +97,10 @@ class EmbeddingsConsumer(GatewayConsumer):
 
     async def handle_request(self, body: bytes) -> None:
         arrival = time.time()
-        ctx = await preamble.authenticate(self)
-        req, inputs = await preamble.parse(body, validate_embeddings)
-        base_id = preamble.client_request_id(self.header(b"x-request-id"), req.request_id)
-        external_id = "embd-" + base_id
-        preamble.echo_request_id(self, base_id)
+        pre = await preamble.preamble(self, body, validate_embeddings, "embd-", body_id=lambda r: r[0].request_id)
+        ctx, (req, inputs), external_id = pre.ctx, pre.req, pre.external_id
         async with request_scope("embeddings", new_internal_id(external_id), arrival, ctx, req.model,
-                                 len(inputs)) as scope:
+                                 len(inputs), grant=pre.grant) as scope:
             run = scope.run = EmbeddingRun()
             model = await preamble.resolve_model(ctx, req.model)
             check_embedding_model(model, req)
@@ -116,6 +113,8 @@ class EmbeddingsConsumer(GatewayConsumer):
                 tokens=sum(estimate_prompt_tokens(len(v.encode()) if isinstance(v, str) else len(v),
                                                   truncate or max_len, exact=not isinstance(v, str)) for v in inputs))
             tokenizer = await rendering.load_tokenizer(model)
+            rendering.check_prompt_chars(model, tokenizer, max((len(v) for v in inputs if isinstance(v, str)),
+                                                               default=0), "input")
             try:
                 token_ids = await asyncio.to_thread(
                     tokenize_inputs, tokenizer, inputs, add_special_tokens=req.add_special_tokens,

@@ -87,14 +87,16 @@ class GenerateConsumer(GatewayConsumer):
 
     async def handle_request(self, body: bytes) -> None:
         arrival = time.time()
-        ctx = await preamble.authenticate(self)
-        req = await preamble.parse(body, GenerateRequest)
-        external_id = req.request_id or "generate-tokens-" + preamble.client_request_id(
-            self.header(b"x-request-id"), None)
+        pre = await preamble.preamble(self, body, GenerateRequest, "generate-tokens-", body_id=lambda r: None)
+        ctx, req = pre.ctx, pre.req
+        # the body's id (e.g. the render route's chatcmpl-…) verbatim, cleaned as every echoed id is
+        external_id = (req.request_id and preamble.clean_request_id(req.request_id)) or pre.external_id
+        self.extra_headers[:] = [h for h in self.extra_headers if h[0] != b"x-request-id"]
         preamble.echo_request_id(self, external_id)
         sp, n = req.sampling_params, req.sampling_params.n or 1
         key, members = _abort_key(ctx.tenant_id, external_id), []
-        async with request_scope("generate", new_internal_id(external_id), arrival, ctx, req.model, n) as scope:
+        async with request_scope("generate", new_internal_id(external_id), arrival, ctx, req.model, n,
+                                 grant=pre.grant) as scope:
             try:
                 model = await preamble.resolve_model(ctx, req.model)
                 await hold_before_render(self, scope, ctx, model, n=n, size=len(req.token_ids), exact=True,
@@ -162,8 +164,8 @@ class AbortRequestsConsumer(GatewayConsumer):
 
     async def handle_request(self, body: bytes) -> None:
         ctx = await preamble.authenticate(self)
-        req = await preamble.parse(body, AbortRequestsRequest)
-        async with limits.held(self, ctx):  # one request of the key's RPM and concurrency, no tokens
+        async with limits.held(self, ctx):  # one request of the key's RPM and concurrency before parsing
+            req = await preamble.parse(body, AbortRequestsRequest)
             r = redis()
             by_model: dict[str, list[str]] = {}
             for rid in req.request_ids:

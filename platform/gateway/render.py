@@ -51,9 +51,10 @@ class ChatRenderConsumer(GatewayConsumer):
     async def handle_request(self, body: bytes) -> None:
         pre = await preamble.preamble(self, body, ChatCompletionRequest, "chatcmpl-")
         ctx, req = pre.ctx, pre.req
-        model = await preamble.resolve_model(ctx, req.model)
-        async with limits.held(self, ctx):  # RPM and concurrency before rendering; nothing is generated
+        async with limits.held(self, ctx, grant=pre.grant):  # RPM and concurrency taken before parsing
+            model = await preamble.resolve_model(ctx, req.model)
             tokenizer = await rendering.load_tokenizer(model)
+            rendering.check_prompt_chars(model, tokenizer, rendering.message_chars(req.messages), "messages")
             salt = inputs.cache_salt_for(ctx, req.cache_salt)
             rendered = await render_chat_media(model, rendering.chat_render_payload(model, req), cache_salt=salt,
                                                tenant_id=ctx.tenant_id)
@@ -69,14 +70,16 @@ class CompletionRenderConsumer(GatewayConsumer):
 
     async def handle_request(self, body: bytes) -> None:
         ctx = await preamble.authenticate(self)
-        req = await preamble.parse(body, CompletionRequest)
-        if req.echo:
-            raise bad_request("echo cannot be rendered into a tokens-in request", "echo")
-        base_id = preamble.client_request_id(self.header(b"x-request-id"), req.request_id)
-        preamble.echo_request_id(self, base_id)
-        model = await preamble.resolve_model(ctx, req.model)
-        async with limits.held(self, ctx):  # RPM and concurrency before tokenizing; nothing is generated
+        async with limits.held(self, ctx):  # RPM and concurrency before parsing; nothing is generated
+            req = await preamble.parse(body, CompletionRequest)
+            if req.echo:
+                raise bad_request("echo cannot be rendered into a tokens-in request", "echo")
+            base_id = preamble.client_request_id(self.header(b"x-request-id"), req.request_id)
+            preamble.echo_request_id(self, base_id)
+            model = await preamble.resolve_model(ctx, req.model)
             tokenizer = await rendering.load_tokenizer(model)
+            rendering.check_prompt_chars(model, tokenizer, len(req.prompt) if isinstance(req.prompt, str) else 0,
+                                         "prompt")
             prompt_ids, _ = await rendering.prompt_ids_for(model, req)
             processed = inputs.process(
                 req, model, tokenizer, external_id="cmpl-" + base_id, prompt_token_ids=prompt_ids,

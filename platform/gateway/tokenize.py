@@ -9,8 +9,9 @@ chat-style body (``messages`` plus the chat route's template arguments: ``add_ge
 body is rendered by exactly the payload the chat route renders (``gateway.pipeline.rendering.chat_render_payload``), so
 ``/tokenize`` counts what ``/v1/chat/completions`` would send to the engine. Response
 ``{"count", "max_model_len", "tokens", "token_strs"}``; ``token_strs`` (the tokenizer's token strings) only
-when ``return_token_strs`` is true, else null. No length limit beyond the body cap and the renderer's
-budgets (a count is what a client asks /tokenize for).
+when ``return_token_strs`` is true, else null. Text that cannot fit the model's context whatever its
+tokenization (more than ``max_model_len × longest token string`` characters, ``rendering.check_prompt_chars``)
+is refused with 400 ``context_length_exceeded`` before tokenizing (vLLM would tokenize it; docs/DECISIONS.md).
 
 ``/detokenize`` ``{"model", "tokens": [int], "skip_special_tokens"?: false}`` → ``{"prompt": str}``; an id
 outside ``[0, len(tokenizer))`` → 400 naming it (param ``tokens``).
@@ -43,32 +44,35 @@ async def tokenize_ids(model: ModelSnapshot, req: TokenizeChatRequest | Tokenize
     prompt included when asked, images expanded as the chat route does; completion: the prompt, BOS added per
     ``add_special_tokens``). ``cache_salt`` (``inputs.cache_salt_for``) keys the image features;
     ``tenant_id``: whose image work it is."""
+    tokenizer = await rendering.load_tokenizer(model)
     if isinstance(req, TokenizeChatRequest):
+        rendering.check_prompt_chars(model, tokenizer, rendering.message_chars(req.messages), "messages")
         result = await render_chat_media(model, rendering.chat_render_payload(model, req), cache_salt=cache_salt,
                                          tenant_id=tenant_id)
         ids: list[int] = result["prompt_token_ids"]
         return ids
+    rendering.check_prompt_chars(model, tokenizer, len(req.prompt), "prompt")
     return await rendering.tokenize_prompt(model, req.prompt, req.add_special_tokens is not False)
 
 
-async def _keyed_preamble(consumer: GatewayConsumer, body: bytes,
-                          schema: type | None = None) -> tuple[AuthContext, Any, ModelSnapshot]:
-    """Authenticate, echo a request id, validate (``/tokenize``: chat or completion body by its keys), resolve
-    the model. Returns ``(ctx, req, model)``."""
-    ctx = await preamble.authenticate(consumer)
+async def _validated(consumer: GatewayConsumer, ctx: AuthContext, body: bytes,
+                     schema: type | None = None) -> tuple[Any, ModelSnapshot]:
+    """Echo a request id, validate (``/tokenize``: chat or completion body by its keys), resolve the model.
+    Returns ``(req, model)``. Runs under the key's limits (taken right after authentication)."""
     preamble.echo_request_id(consumer, preamble.client_request_id(consumer.header(b"x-request-id"), None))
     req = await preamble.parse(body, lambda data: validate_request(schema or tokenize_request_class(data), data))
     model = await preamble.resolve_model(ctx, req.model)
-    return ctx, req, model
+    return req, model
 
 
 class TokenizeConsumer(GatewayConsumer):
     """``POST /tokenize``."""
 
     async def handle_request(self, body: bytes) -> None:
-        ctx, req, model = await _keyed_preamble(self, body)
-        salt = inputs.cache_salt_for(ctx, getattr(req, "cache_salt", None))
+        ctx = await preamble.authenticate(self)
         async with limits.held(self, ctx):  # RPM and concurrency before any work; nothing is generated
+            req, model = await _validated(self, ctx, body)
+            salt = inputs.cache_salt_for(ctx, getattr(req, "cache_salt", None))
             tokens = await tokenize_ids(model, req, salt, ctx.tenant_id)
             token_strs = None
             if req.return_token_strs:
@@ -82,7 +86,8 @@ class DetokenizeConsumer(GatewayConsumer):
     """``POST /detokenize``."""
 
     async def handle_request(self, body: bytes) -> None:
-        ctx, req, model = await _keyed_preamble(self, body, DetokenizeRequest)
+        ctx = await preamble.authenticate(self)
         async with limits.held(self, ctx):  # RPM and concurrency before any work; nothing is generated
+            req, model = await _validated(self, ctx, body, DetokenizeRequest)
             text = await rendering.detokenize(model, req.tokens, bool(req.skip_special_tokens))
             await self.send_json(200, {"prompt": text})

@@ -291,6 +291,58 @@ end
 return n
 """
 
+# KEYS: per scope (key, tenant): tpm bucket, budget counter ('' = unused). ARGV[1] cost tokens, then per scope 3
+# values: tpm, budget, budget key ttl s. Returns {ok, reason (1 key tpm, 2 key budget, 3 tenant tpm, 4 tenant
+# budget), retry_after_ms, then per scope: tpm_rem, tpm_reset_ms}.
+_ADD_TOKENS_LUA = """
+local t = redis.call('TIME')
+local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local cost = tonumber(ARGV[1])
+local v = {0, 0}
+local fail, fail_retry = 0, 0
+for s = 0, 1 do
+  local tpm, budget = tonumber(ARGV[2 + s*3]), tonumber(ARGV[3 + s*3])
+  if tpm > 0 and KEYS[1 + s*2] ~= '' then
+    local h = redis.call('HMGET', KEYS[1 + s*2], 'v', 't')
+    local b, ts = tonumber(h[1]), tonumber(h[2])
+    if b == nil or ts == nil then b = tpm else b = math.min(tpm, b + (now_ms - ts) * tpm / 60000.0) end
+    v[s+1] = b
+    if fail == 0 and b < cost then
+      fail = s * 2 + 1
+      if cost > tpm then fail_retry = -1 else fail_retry = math.ceil((cost - b) * 60000 / tpm) end
+    end
+  end
+  if budget > 0 and KEYS[2 + s*2] ~= '' then
+    local used = tonumber(redis.call('GET', KEYS[2 + s*2]) or '0')
+    if fail == 0 and used + cost > budget then
+      fail = s * 2 + 2
+      if cost > budget then fail_retry = -1 else fail_retry = tonumber(ARGV[4 + s*3]) * 1000 end
+    end
+  end
+end
+if fail == 0 then
+  for s = 0, 1 do
+    local tpm, budget = tonumber(ARGV[2 + s*3]), tonumber(ARGV[3 + s*3])
+    if tpm > 0 and KEYS[1 + s*2] ~= '' then
+      v[s+1] = v[s+1] - cost
+      redis.call('HSET', KEYS[1 + s*2], 'v', tostring(v[s+1]), 't', now_ms)
+      redis.call('PEXPIRE', KEYS[1 + s*2], 120000)
+    end
+    if budget > 0 and KEYS[2 + s*2] ~= '' then
+      redis.call('INCRBY', KEYS[2 + s*2], cost)
+      redis.call('EXPIRE', KEYS[2 + s*2], tonumber(ARGV[4 + s*3]) + 3600)
+    end
+  end
+end
+local out = {(fail == 0) and 1 or 0, fail, fail_retry}
+for s = 0, 1 do
+  local tpm = tonumber(ARGV[2 + s*3])
+  out[#out+1] = math.floor(math.max(v[s+1], 0))
+  out[#out+1] = (tpm > 0) and math.ceil((tpm - v[s+1]) * 60000 / tpm) or 0
+end
+return out
+"""
+
 _REASONS = {
     1: ("key", "rpm"), 2: ("key", "tpm"), 3: ("key", "concurrency"), 4: ("key", "budget"),
     5: ("tenant", "rpm"), 6: ("tenant", "tpm"), 7: ("tenant", "concurrency"), 8: ("tenant", "budget"),
@@ -410,6 +462,33 @@ async def _keepalive(redis, grant: LimitGrant) -> None:
             continue
 
 
+
+def _exceeded(scope: str, what: str, limits: Limits, cost: int, retry_ms: int,
+              headers: list[tuple[bytes, bytes]]) -> RateLimitExceeded:
+    """The ``RateLimitExceeded`` of ``scope``'s (``key``/``tenant``) limit ``what`` (``rpm``, ``tpm``,
+    ``concurrency``, ``budget``) refusing a request of ``cost`` tokens; ``retry_ms`` < 0: never fits."""
+    if retry_ms < 0:
+        limit = limits.tpm if what == "tpm" else limits.token_budget
+        period = "per minute" if what == "tpm" else f"per {limits.budget_period}"
+        message = (f"Request too large: it may use up to {cost} tokens, more than this {scope}'s limit of "
+                   f"{limit} tokens {period}. Lower max_tokens or the prompt size.")
+        retry_s = 0
+    else:
+        retry_s = max(1, math.ceil(retry_ms / 1000))
+        message = {
+            "rpm": f"Rate limit reached for this {scope}: {limits.rpm} requests per minute.",
+            "tpm": f"Rate limit reached for this {scope}: {limits.tpm} tokens per minute "
+                   f"(this request reserves {cost}).",
+            "concurrency": f"Too many concurrent requests for this {scope}: limit {limits.max_concurrent}.",
+            "budget": f"Token budget exhausted for this {scope}: {limits.token_budget} tokens per "
+                      f"{limits.budget_period}.",
+        }[what] + f" Retry after {retry_s} s."
+    if retry_s:
+        headers = [(b"retry-after", str(retry_s).encode()), *headers]
+    code = LIMIT_CODES.get(what, "rate_limit_exceeded")
+    return RateLimitExceeded(message, retry_s, headers, reason=f"{scope}_{what}", code=code)
+
+
 async def limits_acquire(redis, prefix: str, ctx: LimitsContext, *, max_tokens_reserved: int,
                          lease_ttl_s: float = LEASE_TTL_S, keepalive: bool = True) -> LimitGrant:
     """Check and reserve one request against ``ctx``'s key and tenant limits, atomically (one Lua call).
@@ -445,28 +524,8 @@ async def limits_acquire(redis, prefix: str, ctx: LimitsContext, *, max_tokens_r
     tokens = _binding([(kargs[1], k_tpm_rem, k_tpm_reset), (targs[1], t_tpm_rem, t_tpm_reset)])
     if not ok:
         scope, what = _REASONS[fail]
-        limits = key_limits if scope == "key" else tenant_limits
-        headers = limits_headers(requests, tokens)
-        if retry_ms < 0:
-            limit = limits.tpm if what == "tpm" else limits.token_budget
-            period = "per minute" if what == "tpm" else f"per {limits.budget_period}"
-            message = (f"Request too large: it may use up to {cost} tokens, more than this {scope}'s limit of "
-                       f"{limit} tokens {period}. Lower max_tokens or the prompt size.")
-            retry_s = 0
-        else:
-            retry_s = max(1, math.ceil(retry_ms / 1000))
-            message = {
-                "rpm": f"Rate limit reached for this {scope}: {limits.rpm} requests per minute.",
-                "tpm": f"Rate limit reached for this {scope}: {limits.tpm} tokens per minute "
-                       f"(this request reserves {cost}).",
-                "concurrency": f"Too many concurrent requests for this {scope}: limit {limits.max_concurrent}.",
-                "budget": f"Token budget exhausted for this {scope}: {limits.token_budget} tokens per "
-                          f"{limits.budget_period}.",
-            }[what] + f" Retry after {retry_s} s."
-        if retry_s:
-            headers = [(b"retry-after", str(retry_s).encode()), *headers]
-        code = LIMIT_CODES.get(what, "rate_limit_exceeded")
-        raise RateLimitExceeded(message, retry_s, headers, reason=f"{scope}_{what}", code=code)
+        raise _exceeded(scope, what, key_limits if scope == "key" else tenant_limits, cost, retry_ms,
+                        limits_headers(requests, tokens))
     grant = LimitGrant(
         grant_id=grant_id, key_id=ctx.key_id, tenant_id=ctx.tenant_id, reserved_tokens=cost,
         lease_ttl_s=lease_ttl_s,
@@ -480,6 +539,40 @@ async def limits_acquire(redis, prefix: str, ctx: LimitsContext, *, max_tokens_r
         grant._keepalive = asyncio.get_running_loop().create_task(_keepalive(redis, grant))
     return grant
 
+
+
+async def limits_add_tokens(redis, prefix: str, ctx: LimitsContext, grant: LimitGrant, tokens: int) -> LimitGrant:
+    """Second step of a two-step acquire: reserve ``tokens`` more against TPM and budgets of ``ctx``'s key and
+    tenant on ``grant`` (taken by ``limits_acquire``, typically with ``max_tokens_reserved=0`` before the body is
+    parsed, so that RPM and concurrency are taken before any work), atomically (one Lua call).
+
+    On success ``grant.reserved_tokens`` grows by ``tokens`` (``limits_settle`` refunds from it) and
+    ``grant.tokens`` is the new header state. Raises ``RateLimitExceeded`` (nothing more reserved; the
+    grant still holds its request and concurrency slot: settle it) and ``redis.exceptions.RedisError``.
+    """
+    cost = max(0, int(tokens))
+    if cost == 0 or grant.settled or not (any(grant.tpm_keys) or any(grant.budget_keys)):
+        return grant
+    key_limits: Limits = getattr(ctx, "key_limits", None) or UNLIMITED
+    tenant_limits: Limits = getattr(ctx, "tenant_limits", None) or UNLIMITED
+    now = time.time()
+    _, kargs = _scope_keys(prefix, "k", ctx.key_id, key_limits, now)
+    _, targs = _scope_keys(prefix, "t", ctx.tenant_id, tenant_limits, now)
+    tpm_keys = list(grant.tpm_keys) or ["", ""]
+    budget_keys = list(grant.budget_keys) or ["", ""]
+    res = await _script(redis, "add_tokens", _ADD_TOKENS_LUA)(
+        keys=[tpm_keys[0], budget_keys[0], tpm_keys[1], budget_keys[1]],
+        args=[cost, kargs[1], kargs[3], kargs[4], targs[1], targs[3], targs[4]])
+    ok, fail, retry_ms = int(res[0]), int(res[1]), int(res[2])
+    k_rem, k_reset, t_rem, t_reset = (int(x) for x in res[3:7])
+    tokens_state = _binding([(kargs[1], k_rem, k_reset), (targs[1], t_rem, t_reset)])
+    if not ok:
+        scope, what = {1: ("key", "tpm"), 2: ("key", "budget"), 3: ("tenant", "tpm"), 4: ("tenant", "budget")}[fail]
+        raise _exceeded(scope, what, key_limits if scope == "key" else tenant_limits, cost, retry_ms,
+                        limits_headers(grant.requests, tokens_state))
+    grant.reserved_tokens += cost
+    grant.tokens = tokens_state
+    return grant
 
 async def limits_settle(redis, prefix: str, grant: LimitGrant, *, actual_tokens: int,
                         marker_ttl_s: float | None = None) -> bool:

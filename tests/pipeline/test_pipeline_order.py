@@ -24,8 +24,9 @@ from tests.support.redis import TEST_REDIS_URL, fresh_prefix
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / ".cache" / "models" / "tiny-qwen3"
 MODEL = "order-m"
-# DESIGN.md §2 order of a streamed chat's steps
-DESIGN_ORDER = ["authenticate", "validate", "model", "key limits", "admission pre-check", "render",
+# DESIGN.md §2 order of a streamed chat's steps: the key's request and concurrency limits right after
+# authentication, before the body is parsed; its token estimate (TPM, budgets) once validated, before render
+DESIGN_ORDER = ["authenticate", "key limits", "validate", "model", "key limits (tokens)", "admission pre-check", "render",
                 "input processing", "admission reserve", "engine add", "output", "usage"]
 
 
@@ -66,6 +67,7 @@ def platform(settings, monkeypatch, transactional_db):
         for owner, name, step in [
             (preamble, "authenticate", "authenticate"), (preamble, "parse", "validate"),
             (preamble, "resolve_model", "model"), (limits, "acquire", "key limits"),
+            (limits, "add_tokens", "key limits (tokens)"),
             (admission, "precheck", "admission pre-check"), (media, "call_render", "render"),
             (inputs, "process", "input processing"), (admission, "reserve", "admission reserve"),
             (FakeLink, "add_requests", "engine add"), (GatewayConsumer, "start_sse", "output"),
@@ -75,8 +77,8 @@ def platform(settings, monkeypatch, transactional_db):
         yield steps, keys, fake
 
 
-async def _chat(key: str) -> tuple[int, bytes]:
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4,
+async def _chat(key: str, body: bytes | None = None) -> tuple[int, bytes]:
+    body = body if body is not None else json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4,
                        "stream": True}).encode()
     scope = {"type": "http", "http_version": "1.1", "method": "POST", "path": "/v1/chat/completions",
              "raw_path": b"/v1/chat/completions", "query_string": b"", "root_path": "", "scheme": "http",
@@ -128,6 +130,17 @@ async def test_an_over_limit_key_gets_its_429_before_any_render(platform):
     status, body = await _chat(keys["rpm1"])  # the second request of the minute: over rpm=1
     assert status == 429, body
     assert json.loads(body)["error"]["code"] == "rate_limit_exceeded"
-    await _until_usage(steps)
-    assert _collapsed(steps) == ["authenticate", "validate", "model", "key limits", "usage"]
+    assert _collapsed(steps) == ["authenticate", "key limits"]  # 429 before the body is parsed
     assert len(fake.added) == 1  # only the first request reached the engine
+
+
+async def test_an_over_limit_key_gets_429_for_an_invalid_body_without_parsing_it(platform):
+    steps, keys, fake = platform
+    status, _ = await _chat(keys["rpm1"])
+    assert status == 200
+    await _until_usage(steps)
+    steps.clear()
+    status, body = await _chat(keys["rpm1"], body=b"{not json" + b" " * 1_000_000)
+    assert status == 429, body  # not 400: the key's RPM comes before any parse
+    assert json.loads(body)["error"]["code"] == "rate_limit_exceeded"
+    assert "validate" not in steps and _collapsed(steps) == ["authenticate", "key limits"]

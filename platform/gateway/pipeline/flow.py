@@ -16,11 +16,15 @@ from tenancy.selectors import AuthContext
 async def hold_before_render(consumer: GatewayConsumer, scope: RequestScope, ctx: AuthContext, model: ModelSnapshot, *, n: int, size: int,
                              exact: bool, max_tokens: int | None = None, tokens: int | None = None) -> None:
     """Steps 2-3, before any render or image work: the key's limits on an estimate (``tokens``, else
-    ``limits.estimate(model, size, n, max_tokens)``; 429), then the admission pre-check of ``n`` requests of at
+    ``limits.estimate(model, size, n, max_tokens)``; 429): added to ``scope.grant`` when the preamble took the
+    request and concurrency limits already (``limits.add_tokens``), else taken whole (``limits.acquire``); then the admission pre-check of ``n`` requests of at
     most ``size`` (bytes, or with ``exact`` token ids; 503). Both are recorded on ``scope`` as soon as taken."""
     if tokens is None:
         tokens = limits.estimate(model, size, n, max_tokens, exact=exact)
-    scope.grant = await limits.acquire(consumer, ctx, tokens)
+    if scope.grant is None:
+        scope.grant = await limits.acquire(consumer, ctx, tokens)
+    else:
+        await limits.add_tokens(consumer, ctx, scope.grant, tokens)
     scope.reservation = await admission.precheck(model, scope.recorder.request_id, n, size, exact=exact)
 
 

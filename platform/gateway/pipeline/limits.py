@@ -22,6 +22,7 @@ from tenancy.limits import (
     RateLimitExceeded,
     grant_headers,
     limits_acquire,
+    limits_add_tokens,
     limits_reservation,
     limits_settle,
 )
@@ -55,6 +56,19 @@ async def acquire(consumer: GatewayConsumer, ctx: AuthContext, tokens: int) -> L
     return grant
 
 
+async def add_tokens(consumer: GatewayConsumer, ctx: AuthContext, grant: LimitGrant, tokens: int) -> None:
+    """Second step of the key limits, once the body is validated: reserve ``tokens`` (the estimate) against
+    TPM and budgets on ``grant`` (taken by ``acquire(..., 0)`` right after authentication) and refresh the
+    ``x-ratelimit-*`` headers. Raises ``ApiError`` 429; ``grant`` still holds its request and concurrency
+    slot then (its owner settles it)."""
+    try:
+        await limits_add_tokens(redis(), settings.LINK_PREFIX, ctx, grant, limits_reservation(tokens, 0, 1))
+    except RateLimitExceeded as exc:
+        raise api_error_from(exc) from None
+    consumer.extra_headers[:] = [h for h in consumer.extra_headers if not h[0].startswith(b"x-ratelimit-")]
+    consumer.extra_headers.extend(grant_headers(grant))
+
+
 async def settle(grant: LimitGrant | None, actual_tokens: int) -> None:
     """Settle ``grant`` on the tokens really used (no-op for ``None``; never raises: the concurrency lease
     expires by itself if this fails)."""
@@ -69,10 +83,13 @@ async def settle(grant: LimitGrant | None, actual_tokens: int) -> None:
 
 
 @asynccontextmanager
-async def held(consumer: GatewayConsumer, ctx: AuthContext, tokens: int = 0) -> AsyncIterator[LimitGrant]:
+async def held(consumer: GatewayConsumer, ctx: AuthContext, tokens: int = 0,
+               grant: LimitGrant | None = None) -> AsyncIterator[LimitGrant]:
     """Hold the key's limits around a route that generates nothing (``/tokenize``, render routes, abort):
-    ``acquire`` on entry (429, nothing held), ``settle`` once on any exit on ``tokens``."""
-    grant = await acquire(consumer, ctx, tokens)
+    ``acquire`` on entry (429, nothing held) unless ``grant`` was taken already (the preamble's), ``settle``
+    once on any exit on ``tokens``. Enter it right after authentication, before parsing the body."""
+    if grant is None:
+        grant = await acquire(consumer, ctx, tokens)
     try:
         yield grant
     finally:

@@ -13,9 +13,17 @@ from gateway import auth
 from gateway.errors import ErrorCode, bad_request, not_found
 from gateway.http import OFF_LOOP_PARSE_BYTES, GatewayConsumer, json_body
 from gateway.model_cache import ModelSnapshot, get_model
+from gateway.pipeline import limits
 from gateway.pipeline.failures import api_error_from
 from inference.protocol.openai import MAX_REQUEST_ID_LEN, RequestValidationError, validate_request
+from tenancy.limits import LimitGrant
 from tenancy.selectors import AuthContext
+
+
+def clean_request_id(value: str) -> str:
+    """``value`` with only printable ASCII other than space kept (``!`` to ``~``): a request id is echoed as
+    the ``X-Request-Id`` header, so every route keeps the same characters (empty when none is left)."""
+    return "".join(ch for ch in value if 32 < ord(ch) < 127)
 
 
 def client_request_id(header_value: bytes | None, body_value: str | None) -> str:
@@ -37,7 +45,7 @@ def client_request_id(header_value: bytes | None, body_value: str | None) -> str
             raise bad_request(f"request_id is longer than {MAX_REQUEST_ID_LEN} characters", "request_id")
         raw = body_value
     if raw:
-        cleaned = "".join(ch for ch in raw if 32 < ord(ch) < 127)
+        cleaned = clean_request_id(raw)
         if cleaned:
             return cleaned
     return secrets.token_hex(8)
@@ -80,23 +88,39 @@ def echo_request_id(consumer: GatewayConsumer, request_id: str) -> None:
 @dataclass
 class Preamble:
     """An authenticated, validated request: ``ctx`` (``AuthContext``), ``req`` (the validated body),
-    ``base_id`` (the client's id, echoed) and ``external_id`` (``id_prefix + base_id``, shown in responses)."""
+    ``base_id`` (the client's id, echoed), ``external_id`` (``id_prefix + base_id``, shown in responses) and
+    ``grant``, the key's request and concurrency limits taken before the body was parsed (the caller releases
+    it: ``request_scope(grant=...)`` or ``limits.held(grant=...)``)."""
 
     ctx: AuthContext
     req: Any
     base_id: str
     external_id: str
+    grant: LimitGrant
 
 
-async def preamble(consumer: GatewayConsumer, body: bytes, schema: type, id_prefix: str) -> Preamble:
+def _body_request_id(req: Any) -> str | None:
+    value: str | None = getattr(req, "request_id", None)
+    return value
+
+
+async def preamble(consumer: GatewayConsumer, body: bytes, schema: Callable[[dict[str, Any]], Any] | type,
+                   id_prefix: str, body_id: Callable[[Any], str | None] = _body_request_id) -> Preamble:
     """DESIGN.md §2 steps 1-2 for the inference endpoints: authenticate (401; 403 without the ``inference``
-    scope), parse and validate ``body`` into ``schema`` (400 naming the field), and echo the client's request
-    id (``X-Request-Id`` header, else body ``request_id``, else random)."""
+    scope), take the key's request (RPM) and concurrency limits before any work (``limits.acquire`` of 0
+    tokens; 429: the body is never parsed), parse and validate ``body`` with ``schema`` (400 naming the
+    field), and echo the client's request id (``X-Request-Id`` header, else ``body_id(req)``, else random).
+    On any failure after the limits were taken they are released (settled on 0 tokens) before raising."""
     ctx = await authenticate(consumer)
-    req = await parse(body, schema)
-    base_id = client_request_id(consumer.header(b"x-request-id"), getattr(req, "request_id", None))
+    grant = await limits.acquire(consumer, ctx, 0)
+    try:
+        req = await parse(body, schema)
+        base_id = client_request_id(consumer.header(b"x-request-id"), body_id(req))
+    except BaseException:
+        await limits.settle(grant, 0)
+        raise
     echo_request_id(consumer, base_id)
-    return Preamble(ctx, req, base_id, id_prefix + base_id)
+    return Preamble(ctx, req, base_id, id_prefix + base_id, grant)
 
 
 async def resolve_model(ctx: AuthContext, name: str | None) -> ModelSnapshot:

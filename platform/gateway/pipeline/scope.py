@@ -60,15 +60,16 @@ def _background(coro: Coroutine[Any, Any, None]) -> None:
 
 @asynccontextmanager
 async def request_scope(endpoint: str, request_id: str, arrival: float, ctx: AuthContext, model_name: str | None,
-                        n: int) -> AsyncIterator[RequestScope]:
+                        n: int, grant: Any = None) -> AsyncIterator[RequestScope]:
     """Run one request's work inside; on exit (success, ``ApiError``, client disconnect) release what it holds
     (``RequestScope.release``), once.
 
     The usage status is 200, the ``ApiError``'s status, or 499 with finish reason ``abort`` when the client went
-    away; the finish reason is the first choice's. A request refused before holding anything emits its usage
+    away; the finish reason is the first choice's. ``grant``: the key-limit grant the preamble took (released
+    with the rest). A request refused before holding anything emits its usage
     event in the background, so the refusal is answered without waiting for it.
     """
-    scope = RequestScope(UsageRecorder(endpoint, request_id, arrival, ctx, model_name, n=n))
+    scope = RequestScope(UsageRecorder(endpoint, request_id, arrival, ctx, model_name, n=n), grant=grant)
     try:
         yield scope
         choices = getattr(scope.run, "choices", None)
