@@ -36,7 +36,8 @@ from inference.renderer.chat_template import (
     template_seconds,
     tokenize_prompt,
 )
-from inference.renderer.errors import RenderError, RenderOverloadedError, TemplateTimeoutError
+from inference.renderer.errors import ContextLengthError, RenderError, RenderOverloadedError, TemplateTimeoutError
+from inference.renderer.tokenizer_cache import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,42 @@ def _structured(body: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[d
     return run
 
 
+def prompt_char_bound(tokenizer_dir: str, max_model_len: int) -> int:
+    """The most characters of text that can fit ``max_model_len`` tokens whatever their tokenization:
+    ``max_model_len × max_token_chars`` (the tokenizer's longest token string; vLLM's character pre-check,
+    ``vllm/entrypoints/renderer.py``). 0 when ``max_model_len`` is not positive (no bound)."""
+    if int(max_model_len) <= 0:
+        return 0
+    return int(max_model_len) * max(1, int(get_tokenizer(tokenizer_dir).max_token_chars))
+
+
+def text_chars(messages: Any) -> int:
+    """Characters of text in chat ``messages`` as dicts (string contents and the ``text`` of parts)."""
+    total = 0
+    for m in messages if isinstance(messages, list) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p.get("text") or "") for p in content if isinstance(p, dict)
+                         and isinstance(p.get("text"), str))
+    return total
+
+
+def check_chars(payload: dict[str, Any], n_chars: int, param: str) -> None:
+    """The render worker's backstop of the gateway's character pre-check: with ``payload["max_model_len"]``
+    set, raise ``ContextLengthError`` (param ``param``) before tokenizing ``n_chars`` characters of text that
+    cannot fit the context, so no prompt of any size makes the worker allocate far beyond its own size."""
+    max_len = payload.get("max_model_len") if isinstance(payload, dict) else None
+    if not max_len:
+        return
+    bound = prompt_char_bound(_require(payload, "tokenizer_dir"), int(max_len))
+    if bound and n_chars > bound:
+        raise ContextLengthError(
+            f"The input has {n_chars} characters, more than can fit this model's maximum context length of "
+            f"{max_len} tokens (at most {bound} characters). Please reduce the length of the input.", param=param)
+
+
 @_structured
 def run_render_chat(payload: dict[str, Any]) -> dict[str, Any]:
     """The body of ``render_chat_task`` (callable in-process for the inline pool of DESIGN.md §4).
@@ -103,12 +140,14 @@ def run_render_chat(payload: dict[str, Any]) -> dict[str, Any]:
     payload: ``{"tokenizer_dir": str, "messages": list, "add_generation_prompt"?: bool,
     "continue_final_message"?: bool, "tools"?: list|None, "documents"?: list|None,
     "chat_template"?: str|None, "chat_template_kwargs"?: dict|None, "add_special_tokens"?: bool,
-    "client_chat_template"?: bool, "allow_control_tokens"?: bool}``. ``client_chat_template`` is routing only:
+    "client_chat_template"?: bool, "allow_control_tokens"?: bool, "max_model_len"?: int}``; with
+    ``max_model_len``, text over ``prompt_char_bound`` raises ``ContextLengthError`` before rendering. ``client_chat_template`` is routing only:
     set when ``chat_template`` came from the client, so the api never runs it in-process
     (``gateway.render.runs_inline``; ignored here). ``allow_control_tokens`` (default False): control-token
     strings in request text stay text.
     Returns ``{"ok": True, "prompt_text": str, "prompt_token_ids": list[int]}`` or an error dict.
     """
+    check_chars(payload, text_chars(payload.get("messages")) if isinstance(payload, dict) else 0, "messages")
     kwargs = {k: payload[k] for k in _RENDER_ARGS if isinstance(payload, dict) and k in payload}
     out = render_chat(_require(payload, "tokenizer_dir"), _require(payload, "messages"), **kwargs)
     return {"ok": True, "prompt_text": out.prompt_text, "prompt_token_ids": out.prompt_token_ids}
@@ -116,8 +155,11 @@ def run_render_chat(payload: dict[str, Any]) -> dict[str, Any]:
 
 @_structured
 def run_tokenize_prompt(payload: dict[str, Any]) -> dict[str, Any]:
-    """payload ``{"tokenizer_dir", "prompt", "add_special_tokens"?: bool (default True)}`` ->
-    ``{"ok": True, "prompt_token_ids": [...]}`` or an error dict."""
+    """payload ``{"tokenizer_dir", "prompt", "add_special_tokens"?: bool (default True), "max_model_len"?: int}``
+    -> ``{"ok": True, "prompt_token_ids": [...]}`` or an error dict (``ContextLengthError`` before encoding
+    when the prompt has more characters than ``prompt_char_bound``)."""
+    prompt = payload.get("prompt") if isinstance(payload, dict) else None
+    check_chars(payload, len(prompt) if isinstance(prompt, str) else 0, "prompt")
     ids = tokenize_prompt(
         _require(payload, "tokenizer_dir"),
         _require(payload, "prompt"),

@@ -99,3 +99,11 @@ class TokenizerLoadError(RenderError):
     """The tokenizer directory is missing or unreadable (a deployment problem, not a client one)."""
 
     default_param = None
+
+
+class ContextLengthError(RenderError):
+    """The text has more characters than can fit the model's context whatever its tokenization
+    (``max_model_len × longest token string``; vLLM's character pre-check, ``vllm/entrypoints/renderer.py``):
+    refused before tokenizing. The gateway answers 400 ``context_length_exceeded``."""
+
+    default_param = "prompt"

@@ -41,7 +41,7 @@ _INLINE = {
 }
 
 # renderer error type → public code (anything else: invalid_prompt)
-_RENDER_CODES = {"TemplateTimeoutError": ErrorCode.TEMPLATE_TIMEOUT, "NoChatTemplateError": ErrorCode.NO_CHAT_TEMPLATE,
+_RENDER_CODES = {"ContextLengthError": ErrorCode.CONTEXT_LENGTH_EXCEEDED, "TemplateTimeoutError": ErrorCode.TEMPLATE_TIMEOUT, "NoChatTemplateError": ErrorCode.NO_CHAT_TEMPLATE,
                  "TemplateSecurityError": ErrorCode.TEMPLATE_SECURITY, "TemplateLimitError": ErrorCode.TEMPLATE_LIMIT}
 
 
@@ -189,13 +189,15 @@ def chat_render_payload(model: ModelSnapshot, req: ChatCompletionRequest | Token
         "add_special_tokens": bool(req.add_special_tokens),
         # control-token strings in request text stay text unless the operator opted this model out
         "allow_control_tokens": bool(model.allow_control_tokens_in_content),
+        "max_model_len": int(model.max_model_len),  # the worker's character backstop (inference.tasks)
     }
 
 
 async def tokenize_prompt(model: ModelSnapshot, prompt: str, add_special_tokens: bool) -> list[int]:
     """Token ids of a completion-style text ``prompt``."""
     result = await call_render("inference.tokenize_prompt", {
-        "tokenizer_dir": model.tokenizer_dir, "prompt": prompt, "add_special_tokens": add_special_tokens})
+        "tokenizer_dir": model.tokenizer_dir, "prompt": prompt, "add_special_tokens": add_special_tokens,
+        "max_model_len": int(model.max_model_len)})
     ids: list[int] = result["prompt_token_ids"]
     return ids
 
