@@ -13,7 +13,7 @@ from gateway.pipeline.clients import link
 from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.flow import admit_and_start, hold_before_render
 from gateway.pipeline.media import render_chat_media
-from gateway.pipeline.scope import request_scope
+from gateway.pipeline.scope import record_refusal, request_scope
 from gateway.pipeline.usage import public_finish_reason
 from inference.input_processor import new_internal_id
 from inference.output_processor import ChoiceDelta, ChoiceState
@@ -26,7 +26,8 @@ class ChatCompletionsConsumer(GatewayConsumer):
 
     async def handle_request(self, body: bytes) -> None:
         arrival = time.time()
-        pre = await preamble.preamble(self, body, ChatCompletionRequest, "chatcmpl-")
+        pre = await preamble.preamble(self, body, ChatCompletionRequest, "chatcmpl-",
+                                      on_refused=record_refusal("chat.completions"))
         ctx, req, n = pre.ctx, pre.req, pre.req.n or 1
         async with request_scope("chat.completions", new_internal_id(pre.external_id), arrival, ctx, req.model,
                                  n, grant=pre.grant) as scope:

@@ -12,7 +12,7 @@ from gateway.pipeline import inputs, preamble, rendering, responses
 from gateway.pipeline.clients import link
 from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.flow import admit_and_start, hold_before_render
-from gateway.pipeline.scope import request_scope
+from gateway.pipeline.scope import record_refusal, request_scope
 from gateway.pipeline.usage import public_finish_reason
 from inference.input_processor import new_internal_id
 from inference.output_processor import ChoiceDelta, ChoiceState
@@ -25,7 +25,8 @@ class CompletionsConsumer(GatewayConsumer):
 
     async def handle_request(self, body: bytes) -> None:
         arrival = time.time()
-        pre = await preamble.preamble(self, body, CompletionRequest, "cmpl-")
+        pre = await preamble.preamble(self, body, CompletionRequest, "cmpl-",
+                                      on_refused=record_refusal("completions"))
         ctx, req, n = pre.ctx, pre.req, pre.req.n or 1
         ids_prompt = isinstance(req.prompt, list)  # token ids: sizes are exact; text: UTF-8 bytes bound
         async with request_scope("completions", new_internal_id(pre.external_id), arrival, ctx, req.model,

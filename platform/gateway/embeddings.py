@@ -40,7 +40,7 @@ from gateway.pipeline.clients import link
 from gateway.pipeline.engine import run_pooling
 from gateway.pipeline.failures import api_error_from
 from gateway.pipeline.flow import hold_before_render
-from gateway.pipeline.scope import request_scope
+from gateway.pipeline.scope import record_refusal, request_scope
 from inference.admission import estimate_prompt_tokens
 from inference.embeddings import (  # noqa: F401 - EmbeddingRequest, normalize_input: this route's public names
     MAX_EMBEDDING_INPUTS,
@@ -97,7 +97,8 @@ class EmbeddingsConsumer(GatewayConsumer):
 
     async def handle_request(self, body: bytes) -> None:
         arrival = time.time()
-        pre = await preamble.preamble(self, body, validate_embeddings, "embd-", body_id=lambda r: r[0].request_id)
+        pre = await preamble.preamble(self, body, validate_embeddings, "embd-", body_id=lambda r: r[0].request_id,
+                                      on_refused=record_refusal("embeddings"))
         ctx, (req, inputs), external_id = pre.ctx, pre.req, pre.external_id
         async with request_scope("embeddings", new_internal_id(external_id), arrival, ctx, req.model,
                                  len(inputs), grant=pre.grant) as scope:

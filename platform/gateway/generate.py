@@ -41,7 +41,7 @@ from gateway.pipeline import inputs, limits, preamble, rendering, responses
 from gateway.pipeline.clients import link, redis
 from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.flow import admit_and_start, hold_before_render
-from gateway.pipeline.scope import request_scope
+from gateway.pipeline.scope import record_refusal, request_scope
 from inference.input_processor import GenerationDefaults, ProcessedInput, generation_defaults, new_internal_id
 from inference.protocol.engine import control_stream
 from inference.output_processor import ChoiceDelta, ChoiceState
@@ -87,7 +87,8 @@ class GenerateConsumer(GatewayConsumer):
 
     async def handle_request(self, body: bytes) -> None:
         arrival = time.time()
-        pre = await preamble.preamble(self, body, GenerateRequest, "generate-tokens-", body_id=lambda r: None)
+        pre = await preamble.preamble(self, body, GenerateRequest, "generate-tokens-", body_id=lambda r: None,
+                                      on_refused=record_refusal("generate"))
         ctx, req = pre.ctx, pre.req
         # the body's id (e.g. the render route's chatcmpl-…) verbatim, cleaned as every echoed id is
         external_id = (req.request_id and preamble.clean_request_id(req.request_id)) or pre.external_id

@@ -130,7 +130,8 @@ async def test_an_over_limit_key_gets_its_429_before_any_render(platform):
     status, body = await _chat(keys["rpm1"])  # the second request of the minute: over rpm=1
     assert status == 429, body
     assert json.loads(body)["error"]["code"] == "rate_limit_exceeded"
-    assert _collapsed(steps) == ["authenticate", "key limits"]  # 429 before the body is parsed
+    await _until_usage(steps)
+    assert _collapsed(steps) == ["authenticate", "key limits", "usage"]  # 429 before the body is parsed, recorded
     assert len(fake.added) == 1  # only the first request reached the engine
 
 
@@ -143,4 +144,5 @@ async def test_an_over_limit_key_gets_429_for_an_invalid_body_without_parsing_it
     status, body = await _chat(keys["rpm1"], body=b"{not json" + b" " * 1_000_000)
     assert status == 429, body  # not 400: the key's RPM comes before any parse
     assert json.loads(body)["error"]["code"] == "rate_limit_exceeded"
-    assert "validate" not in steps and _collapsed(steps) == ["authenticate", "key limits"]
+    await _until_usage(steps)
+    assert "validate" not in steps and _collapsed(steps) == ["authenticate", "key limits", "usage"]

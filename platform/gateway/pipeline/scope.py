@@ -4,9 +4,11 @@ the engine run (aborted if unfinished), the admission reservation, the key-limit
 from __future__ import annotations
 
 import asyncio
+import secrets
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Coroutine
+from typing import Any, AsyncIterator, Callable, Coroutine
 
 from tenancy.selectors import AuthContext
 
@@ -56,6 +58,19 @@ def _background(coro: Coroutine[Any, Any, None]) -> None:
     task = asyncio.get_running_loop().create_task(coro)
     _background_tasks.add(task)
     task.add_done_callback(_background_tasks.discard)
+
+
+def record_refusal(endpoint: str) -> Callable[[AuthContext, ApiError], None]:
+    """An ``on_refused`` for ``preamble.preamble``: records the usage event (status of the error, no model, no
+    tokens) of a request the key's limits refused before its body was read, in the background (the refusal is
+    answered at once)."""
+
+    def record(ctx: AuthContext, err: ApiError) -> None:
+        recorder = UsageRecorder(endpoint, f"refused-{secrets.token_hex(12)}", time.time(), ctx, None,
+                                 status_code=err.status)
+        _background(recorder.emit())
+
+    return record
 
 
 @asynccontextmanager
