@@ -33,7 +33,7 @@ def test_blocking_socket_timeout_outlasts_the_block_time():
 def _layer_from_settings(prefix: str) -> RedisChannelLayer:
     """The settings' channel layer, on the test Redis and under ``prefix``."""
     config = dict(settings.CHANNEL_LAYERS["default"]["CONFIG"])
-    config["hosts"] = [{**host, "address": URL} for host in config["hosts"]]
+    config["hosts"] = [{**(host if isinstance(host, dict) else {}), "address": URL} for host in config["hosts"]]
     config["prefix"] = prefix
     return RedisChannelLayer(**config)
 
