@@ -43,6 +43,7 @@ from inference.protocol.engine import (
     replicas_index_key,
     requests_stream,
 )
+from inference.redis_timeouts import blocking_socket_timeout
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,8 @@ WATCHDOG_INTERVAL_S = 1.0
 # inside the window is caught like one that dies after the check (watchdog, ACCEPT_GRACE_S)
 REPLICA_CHECK_TTL_S = 0.5
 ACCEPT_GRACE_S = 5.0
+# the reader's XREAD blocks this long (ms); the link's pool waits longer for any reply (redis_timeouts.py)
+READ_BLOCK_MS = 1000
 
 class EngineUnavailableError(RuntimeError):
     """No live engine replica serves the model (maps to HTTP 503)."""
@@ -86,7 +89,9 @@ class EngineLink:
         loop = asyncio.get_running_loop()
         link = cls._instances.get(id(loop))
         if link is None or link._loop is not loop:
-            link = cls(redis=aioredis.Redis.from_url(redis_url, max_connections=256), prefix=prefix)
+            link = cls(redis=aioredis.Redis.from_url(redis_url, max_connections=256,
+                                                     socket_timeout=blocking_socket_timeout(READ_BLOCK_MS / 1000)),
+                       prefix=prefix)
             link._start(loop)
             cls._instances[id(loop)] = link
         return link
@@ -201,11 +206,11 @@ class EngineLink:
                     # the entries already delivered are deleted in the same round trip as the next read
                     async with self.redis.pipeline(transaction=False) as pipe:
                         pipe.xdel(key, *read_ids)
-                        pipe.xread({key: last_id}, block=1000, count=512)
+                        pipe.xread({key: last_id}, block=READ_BLOCK_MS, count=512)
                         _deleted, resp = await pipe.execute()
                     read_ids = []
                 else:
-                    resp = await self.redis.xread({key: last_id}, block=1000, count=512)
+                    resp = await self.redis.xread({key: last_id}, block=READ_BLOCK_MS, count=512)
                 if not resp:
                     continue
                 ids = read_ids

@@ -50,6 +50,7 @@ from inference.protocol.engine import (
     replica_key,
     requests_stream,
 )
+from inference.redis_timeouts import blocking_socket_timeout
 
 from .runner import ModelRunner, RequestError, Sequence, make_rng, now
 
@@ -64,6 +65,7 @@ CLIENT_CHECK_INTERVAL_S = 2.0  # how often held requests' api processes are chec
 EARLY_ABORT_S = 60.0  # how long an abort for a not-yet-read request is remembered
 RECLAIM_IDLE_MS = 2000  # a request entry read but not acknowledged this long belongs to a dead replica
 RECLAIM_INTERVAL_S = 1.0
+POLL_BLOCK_MS = 100  # an idle replica's XREADGROUP blocks this long; its client waits longer (redis_timeouts.py)
 CONSUMER_FORGET_MS = 60_000  # dead replicas' consumers with nothing pending leave the group after this
 
 
@@ -106,7 +108,7 @@ class EngineCore:
         self.engine_id = engine_id or uuid.uuid4().hex[:12]
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
-        self.redis = redis.Redis.from_url(redis_url)
+        self.redis = redis.Redis.from_url(redis_url, socket_timeout=blocking_socket_timeout(POLL_BLOCK_MS / 1000))
         self.hb_redis = redis.Redis.from_url(redis_url)
         self.req_key = requests_stream(link_prefix, model)
         self.ctl_key = control_stream(link_prefix, model)
@@ -174,7 +176,7 @@ class EngineCore:
         resp: _XReadReply = None
         if room > 0:
             resp = cast(_XReadReply, self.redis.xreadgroup(ENGINE_GROUP, self.consumer, {self.req_key: ">"},
-                                                           count=room, block=100 if idle else None))
+                                                           count=room, block=POLL_BLOCK_MS if idle else None))
         accepted_ids: list[bytes] = []
         for _stream, entries in resp or []:
             for entry_id, fields in entries:

@@ -79,6 +79,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import dj_database_url
 
+from inference.redis_timeouts import blocking_socket_timeout
+
 BASE_DIR = Path(__file__).resolve().parent.parent  # platform/
 REPO_DIR = BASE_DIR.parent
 VAR_DIR = Path(os.environ.get("LLMP_VAR_DIR") or (REPO_DIR / "var"))
@@ -258,10 +260,18 @@ EMBEDDED_REDIS_PASSWORD_FILE = VAR_DIR / "redis_password"
 EMBEDDED_REDIS_PASSWORD = _secret_key_load_or_create(EMBEDDED_REDIS_PASSWORD_FILE) if REDIS_EMBEDDED else ""
 REDIS_URL = os.environ.get("REDIS_URL") or f"redis://:{EMBEDDED_REDIS_PASSWORD}@127.0.0.1:{EMBEDDED_REDIS_PORT}/0"
 
+# channels_redis waits on a channel with BZPOPMIN for this long (RedisChannelLayer.brpop_timeout, not a setting
+# of the layer); its pool's socket timeout must be longer, or an idle consumer (the usage WebSocket) dies with
+# "Timeout reading from ..." after 5 s under redis-py 8, whose default socket timeout is 5 s (redis_timeouts.py).
+CHANNEL_LAYER_BRPOP_TIMEOUT_S = 5
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [REDIS_URL], "prefix": f"{LINK_PREFIX}:asgi"},
+        "CONFIG": {
+            "hosts": [{"address": REDIS_URL,
+                       "socket_timeout": blocking_socket_timeout(CHANNEL_LAYER_BRPOP_TIMEOUT_S)}],
+            "prefix": f"{LINK_PREFIX}:asgi",
+        },
     }
 }
 
