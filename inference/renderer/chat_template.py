@@ -441,8 +441,46 @@ def render_chat(
         n_messages, n_tools, n_documents, n_kwargs = _neutralize(tok, inputs)
         neutral = render_chat_text(tokenizer_dir, n_messages, tools=n_tools, documents=n_documents,
                                    chat_template_kwargs=n_kwargs, **args)
-        ids = encode_rendered(tok, text, neutral, add_special_tokens=add_special_tokens)
+        try:
+            ids = encode_rendered(tok, text, neutral, add_special_tokens=add_special_tokens)
+        except InvalidMessagesError:
+            split = _split_reasoning(tok, messages)
+            if split is None:
+                raise
+            # the template splits the reasoning off the content itself (Qwen3): with the split done here the
+            # template emits its own <think> tags; accepted only when the text is exactly the same
+            if render_chat_text(tokenizer_dir, split, tools=tools, documents=documents,
+                                chat_template_kwargs=chat_template_kwargs, **args) != text:
+                raise
+            neutral = render_chat_text(tokenizer_dir, _neutralize(tok, split), tools=n_tools, documents=n_documents,
+                                       chat_template_kwargs=n_kwargs, **args)
+            ids = encode_rendered(tok, text, neutral, add_special_tokens=add_special_tokens)
     return RenderedPrompt(prompt_text=text, prompt_token_ids=ids)
+
+
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+
+
+def _split_reasoning(tok: LoadedTokenizer, messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """``messages`` with the reasoning of each assistant message whose string ``content`` holds ``</think>`` and
+    which has no reasoning field moved to ``reasoning_content``, split as Qwen3's template splits it
+    (``reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n')``,
+    ``content = content.split('</think>')[-1].lstrip('\\n')``); ``None`` when the tokenizer has no
+    ``</think>`` control token or no message changes. The caller keeps the result only when the template renders
+    it to the same text (DECISIONS: reasoning tags in assistant content)."""
+    if _THINK_CLOSE not in tok.control_tokens:
+        return None
+    out: list[dict[str, Any]] = []
+    changed = False
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if (isinstance(m, dict) and m.get("role") == "assistant" and isinstance(content, str)
+                and _THINK_CLOSE in content and all(m.get(f) is None for f in _REASONING_FIELDS)):
+            reasoning = content.split(_THINK_CLOSE)[0].rstrip("\n").split(_THINK_OPEN)[-1].lstrip("\n")
+            m = {**m, "content": content.split(_THINK_CLOSE)[-1].lstrip("\n"), "reasoning_content": reasoning}
+            changed = True
+        out.append(m)
+    return out if changed else None
 
 
 # A neutral stand-in for one character of a control-token string in request text: a private-use character

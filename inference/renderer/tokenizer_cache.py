@@ -153,9 +153,10 @@ class LoadedTokenizer:
             tokenizers without expanding/contracting normalizers (NFC can contract), so it is a
             cheap pre-check bound, not an exact count.
         add_bos_token/add_eos_token: whether ``encode(add_special_tokens=True)`` adds BOS/EOS.
-        control_tokens: the strings of the added tokens marked ``special`` in ``tokenizer.json`` (what
-            ``encode_special_tokens`` switches off), sorted; ``control_regex`` finds them (leftmost-longest),
-            ``None`` when there are none.
+        control_tokens: the strings of the added tokens of ``tokenizer.json``, ``special`` or not (Qwen3's
+            ``<think>``/``<tool_call>``, DeepSeek-V3's ``<｜User｜>`` are non-special), except the whitespace-only
+            ones (Gemma3's ``\n``/``▁▁``/``\t`` runs: ordinary text pieces), sorted; ``control_regex`` finds them
+            (leftmost-longest), ``None`` when there are none.
     """
 
     path: str
@@ -245,12 +246,19 @@ class LoadedTokenizer:
 
     # -- control tokens ---------------------------------------------------------------
     def text_only_tokenizer(self) -> tokenizers.Tokenizer:
-        """A copy of ``tokenizer`` with ``encode_special_tokens = True``: special added tokens inside the text
-        it encodes are split as ordinary text (transformers' ``split_special_tokens=True``). Built on first use,
+        """A copy of ``tokenizer`` in which no ``control_tokens`` string is matched: every control token is
+        marked ``special`` in the copy and ``encode_special_tokens = True`` (transformers'
+        ``split_special_tokens=True``) splits them as ordinary text; that flag alone would still match the
+        non-special ones. Other added tokens (whitespace runs) match as in ``tokenizer``. Built on first use,
         once per process; the shared ``tokenizer`` is never switched (other threads encode with it)."""
         with self._lock:
             if self._text_only is None:
-                copy = tokenizers.Tokenizer.from_str(self.tokenizer.to_str())
+                data = json.loads(self.tokenizer.to_str())
+                control = set(self.control_tokens)
+                for added in data.get("added_tokens", []):
+                    if added.get("content") in control:
+                        added["special"] = True
+                copy = tokenizers.Tokenizer.from_str(json.dumps(data))
                 copy.no_padding()
                 copy.no_truncation()
                 copy.encode_special_tokens = True
@@ -376,7 +384,7 @@ def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
         if chat_template is not None:
             named.setdefault("default", chat_template)
 
-    control = tuple(sorted({t.content for t in added.values() if t.special and t.content}))
+    control = tuple(sorted({t.content for t in added.values() if t.content.replace("\u2581", " ").strip()}))
 
     vocab = tok.get_vocab(with_added_tokens=True)
     max_chars = max((len(s) for s in vocab), default=1)
