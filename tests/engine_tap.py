@@ -102,12 +102,13 @@ class EngineTap:
     def finished(self, request_id: str, timeout: float = 30.0) -> EngineCoreOutput | None:
         """Wait (at most ``timeout`` s) for the engine's final output for ``request_id`` and return it."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while True:
             outs = self.outputs(request_id)
             if outs and outs[-1].finish_reason is not None:
                 return outs[-1]
+            if time.monotonic() >= deadline:
+                return None
             time.sleep(0.05)
-        return None
 
     def produced(self, request_id: str) -> int:
         """Tokens the engine generated for ``request_id``."""
