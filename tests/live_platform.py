@@ -8,10 +8,13 @@ random ``LINK_PREFIX`` that is deleted afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
@@ -220,3 +223,22 @@ def _ping(client) -> bool:
         return bool(client.ping())
     except Exception:  # noqa: BLE001
         return False
+
+
+@contextlib.contextmanager
+def engine_paused(live: LivePlatform, model: str = DEMO_MODEL):
+    """SIGSTOP ``model``'s (first) engine replica: requests it holds make no progress, admitted requests get
+    no first token, until the block ends (SIGCONT). The heartbeat is held meanwhile (its key's TTL and its
+    index score pushed 120 s ahead), so the replica stays alive however long the pause lasts on a slow
+    machine; once resumed, the engine's next beat (every 0.5 s) sets its own TTL again."""
+    from inference.protocol.engine import replica_key, replicas_index_key
+
+    st = live.replicas(model)[0]
+    r = live.redis
+    os.kill(st.pid, signal.SIGSTOP)
+    try:
+        r.pexpire(replica_key(live.prefix, model, st.engine_id), 120_000)
+        r.zadd(replicas_index_key(live.prefix, model), {st.engine_id: int(time.time() * 1000) + 120_000})
+        yield st
+    finally:
+        os.kill(st.pid, signal.SIGCONT)

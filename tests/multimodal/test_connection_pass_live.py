@@ -14,11 +14,13 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 
 import httpx
 import pytest
 
 from ops.supervisor import port_open, unix_socket_accepts, wait_until
+from tests.engine_tap import EngineTap, assert_engine_aborted
 from tests.live_platform import free_port
 from tests.multimodal.conftest import VL_MODEL
 from tests.multimodal.imgs import data_url, image_bytes
@@ -122,18 +124,22 @@ def test_answers_on_passed_connections_equal_direct_ones(live_vl, passing, path)
 
 def test_client_disconnect_on_a_passed_connection_aborts_the_request(live_vl, passing):
     body = {"model": VL_MODEL, "messages": big_image_messages(55), "max_tokens": 800, "stream": True,
-            "ignore_eos": True}
-    with httpx.Client(timeout=60) as http:
+            "ignore_eos": True}  # max_model_len 1024: with ignore_eos only an abort ends it before 800 tokens
+    tag = uuid.uuid4().hex[:10]
+    before = handoffs(live_vl)
+    with EngineTap(live_vl.redis_url, live_vl.prefix) as tap, httpx.Client(timeout=60) as http:
         with http.stream("POST", passing["base"] + "/v1/chat/completions", json=body,
-                         headers={"Authorization": f"Bearer {live_vl.api_key}"}) as resp:
+                         headers={"Authorization": f"Bearer {live_vl.api_key}", "X-Request-Id": tag}) as resp:
             assert resp.status_code == 200
             lines = resp.iter_lines()
             got = 0
             while got < 2:
                 got += next(lines).startswith("data: ")
-            wait_until(lambda: max(s.num_running for s in live_vl.replicas(VL_MODEL)) >= 1, 5, "running request")
-    wait_until(lambda: engine_idle(live_vl), 10, "engine request aborted")
-    wait_until(lambda: admission_idle(live_vl), 5, "admission released")
+        # the engine itself ended the request with abort, before its max_tokens
+        assert_engine_aborted(tap, tag, body["max_tokens"])
+    assert delta(before, handoffs(live_vl))["passed"] == 1  # it was the passed connection that went away
+    wait_until(lambda: engine_idle(live_vl), 30, "engine idle")
+    wait_until(lambda: admission_idle(live_vl), 30, "admission released")
 
 
 def test_large_body_on_a_passed_connection(live_vl, passing):
@@ -333,10 +339,13 @@ def _tcp_socket_fds(pid: int) -> dict[str, int]:
 def test_an_adopted_connection_is_not_inherited_by_child_processes(live_vl, passing):
     parent = passing["mm"].proc.pid
     workers = [int(p) for p in open(f"/proc/{parent}/task/{parent}/children").read().split()]
+    before = handoffs(live_vl)
     with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {live_vl.api_key}"}) as http:
         r = http.post(passing["base"] + "/tokenize", json={"model": VL_MODEL, "messages": big_image_messages(69)})
         assert r.status_code == 200, r.text
         held = {pid: _tcp_socket_fds(pid) for pid in workers}
+    # a connection was adopted at all (without a pass the check below would only see Redis/database sockets)
+    assert delta(before, handoffs(live_vl))["passed"] == 1
     # the client's connection (plus the workers' Redis and database connections) all close on exec
     assert sum(len(fds) for fds in held.values()) >= 1
     assert all(flags & os.O_CLOEXEC for fds in held.values() for flags in fds.values()), held
