@@ -58,7 +58,12 @@ def redirect_to(url: str):
     return fn
 
 
-def huge(n: int, with_length: bool):
+def huge(n: int, with_length: bool, progress: dict | None = None):
+    """Send ``n`` zero bytes; ``progress["sent"]`` counts what was written so far, ``progress["done"]`` is set
+    once all of it was."""
+    progress = {} if progress is None else progress
+    progress.update(sent=0, done=False)
+
     def fn(h):
         h.send_response(200)
         if with_length:
@@ -69,10 +74,13 @@ def huge(n: int, with_length: bool):
         while sent < n:
             h.wfile.write(chunk)
             sent += len(chunk)
+            progress["sent"] = sent
+        progress["done"] = True
     return fn
 
 
-def stall(seconds: float):
+def stall(seconds: float, over: threading.Event | None = None):
+    """Send a PNG start, then nothing for ``seconds``; ``over`` is set when the stall ends."""
     def fn(h):
         h.send_response(200)
         h.send_header("Content-Length", "100000")
@@ -80,4 +88,6 @@ def stall(seconds: float):
         h.wfile.write(b"\x89PNG")
         h.wfile.flush()
         time.sleep(seconds)
+        if over is not None:
+            over.set()
     return fn
