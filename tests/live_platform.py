@@ -230,15 +230,20 @@ def engine_paused(live: LivePlatform, model: str = DEMO_MODEL):
     """SIGSTOP ``model``'s (first) engine replica: requests it holds make no progress, admitted requests get
     no first token, until the block ends (SIGCONT). The heartbeat is held meanwhile (its key's TTL and its
     index score pushed 120 s ahead), so the replica stays alive however long the pause lasts on a slow
-    machine; once resumed, the engine's next beat (every 0.5 s) sets its own TTL again."""
-    from inference.protocol.engine import replica_key, replicas_index_key
+    machine; when it ends, both are set back to what the engine's own beat sets (``HEARTBEAT_TTL_S``), so a
+    replica stopped again right afterwards is not kept alive by this hold."""
+    from inference.protocol.engine import HEARTBEAT_TTL_S, replica_key, replicas_index_key
 
     st = live.replicas(model)[0]
     r = live.redis
+    key, index = replica_key(live.prefix, model, st.engine_id), replicas_index_key(live.prefix, model)
     os.kill(st.pid, signal.SIGSTOP)
     try:
-        r.pexpire(replica_key(live.prefix, model, st.engine_id), 120_000)
-        r.zadd(replicas_index_key(live.prefix, model), {st.engine_id: int(time.time() * 1000) + 120_000})
+        r.pexpire(key, 120_000)
+        r.zadd(index, {st.engine_id: int(time.time() * 1000) + 120_000})
         yield st
     finally:
+        ttl_ms = int(HEARTBEAT_TTL_S * 1000)
+        r.pexpire(key, ttl_ms)
+        r.zadd(index, {st.engine_id: int(time.time() * 1000) + ttl_ms})
         os.kill(st.pid, signal.SIGCONT)
