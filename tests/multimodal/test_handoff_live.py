@@ -21,6 +21,7 @@ from ops.supervisor import unix_socket_accepts, wait_until
 from tests.multimodal.conftest import VL_MODEL
 from tests.engine_tap import EngineTap, assert_engine_aborted
 from tests.multimodal.imgs import data_url, image_bytes
+from tests.multimodal.servers import wait_server_read
 
 IMAGE_TOKEN = 151655
 
@@ -260,9 +261,9 @@ def test_marker_split_across_body_chunks_is_found(live_vl, split):
         conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer " + live_vl.api_key.encode() + b"\r\nConnection: close\r\n"
                      b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw[:cuts[0]])
-        time.sleep(0.3)  # the front has read the first piece (a separate ASGI body message) by now
+        wait_server_read(conn)  # the front has read the first piece (a separate ASGI body message)
         conn.sendall(raw[cuts[0]:cuts[1]])
-        time.sleep(0.3)
+        wait_server_read(conn)
         conn.sendall(raw[cuts[1]:])
         reply = b""
         while chunk := conn.recv(65536):
@@ -279,7 +280,7 @@ def test_client_leaving_during_the_body_upload_leaves_nothing_behind(live_vl, sp
         conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer " + live_vl.api_key.encode() + b"\r\n"
                      b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw[: len(raw) // 2])
-        time.sleep(0.3)
+        wait_server_read(conn)  # the front holds half a body when the client leaves
     # the front and the multimodal api still answer, and no admission reservation is left
     r = post(base, live_vl.api_key, "/v1/chat/completions", {"model": VL_MODEL, "messages": image_messages(42),
                                                               "max_tokens": 1})
