@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import sys
@@ -56,9 +57,12 @@ async def one_aio(session: aiohttp.ClientSession, url: str, headers: dict, body:
         return 0, time.perf_counter() - t0
 
 
+_next_prompt = itertools.count()  # one sequence for the whole run: no phase (warm-up, capacity, loads) repeats a body
+
+
 def prompt_for(i: int, length: int) -> list[int]:
-    # distinct first token per request so the engine's prefix cache cannot skip the prefill
-    return [1000 + (i % 50000)] + [200 + (j * 7 + i) % 5000 for j in range(length - 1)]
+    # distinct first tokens per request so the engine's prefix cache cannot skip the prefill
+    return [1000 + (i % 50000), 1000 + (i // 50000) % 50000] + [200 + (j * 7 + i) % 5000 for j in range(length - 2)]
 
 
 async def calibrate(base, key, length, concurrency, seconds) -> float:
@@ -70,14 +74,13 @@ async def calibrate(base, key, length, concurrency, seconds) -> float:
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as client:
         async def worker(w):
             nonlocal done
-            i = w
             while time.perf_counter() < stop_at:
-                body = json.dumps({"model": DEMO_MODEL, "prompt": prompt_for(i, length), "max_tokens": 1}).encode()
+                body = json.dumps({"model": DEMO_MODEL, "prompt": prompt_for(next(_next_prompt), length),
+                                   "max_tokens": 1}).encode()
                 status, _ = await one_aio(client, url, headers, body)
-                i += concurrency
                 if status == 200:
                     done += 1
-        await asyncio.gather(*(worker(w) for w in range(concurrency)))  # warm-up
+        await asyncio.gather(*(worker(w) for w in range(concurrency)))  # warm-up (its bodies are never resent)
         done = 0
         stop_at = time.perf_counter() + seconds
         t0 = time.perf_counter()
@@ -90,8 +93,8 @@ async def offer(base, key, length, rate_rps, duration_s) -> dict:
     """Open-loop load: requests at uniform arrival times; each body is serialized before its send time, and
     the client is aiohttp (C HTTP parser), so the latencies are the server's, not the load generator's."""
     total = int(rate_rps * duration_s)
-    bodies = [json.dumps({"model": DEMO_MODEL, "prompt": prompt_for(i, length), "max_tokens": 1}).encode()
-              for i in range(total)]
+    bodies = [json.dumps({"model": DEMO_MODEL, "prompt": prompt_for(next(_next_prompt), length),
+                          "max_tokens": 1}).encode() for _ in range(total)]
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     url = f"{base}/v1/completions"
     connector = aiohttp.TCPConnector(limit=2000)

@@ -8,7 +8,10 @@ one run, each generating exactly ``--max-tokens`` tokens (EOS ignored, so the wo
 * direct: one left-padded batch through ``model.generate`` in this process; TTFT = time until the first
   token is chosen (a logits processor records the first call).
 
-Prints TTFT p50/p99, output tokens/s and the platform/direct ratios. Usage:
+Both sides get the same treatment: one warm-up, then ``--rounds`` measured rounds, each round with prompts no
+other round or warm-up used (so the platform's prefix cache never serves a measured prompt; the direct side has
+no such cache), and the same statistic (the mean over rounds of each figure). Prints TTFT p50/p99, output
+tokens/s and the platform/direct ratios. Usage:
 ``.venv/bin/python bench/chat_vs_direct.py [--concurrency 16] [--max-tokens 64] [--rounds 2]``
 """
 
@@ -28,11 +31,18 @@ sys.path[:0] = [str(REPO), str(REPO / "platform")]
 from tests.live_platform import DEMO_MODEL, MODEL_DIR, start_platform
 
 
-def prompts(n: int) -> list[list[dict]]:
+def prompts(n: int, phase: str) -> list[list[dict]]:
+    """``n`` conversations of ``phase`` (``warm-up``, ``round 1``, ...): the phase and the index lead the
+    prompt, so no two phases share a prefix the engine's prefix cache could serve."""
     topics = ["the sea", "mountains", "a robot", "coffee", "the moon", "a library", "rain", "trains",
               "a garden", "winter", "music", "a city at night", "bees", "a lighthouse", "deserts", "clocks"]
-    return [[{"role": "user", "content": f"Write a short story about {topics[i % len(topics)]}."}]
-            for i in range(n)]
+    return [[{"role": "user", "content": f"[{phase}, story {i}] Write a short story about "
+                                         f"{topics[i % len(topics)]}."}] for i in range(n)]
+
+
+def mean_of(runs: list[dict]) -> dict:
+    """The mean of each figure over rounds (the one statistic both sides are reported with)."""
+    return {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -80,16 +90,29 @@ async def run_platform(base_url: str, api_key: str, convs, max_tokens: int) -> d
             "ttft_p99": pct(ttfts, 0.99)}
 
 
-def run_direct(convs, max_tokens: int) -> dict:
+def run_direct(rounds: list, warm, max_tokens: int) -> list[dict]:
+    """One warm-up batch (``warm``), then one measured batch per element of ``rounds`` (lists of
+    conversations); returns one result per round."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(str(MODEL_DIR), dtype=torch.float32)
     model.eval()
-    texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs]
-    batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+    def batch_of(convs):
+        texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs]
+        return tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+    with torch.inference_mode():  # warm-up
+        model.generate(**batch_of(warm), max_new_tokens=2, do_sample=False, pad_token_id=tok.pad_token_id)
+    return [_direct_round(model, tok, batch_of(convs), max_tokens) for convs in rounds]
+
+
+def _direct_round(model, tok, batch, max_tokens: int) -> dict:
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
 
     class FirstCall(LogitsProcessor):
         def __init__(self):
@@ -100,8 +123,6 @@ def run_direct(convs, max_tokens: int) -> dict:
                 self.t = time.perf_counter()
             return scores
 
-    with torch.inference_mode():  # warm-up
-        model.generate(**batch, max_new_tokens=2, do_sample=False, pad_token_id=tok.pad_token_id)
     first = FirstCall()
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -117,21 +138,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2, help="platform rounds (best kept; first warms caches)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="measured rounds per side, after one warm-up; each round's prompts are new")
     args = ap.parse_args()
-    convs = prompts(args.concurrency)
+    warm = prompts(args.concurrency, "warm-up")
+    rounds = [prompts(args.concurrency, f"round {r + 1}") for r in range(args.rounds)]
 
     live = start_platform(Path(tempfile.mkdtemp(prefix="bench-")))
     try:
-        asyncio.run(run_platform(live.base_url, live.api_key, convs[:2], 4))  # warm tokenizer/template caches
-        runs = [asyncio.run(run_platform(live.base_url, live.api_key, convs, args.max_tokens))
-                for _ in range(args.rounds)]
-        plat = max(runs, key=lambda r: r["tok_s"])
+        asyncio.run(run_platform(live.base_url, live.api_key, warm, 4))  # warm tokenizer/template caches
+        plat_runs = [asyncio.run(run_platform(live.base_url, live.api_key, convs, args.max_tokens))
+                     for convs in rounds]
     finally:
         live.stop()
-    direct = run_direct(convs, args.max_tokens)
+    direct_runs = run_direct(rounds, warm, args.max_tokens)
+    plat, direct = mean_of(plat_runs), mean_of(direct_runs)
 
-    print(f"\n{args.concurrency} concurrent streaming chats, {args.max_tokens} new tokens each, demo model, CPU")
+    print(f"\n{args.concurrency} concurrent streaming chats, {args.max_tokens} new tokens each, demo model, CPU; "
+          f"mean of {args.rounds} round(s) per side, fresh prompts each round")
     print(f"{'':10} {'TTFT p50 s':>11} {'TTFT p99 s':>11} {'tokens/s':>10} {'wall s':>8}")
     for name, r in (("platform", plat), ("direct", direct)):
         print(f"{name:10} {r['ttft_p50']:11.3f} {r['ttft_p99']:11.3f} {r['tok_s']:10.1f} {r['wall_s']:8.2f}")

@@ -8,10 +8,13 @@ random ``LINK_PREFIX`` that is deleted afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,3 +224,27 @@ def start_platform(tmp_dir: Path, *, max_model_len: int = 512, engine: bool = Tr
     except BaseException:
         stop_children(sup, scratch, env.get("REDIS_URL", ""), prefix)
         raise
+
+
+@contextlib.contextmanager
+def engine_paused(live: LivePlatform, model: str = DEMO_MODEL):
+    """SIGSTOP ``model``'s (first) engine replica: requests it holds make no progress, admitted requests get
+    no first token, until the block ends (SIGCONT). The heartbeat is held meanwhile (its key's TTL and its
+    index score pushed 120 s ahead), so the replica stays alive however long the pause lasts on a slow
+    machine; when it ends, both are set back to what the engine's own beat sets (``HEARTBEAT_TTL_S``), so a
+    replica stopped again right afterwards is not kept alive by this hold."""
+    from inference.protocol.engine import HEARTBEAT_TTL_S, replica_key, replicas_index_key
+
+    st = live.replicas(model)[0]
+    r = live.redis
+    key, index = replica_key(live.prefix, model, st.engine_id), replicas_index_key(live.prefix, model)
+    os.kill(st.pid, signal.SIGSTOP)
+    try:
+        r.pexpire(key, 120_000)
+        r.zadd(index, {st.engine_id: int(time.time() * 1000) + 120_000})
+        yield st
+    finally:
+        ttl_ms = int(HEARTBEAT_TTL_S * 1000)
+        r.pexpire(key, ttl_ms)
+        r.zadd(index, {st.engine_id: int(time.time() * 1000) + ttl_ms})
+        os.kill(st.pid, signal.SIGCONT)

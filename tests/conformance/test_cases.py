@@ -17,7 +17,7 @@ import pytest
 
 from inference.renderer.tokenizer_cache import get_tokenizer
 from tests.conformance.conftest import LLAMA_MODEL
-from tests.live_platform import REPO, TOKENIZER_DIR
+from tests.live_platform import engine_paused, REPO, TOKENIZER_DIR
 
 M = "tiny-qwen3"
 MAX_MODEL_LEN = 512
@@ -273,9 +273,7 @@ def test_c20_finish_reason_and_done(http):
 # ------------------------------------------------------------------------------------------------ C23
 def test_c23_sampling_ranges(http):
     msgs = [{"role": "user", "content": "hi"}]
-    t0 = time.monotonic()
     err = assert_envelope(chat(http, {"messages": msgs, "temperature": 999999.0, "top_p": -1.0, "max_tokens": 8}), 400)
-    assert time.monotonic() - t0 < 1.0
     assert err["param"] in ("temperature", "top_p")
     V = vocab_size()
     for field, value in (("temperature", -0.1), ("temperature", 2.5), ("top_p", 1.5), ("presence_penalty", 3),
@@ -403,14 +401,22 @@ def test_c32_every_route_needs_a_key(live):
 
 
 # ------------------------------------------------------------------------------------------------ C35
-def test_c35_client_chat_template_refused(http):
+def render_tasks(live) -> int:
+    """Render tasks answered by the Celery workers so far (their shared Redis counter)."""
+    from inference.tasks import render_tasks_counter_key
+
+    return int(live.redis.get(render_tasks_counter_key(live.prefix)) or 0)
+
+
+def test_c35_client_chat_template_refused(http, live):
     bomb = "{% for a in range(99999) %}{% for b in range(99999) %}x{% endfor %}{% endfor %}"
     msgs = [{"role": "user", "content": "Say hello."}]
     for body in ({"chat_template_kwargs": {"chat_template": bomb}}, {"chat_template": bomb}):
-        t0 = time.monotonic()
+        rendered = render_tasks(live)
         err = assert_envelope(chat(http, {"max_tokens": 4, "messages": msgs, **body}), 400, etype="invalid_request_error")
-        assert time.monotonic() - t0 < 1.0
+        # refused as a parameter, not after a render ran into the time limit: no render task was answered
         assert err["param"] in ("chat_template", "chat_template_kwargs")
+        assert render_tasks(live) == rendered
         assert_envelope(http.post("/tokenize", json={"model": M, "messages": msgs, **body}), 400)
     assert_envelope(chat(http, {"max_tokens": 4, "messages": msgs, "chat_template_kwargs": {"enable_thinking": "yes"}}),
                     400, "chat_template_kwargs.enable_thinking")
@@ -423,13 +429,17 @@ def test_c35_client_chat_template_refused(http):
 def test_c35_health_responsive_during_costly_render(http, live):
     """A heavy (server-side) render in flight does not block /health (render runs off the loop)."""
     msgs = [{"role": "user", "content": "word " * 20000}]
-    with cf.ThreadPoolExecutor(1) as pool:
+    answered_meanwhile = 0
+    with cf.ThreadPoolExecutor(1) as pool, httpx.Client(base_url=live.base_url, timeout=30) as probe:
         fut = pool.submit(lambda: http.post("/tokenize", json={"model": M, "messages": msgs}))
-        time.sleep(0.05)
-        t0 = time.monotonic()
-        assert http.get("/health").status_code == 200
-        assert time.monotonic() - t0 < 0.5
+        for _ in range(100_000):  # bounded by the render's own duration
+            if fut.done():
+                break
+            assert probe.get("/health").status_code == 200
+            answered_meanwhile += not fut.done()
         assert fut.result().status_code == 200
+    # /health answered while the render was still in flight (a blocked loop answers it only afterwards)
+    assert answered_meanwhile >= 1
 
 
 # ------------------------------------------------------------------------------------------------ C38
@@ -445,22 +455,29 @@ def test_c38_admission_overload(live):
 
         def one(_):
             with httpx.Client(base_url=live.base_url, timeout=180) as c:
-                t0 = time.monotonic()
-                resp = c.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {live.api_key}"})
-                return resp, time.monotonic() - t0
+                return c.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {live.api_key}"})
 
+        # the engine is held: the admitted streams cannot finish, so every refusal must come while they still
+        # hold their places (answered at once, not after waiting for capacity), and exactly ``limit`` get in
         with cf.ThreadPoolExecutor(total) as pool:
-            results = list(pool.map(one, range(total)))
-        statuses = [r.status_code for r, _ in results]
-        assert statuses.count(503) >= 10, statuses
+            with engine_paused(live):
+                futures = [pool.submit(one, i) for i in range(total)]
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline and sum(f.done() for f in futures) < total - limit:
+                    time.sleep(0.05)
+                refused_while_held = [f.result() for f in futures if f.done()]
+            results = [f.result() for f in futures]
+        assert len(refused_while_held) == total - limit
+        assert all(r.status_code == 503 for r in refused_while_held), [r.status_code for r in refused_while_held]
+        statuses = [r.status_code for r in results]
+        assert statuses.count(503) == total - limit, statuses
         assert all(s in (200, 503) for s in statuses), statuses
-        for resp, elapsed in results:
+        for resp in results:
             if resp.status_code == 503:
                 err = assert_envelope(resp, 503)
                 assert err["type"] == "server_error" and err["code"] == "server_overloaded"
                 assert int(resp.headers["retry-after"]) >= 1
                 assert "data:" not in resp.text
-                assert elapsed < 1.0
             else:
                 sse_events(resp.text)  # ends with [DONE]
     finally:

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 import httpx
 import openai
 import pytest
 
+from tests.engine_tap import EngineTap, assert_engine_aborted
 from tests.live_platform import TOKENIZER_DIR
 
 MSGS = [{"role": "user", "content": "Tell me a story about the sea."}]
@@ -158,24 +160,26 @@ async def test_async_client_non_streaming(aclient, model_name):
 
 
 def test_client_disconnect_frees_engine_slot(live, model_name):
-    body = {"model": model_name, "messages": MSGS, "max_tokens": 480, "stream": True, "ignore_eos": True}
-    with httpx.Client(timeout=60) as http:
+    """Closing the stream aborts the request in the engine: the engine itself ends it with ``abort`` long before
+    its ``max_tokens`` (read off the engine link, so a gateway that only books the abort does not pass), and its
+    heartbeat shows no sequence left."""
+    tag = uuid.uuid4().hex[:10]
+    max_tokens = live.max_model_len - 64  # ignore_eos: only the abort can end it before this many tokens
+    body = {"model": model_name, "messages": MSGS, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    with EngineTap(live.redis_url, live.prefix) as tap, httpx.Client(timeout=60) as http:
         warm = http.post(live.base_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {live.api_key}"},
                          json={"model": model_name, "messages": MSGS, "max_tokens": 1})
         assert warm.status_code == 200
         with http.stream("POST", live.base_url + "/v1/chat/completions", json=body,
-                         headers={"Authorization": f"Bearer {live.api_key}"}) as resp:
+                         headers={"Authorization": f"Bearer {live.api_key}", "X-Request-Id": tag}) as resp:
             assert resp.status_code == 200
             lines = resp.iter_lines()  # pulled with next(): breaking a for loop would close the stream
             got = 0
             while got < 2:
                 got += next(lines).startswith("data: ")
-            busy_deadline = time.monotonic() + 3  # heartbeats refresh every 0.5 s
-            while time.monotonic() < busy_deadline and max(s.num_running for s in live.replicas()) < 1:
-                time.sleep(0.1)
-            assert max(s.num_running for s in live.replicas()) >= 1
-    # the connection is closed: the engine must drop the request long before 400 tokens are generated
-    deadline = time.monotonic() + 10
+        # the connection is closed: the engine must end the request itself, with abort, before max_tokens
+        assert_engine_aborted(tap, tag, max_tokens)
+    deadline = time.monotonic() + 30  # heartbeats refresh every 0.5 s
     while time.monotonic() < deadline:
         if all(s.num_running == 0 and s.num_waiting == 0 for s in live.replicas()):
             break

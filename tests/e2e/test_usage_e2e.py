@@ -8,6 +8,8 @@ import uuid
 
 import httpx
 
+from tests.engine_tap import EngineTap, assert_engine_aborted
+
 
 def records(live, prefix: str, want: int, timeout: float = 15.0) -> list[dict]:
     """Usage rows whose request id starts with ``prefix`` (waits for the batched flush)."""
@@ -36,15 +38,18 @@ def test_usage_recorded_for_success_error_and_abort(live, model_name):
                      timeout=60, json={"model": model_name, "messages": [{"role": "user", "content": "hi"}],
                                        "max_tokens": live.max_model_len})
     assert bad.status_code == 400
-    with httpx.Client(timeout=60) as http:
+    long = live.max_model_len - 64  # ignore_eos: only the abort can end it before this many tokens
+    with EngineTap(live.redis_url, live.prefix) as tap, httpx.Client(timeout=60) as http:
         with http.stream("POST", live.base_url + "/v1/chat/completions",
                          headers={**h, "X-Request-Id": f"gone-{tag}"},
                          json={"model": model_name, "messages": [{"role": "user", "content": "hi"}],
-                               "max_tokens": 400, "ignore_eos": True, "stream": True}) as resp:
+                               "max_tokens": long, "ignore_eos": True, "stream": True}) as resp:
             lines = resp.iter_lines()
             got = 0
             while got < 3:
                 got += next(lines).startswith("data: ")
+        # not only booked by the gateway: the engine itself ended the request with abort, before ``long``
+        assert_engine_aborted(tap, f"gone-{tag}", long)
 
     (row,) = records(live, f"chatcmpl-ok-{tag}", 1)
     assert row["status_code"] == 200 and row["finish_reason"] == "length"
@@ -57,4 +62,4 @@ def test_usage_recorded_for_success_error_and_abort(live, model_name):
 
     (row,) = records(live, f"chatcmpl-gone-{tag}", 1)
     assert row["status_code"] == 499 and row["finish_reason"] == "abort"
-    assert 1 <= row["completion_tokens"] < 400
+    assert 1 <= row["completion_tokens"] < long

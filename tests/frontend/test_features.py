@@ -9,6 +9,8 @@ import time
 import httpx
 import pytest
 
+from tests.engine_tap import EngineTap, assert_engine_aborted
+
 M = "tiny-qwen3"
 IM_START = 151644  # "<|im_start|>": a special token that is not an EOS id of the demo model
 MSGS = [{"role": "user", "content": "Tell me about the sea."}]
@@ -313,28 +315,43 @@ def test_generate_validation(http):
 
 
 def test_abort_requests(http, live):
+    """An abort by request id reaches the engine: the engine itself ends the stream with ``abort`` before the
+    ``max_tokens`` it could otherwise produce (read off the engine link), whatever the machine's speed."""
     rid = f"gen-abort-{time.monotonic_ns()}"
+    max_tokens = live.max_model_len - 8  # ignore_eos: only the abort can end it before this many tokens
     body = {"model": M, "request_id": rid, "token_ids": [1, 2, 3], "stream": True,
-            "sampling_params": {"max_tokens": 400, "ignore_eos": True}}
-    result = {}
+            "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True}}
+    result: dict = {"lines": []}
+    streaming = threading.Event()
 
     def run():
         with httpx.Client(base_url=live.base_url, timeout=120,
                           headers={"Authorization": f"Bearer {live.api_key}"}) as c:
-            result["resp"] = c.post("/inference/v1/generate", json=body)
+            with c.stream("POST", "/inference/v1/generate", json=body) as resp:
+                result["status"] = resp.status_code
+                for line in resp.iter_lines():
+                    result["lines"].append(line)
+                    if line.startswith("data: {") and any(ch.get("token_ids") for ch in
+                                                          json.loads(line[6:]).get("choices", [])):
+                        streaming.set()
+        streaming.set()
 
-    t = threading.Thread(target=run)
-    t.start()
-    time.sleep(1.0)
-    other = http.post("/inference/v1/abort_requests", json={"request_ids": ["unknown-id"]})
-    assert other.status_code == 200
-    resp = http.post("/inference/v1/abort_requests", json={"request_ids": [rid]})
-    assert resp.status_code == 200 and resp.json() == {}
-    t.join(60)
-    events = sse(result["resp"].text)
+    with EngineTap(live.redis_url, live.prefix) as tap:
+        t = threading.Thread(target=run)
+        t.start()
+        assert streaming.wait(60), "no token streamed"  # the request is running in the engine now
+        other = http.post("/inference/v1/abort_requests", json={"request_ids": ["unknown-id"]})
+        assert other.status_code == 200
+        resp = http.post("/inference/v1/abort_requests", json={"request_ids": [rid]})
+        assert resp.status_code == 200 and resp.json() == {}
+        t.join(120)
+        assert not t.is_alive()
+        assert_engine_aborted(tap, rid, max_tokens)
+    assert result["status"] == 200
+    events = sse("\n".join(result["lines"]) + "\n")
     finishes = [ch["finish_reason"] for e in events for ch in e["choices"] if ch["finish_reason"]]
     produced = sum(len(ch["token_ids"]) for e in events for ch in e["choices"])
-    assert finishes == ["abort"] and produced < 400
+    assert finishes == ["abort"] and produced < max_tokens
 
 
 # ------------------------------------------------------------------ plain bodies for HTTP/1.0 clients

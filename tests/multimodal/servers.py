@@ -58,7 +58,12 @@ def redirect_to(url: str):
     return fn
 
 
-def huge(n: int, with_length: bool):
+def huge(n: int, with_length: bool, progress: dict | None = None):
+    """Send ``n`` zero bytes; ``progress["sent"]`` counts what was written so far, ``progress["done"]`` is set
+    once all of it was."""
+    progress = {} if progress is None else progress
+    progress.update(sent=0, done=False)
+
     def fn(h):
         h.send_response(200)
         if with_length:
@@ -69,15 +74,54 @@ def huge(n: int, with_length: bool):
         while sent < n:
             h.wfile.write(chunk)
             sent += len(chunk)
+            progress["sent"] = sent
+        progress["done"] = True
     return fn
 
 
-def stall(seconds: float):
+def stall(seconds: float, over: threading.Event | None = None, hits: list | None = None):
+    """Send a PNG start, then nothing for ``seconds``; ``over`` is set when the stall ends; each request's path
+    is appended to ``hits`` as it arrives."""
     def fn(h):
+        if hits is not None:
+            hits.append(h.path)
         h.send_response(200)
         h.send_header("Content-Length", "100000")
         h.end_headers()
         h.wfile.write(b"\x89PNG")
         h.wfile.flush()
         time.sleep(seconds)
+        if over is not None:
+            over.set()
     return fn
+
+
+def _server_side_queues(conn) -> tuple[int, int] | None:
+    """``(tx_queue, rx_queue)`` bytes of the server's end of the loopback TCP connection ``conn`` (our client
+    socket), from /proc/net/tcp{,6}; ``None`` when the kernel lists no such socket."""
+    server_port, client_port = conn.getpeername()[1], conn.getsockname()[1]
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if int(f[1].rsplit(":", 1)[1], 16) == server_port and int(f[2].rsplit(":", 1)[1], 16) == client_port:
+                tx, rx = f[4].split(":")
+                return int(tx, 16), int(rx, 16)
+    return None
+
+
+def wait_server_read(conn, timeout: float = 60.0, backlog: bool = False) -> None:
+    """Wait until the server has read everything sent on ``conn`` so far (its receive queue is empty) and, with
+    ``backlog``, also has bytes it could not send yet (its send queue is not empty). Raises ``AssertionError``
+    after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    q = None
+    while time.monotonic() < deadline:
+        q = _server_side_queues(conn)
+        if q is not None and q[1] == 0 and (not backlog or q[0] > 0):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the server did not read what was sent (queues {q})")

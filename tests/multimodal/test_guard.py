@@ -4,7 +4,7 @@ connection), and real fetches from local servers on loopback only."""
 from __future__ import annotations
 
 import ipaddress
-import time
+import threading
 
 import pytest
 
@@ -102,21 +102,22 @@ def test_redirect_cap(servers):
 
 @pytest.mark.parametrize("with_length", [True, False])
 def test_huge_body_capped(servers, with_length):
-    port = servers("127.0.0.1", {"/big": huge(50 * 1024 * 1024, with_length)})
-    t0 = time.monotonic()
+    progress: dict = {}
+    port = servers("127.0.0.1", {"/big": huge(50 * 1024 * 1024, with_length, progress)})
     with pytest.raises(FetchError) as exc:
         fetch_url(f"http://127.0.0.1:{port}/big", "p", FetchPolicy(allow_nets=LOOP, max_bytes=1024 * 1024))
     assert exc.value.code == "image_too_large"
-    assert time.monotonic() - t0 < 5
+    # cut off before the server had sent it all (it blocks on the full socket once the reader stops)
+    assert not progress["done"] and progress["sent"] < 50 * 1024 * 1024
 
 
 def test_stalling_server_cut_off(servers):
-    port = servers("127.0.0.1", {"/slow": stall(10)})
-    t0 = time.monotonic()
+    over = threading.Event()
+    port = servers("127.0.0.1", {"/slow": stall(30, over)})
     with pytest.raises(FetchError) as exc:
         fetch_url(f"http://127.0.0.1:{port}/slow", "p", FetchPolicy(allow_nets=LOOP, timeout_s=1.0))
     assert exc.value.code == "image_fetch_timeout"
-    assert time.monotonic() - t0 < 2.0
+    assert not over.is_set()  # given up after its own timeout, while the server was still stalling
 
 
 def test_bad_schemes_and_credentials():

@@ -9,7 +9,7 @@ import os
 import signal
 import socket
 import sys
-import time
+import uuid
 
 import httpx
 import openai
@@ -18,7 +18,9 @@ import pytest
 from inference import admission as adm
 from ops.supervisor import unix_socket_accepts, wait_until
 from tests.multimodal.conftest import VL_MODEL
+from tests.engine_tap import EngineTap, assert_engine_aborted
 from tests.multimodal.imgs import data_url, image_bytes
+from tests.multimodal.servers import wait_server_read
 
 IMAGE_TOKEN = 151655
 
@@ -71,11 +73,15 @@ def engine_idle(live) -> bool:
     return all(s.num_running == 0 and s.num_waiting == 0 for s in live.replicas(VL_MODEL))
 
 
-def open_stream_and_read_two_events(http: httpx.Client, base: str, key: str, seed: int):
-    """Start a long streamed image chat through ``base``; returns ``(response context, line iterator)`` after two
-    events arrived (the caller closes the context)."""
-    body = {"model": VL_MODEL, "messages": image_messages(seed), "max_tokens": 800, "stream": True, "ignore_eos": True}
-    ctx = http.stream("POST", base + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+LONG = 800  # max_tokens of the long streams (max_model_len 1024): with ignore_eos only an abort ends them sooner
+
+
+def open_stream_and_read_two_events(http: httpx.Client, base: str, key: str, seed: int, request_id: str = ""):
+    """Start a long streamed image chat through ``base`` (``X-Request-Id: request_id`` when given); returns
+    ``(response context, line iterator)`` after two events arrived (the caller closes the context)."""
+    body = {"model": VL_MODEL, "messages": image_messages(seed), "max_tokens": LONG, "stream": True, "ignore_eos": True}
+    ctx = http.stream("POST", base + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {key}", **({"X-Request-Id": request_id} if request_id else {})})
     resp = ctx.__enter__()
     assert resp.status_code == 200
     lines = resp.iter_lines()  # pulled with next(): breaking a for loop would close the stream
@@ -165,15 +171,15 @@ def test_forwarded_answers_equal_direct_ones(live_vl, split, path):
 
 def test_client_disconnect_aborts_the_forwarded_request(live_vl, split):
     base, _sock, _h = split
-    with httpx.Client(timeout=60) as http:
-        ctx, _lines = open_stream_and_read_two_events(http, base, live_vl.api_key, 34)
-        try:
-            wait_until(lambda: max(s.num_running for s in live_vl.replicas(VL_MODEL)) >= 1, 5, "running request")
-        finally:
-            ctx.__exit__(None, None, None)
-    # the front closed its connection to the multimodal api, which aborted the engine request and released admission
-    wait_until(lambda: engine_idle(live_vl), 10, "engine request aborted")
-    wait_until(lambda: admission_idle(live_vl), 5, "admission released")
+    tag = uuid.uuid4().hex[:10]
+    with EngineTap(live_vl.redis_url, live_vl.prefix) as tap, httpx.Client(timeout=60) as http:
+        ctx, _lines = open_stream_and_read_two_events(http, base, live_vl.api_key, 34, request_id=tag)
+        ctx.__exit__(None, None, None)
+        # the front closed its connection to the multimodal api, which aborted the engine request: the engine
+        # itself ended it with abort before its max_tokens
+        assert_engine_aborted(tap, tag, LONG)
+    wait_until(lambda: engine_idle(live_vl), 30, "engine idle")
+    wait_until(lambda: admission_idle(live_vl), 30, "admission released")
 
 
 def test_front_serves_images_itself_while_the_multimodal_api_is_down(live_vl, split):
@@ -254,9 +260,9 @@ def test_marker_split_across_body_chunks_is_found(live_vl, split):
         conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer " + live_vl.api_key.encode() + b"\r\nConnection: close\r\n"
                      b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw[:cuts[0]])
-        time.sleep(0.3)  # the front has read the first piece (a separate ASGI body message) by now
+        wait_server_read(conn)  # the front has read the first piece (a separate ASGI body message)
         conn.sendall(raw[cuts[0]:cuts[1]])
-        time.sleep(0.3)
+        wait_server_read(conn)
         conn.sendall(raw[cuts[1]:])
         reply = b""
         while chunk := conn.recv(65536):
@@ -273,7 +279,7 @@ def test_client_leaving_during_the_body_upload_leaves_nothing_behind(live_vl, sp
         conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer " + live_vl.api_key.encode() + b"\r\n"
                      b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw[: len(raw) // 2])
-        time.sleep(0.3)
+        wait_server_read(conn)  # the front holds half a body when the client leaves
     # the front and the multimodal api still answer, and no admission reservation is left
     r = post(base, live_vl.api_key, "/v1/chat/completions", {"model": VL_MODEL, "messages": image_messages(42),
                                                               "max_tokens": 1})

