@@ -174,3 +174,10 @@ def test_django_routes_time_out_a_trickled_body(site):
             except TimeoutError:
                 continue
         assert answer.startswith(b"HTTP/1.1 408"), answer
+
+
+def test_a_client_sending_an_oversized_body_gets_the_413(site):
+    # the answer comes before the body is read; a real client still sending it gets that answer
+    r = httpx.post(site["base"] + "/v1/chat/completions", content=b"x" * (17 * 1024 * 1024),
+                   headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
