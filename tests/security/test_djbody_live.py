@@ -181,3 +181,17 @@ def test_a_client_sending_an_oversized_body_gets_the_413(site):
     r = httpx.post(site["base"] + "/v1/chat/completions", content=b"x" * (17 * 1024 * 1024),
                    headers={"Content-Type": "application/json"}, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_every_gateway_route_passes_the_header_check():
+    # ingress.ROUTE_PATHS must follow gateway/routing.py, or a new route would be answered 404 from the headers
+    from django.urls.resolvers import RoutePattern
+
+    from gateway import ingress
+    from gateway.routing import http_urlpatterns
+
+    for pattern in http_urlpatterns[:-1]:  # the last one is the catch-all 404
+        p = pattern.pattern
+        path = "/" + str(p) if isinstance(p, RoutePattern) else "/v1/models/some-model"
+        assert ingress.is_route(path), path
+    assert not ingress.is_route("/v1/models/a/b") and not ingress.is_route("/v1/chat/completions/")
