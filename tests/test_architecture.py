@@ -105,6 +105,7 @@ ENVIRON_ALLOWED = {
     ("manage.py", 'os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")'),
     ("platform/config/asgi.py", 'os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")'),
     ("platform/config/celery.py", 'os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")'),
+    ("platform/ops/mm_api.py", 'os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")'),
     ("platform/ops/management/commands/serve.py", "dict(os.environ)"),  # the children's environment
 }
 

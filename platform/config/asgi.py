@@ -28,12 +28,12 @@ _django = BodyLimitMiddleware(django_asgi_app, settings.DJANGO_MAX_BODY_BYTES)
 
 async def http_router(scope, receive, send):
     """Send gateway paths to the Channels consumers (image chats to the multimodal api process when this process
-    has one: gateway/handoff.py) and the rest to Django. Gateway requests are first authenticated from their
-    headers, before any body byte is read, and their body must arrive within the body deadlines
+    has one: gateway/handoff.py) and the rest to Django. Gateway requests are first checked (size, route) and
+    authenticated from their headers, before any body byte is read, and their body must arrive within the body deadlines
     (gateway/ingress.py); the hand-off header is believed only on a unix-socket listener."""
     if scope["path"].startswith(GATEWAY_PREFIXES):
         scope = ingress.trusted_handoff_scope(scope, handoff.HANDED_OFF_HEADER)
-        if await ingress.early_authenticate(scope, send):
+        if await ingress.early_refuse(scope, send) or await ingress.early_authenticate(scope, send):
             return None
         receive = ingress.BodyDeadline(receive, send)
         if handoff.wants_handoff(scope):

@@ -4,13 +4,16 @@ Django's ``ASGIHandler`` reads a whole request body before the view runs, spooli
 ``FILE_UPLOAD_MAX_MEMORY_SIZE`` to a temporary file, whatever its size. This middleware, in front of it,
 answers 413 in the OpenAI error envelope without reading a body whose ``Content-Length`` is over the cap, and
 stops reading a body without one (chunked) as soon as it passes the cap; bodies within it are read into
-memory and handed to Django unchanged.
+memory and handed to Django unchanged. The body must arrive within the gateway's deadlines
+(``REQUEST_BODY_TIMEOUT_S`` in all, ``REQUEST_BODY_IDLE_TIMEOUT_S`` between chunks; gateway/ingress.py
+``BodyDeadline``): past one, 408 in the envelope, connection closed, and Django never runs.
 """
 
 from __future__ import annotations
 
 import orjson
 
+from gateway.ingress import BodyDeadline
 from inference.protocol.errors import ErrorCode, ErrorType, error_dict
 
 class BodyLimitMiddleware:
@@ -41,8 +44,11 @@ class BodyLimitMiddleware:
                     return await self._refuse(send)
         messages = []
         size = 0
-        while True:  # bounded: ends at the body's end, a disconnect, or past max_bytes
-            message = await receive()
+        body_receive = BodyDeadline(receive, send)
+        while True:  # bounded: ends at the body's end, a disconnect, a body deadline, or past max_bytes
+            message = await body_receive()
+            if body_receive.timed_out:
+                return None  # 408 sent, connection closing: Django never sees this request
             if message["type"] != "http.request":
                 messages.append(message)  # http.disconnect: let the app see it
                 break

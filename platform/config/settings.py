@@ -50,8 +50,12 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
 ``DJANGO_SSL_REDIRECT``     ``1`` redirects plain-HTTP requests to Django's routes to HTTPS (with the switch
                             above). Default off.
 ``LOGIN_FAILURE_LIMIT``     failed logins (admin and dashboard) per username and client address before that pair
-                            is locked out (django-axes; the address is uvicorn's client, which honours
-                            ``X-Forwarded-For`` only from ``FORWARDED_ALLOW_IPS``, default 127.0.0.1). Default 5.
+                            is locked out (django-axes; the address is uvicorn's client: the peer's address,
+                            or ``X-Forwarded-For`` when ``FORWARDED_ALLOW_IPS`` trusts the peer). Default 5.
+``FORWARDED_ALLOW_IPS``     comma-separated proxy addresses (or networks) whose ``X-Forwarded-For``/``-Proto``
+                            ``manage.py serve``'s uvicorn believes (its ``--forwarded-allow-ips``). Default empty:
+                            proxy headers are ignored (``--no-proxy-headers``), so a client cannot pick the
+                            address that login throttling counts.
 ``LOGIN_COOLOFF_MINUTES``   how long such a lockout lasts. Default 15.
 ``DJANGO_ADMIN_OTP``        ``1``: the admin asks staff for a TOTP code too (django-otp's ``OTPAdminSite``); enrol a
                             device first with ``manage.py enrol_totp USERNAME``. Default off.
@@ -368,6 +372,8 @@ AXES_COOLOFF_TIME = timedelta(minutes=float(_env_first("LOGIN_COOLOFF_MINUTES", 
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_RESET_ON_SUCCESS = True
 AXES_CLIENT_IP_CALLABLE = None  # REMOTE_ADDR: uvicorn's client address (proxy headers from FORWARDED_ALLOW_IPS)
+# Proxies whose X-Forwarded-* headers uvicorn believes (ops serve and mm_api); empty: none, --no-proxy-headers.
+FORWARDED_ALLOW_IPS = _env_first("FORWARDED_ALLOW_IPS", default="").strip()
 
 # django-otp: TOTP devices always installed (their tables exist either way); the admin demands them when on.
 ADMIN_OTP = _env_bool("DJANGO_ADMIN_OTP")

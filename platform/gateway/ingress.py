@@ -4,6 +4,9 @@
   answered 401 from its headers alone, with ``Connection: close``: no body byte is read (nor ``100 Continue``
   sent), so an unauthenticated client cannot make the api process buffer up to ``MAX_REQUEST_BODY_BYTES``.
   The consumer authenticates again (a per-process cache hit, gateway/auth.py) and checks scopes and models.
+* ``early_refuse``: before that, a request whose ``Content-Length`` is over ``MAX_REQUEST_BODY_BYTES`` is
+  answered 413, one to a path that is no gateway route 404, and ``/health`` with a body 413 (it takes none), all
+  from the headers, with ``Connection: close`` when a body is announced: no body byte is read.
 * ``BodyDeadline``: the body must arrive within ``REQUEST_BODY_TIMEOUT_S`` in all, and no gap between two
   chunks may exceed ``REQUEST_BODY_IDLE_TIMEOUT_S``; otherwise the client gets 408 in the OpenAI envelope with
   ``Connection: close`` and the application sees ``http.disconnect`` (as if the client had gone). Once the body
@@ -16,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import Any, Awaitable, Callable
 
@@ -34,6 +38,11 @@ KEYED_PATHS = frozenset({
     "/v1/models", "/metrics",
 })
 
+# Every gateway route (gateway/routing.py): the keyed ones, ``/health`` and ``/v1/models/{model}``.
+ROUTE_PATHS = KEYED_PATHS | {"/health"}
+_MODEL_PATH = re.compile(r"/v1/models/[^/]+")
+MAX_REQUEST_BODY_BYTES = settings.MAX_REQUEST_BODY_BYTES
+
 Scope = dict[str, Any]  # ASGI scope, receive and send callables
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -51,6 +60,44 @@ def declares_body(scope: Scope) -> bool:
         if name == b"transfer-encoding" or (name == b"content-length" and value.strip() not in (b"0", b"")):
             return True
     return False
+
+
+def is_route(path: str) -> bool:
+    """True when ``path`` is one of the gateway's routes (anything else under its prefixes is answered 404)."""
+    return path in ROUTE_PATHS or _MODEL_PATH.fullmatch(path) is not None
+
+
+def declared_length(scope: Scope) -> int | None:
+    """The request's ``Content-Length`` in bytes; ``None`` when it has none. One that is not a non-negative
+    integer counts as larger than any cap (uvicorn refuses most such requests before the application)."""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"content-length":
+            text = value.strip()
+            return int(text) if text.isdigit() else MAX_REQUEST_BODY_BYTES + 1
+    return None
+
+
+async def early_refuse(scope: Scope, send: Send) -> bool:
+    """Answer from the headers alone, reading no body byte: 413 when the declared ``Content-Length`` is over
+    ``MAX_REQUEST_BODY_BYTES``; 404 (``unknown_route``) for a path that is no gateway route; 413 for a body sent
+    to ``/health``, which takes none. ``Connection: close`` whenever a body is announced. Returns True when it
+    answered, False when the request goes on."""
+    path = scope["path"]
+    length = declared_length(scope)
+    err: ApiError | None = None
+    if length is not None and length > MAX_REQUEST_BODY_BYTES:
+        err = ApiError(413, f"Request body too large: the limit is {MAX_REQUEST_BODY_BYTES} bytes",
+                       ErrorType.INVALID_REQUEST, None, ErrorCode.REQUEST_TOO_LARGE)
+    elif not is_route(path):
+        err = ApiError(404, f"Unknown route: {scope.get('method')} {path}", ErrorType.NOT_FOUND, None,
+                       ErrorCode.UNKNOWN_ROUTE)
+    elif path == "/health" and declares_body(scope):
+        err = ApiError(413, "/health takes no request body", ErrorType.INVALID_REQUEST, None,
+                       ErrorCode.REQUEST_TOO_LARGE)
+    if err is None:
+        return False
+    await send_envelope(send, err, close=declares_body(scope))
+    return True
 
 
 async def send_envelope(send: Send, err: ApiError, *, close: bool) -> None:
@@ -96,6 +143,11 @@ class BodyDeadline:
         self._idle_s = REQUEST_BODY_IDLE_TIMEOUT_S if idle_s is None else idle_s
         self._body_done = False
         self._timed_out = False
+
+    @property
+    def timed_out(self) -> bool:
+        """True once a deadline passed (408 sent; the caller should answer nothing more)."""
+        return self._timed_out
 
     async def __call__(self) -> dict[str, Any]:
         if self._body_done:

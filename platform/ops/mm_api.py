@@ -17,6 +17,7 @@ import socket
 import sys
 
 import uvicorn
+from django.conf import settings
 
 
 def bind_unix(path: str, mode: int = 0o600) -> socket.socket:
@@ -31,8 +32,12 @@ def bind_unix(path: str, mode: int = 0o600) -> socket.socket:
 
 
 def _config(uds: str, graceful_s: float) -> uvicorn.Config:
+    # proxy headers only from the proxies the operator named (FORWARDED_ALLOW_IPS), as the front api (ops serve)
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")  # as config.asgi, which uvicorn loads
+    trusted = settings.FORWARDED_ALLOW_IPS
     return uvicorn.Config("config.asgi:application", uds=uds, access_log=False,
-                          timeout_graceful_shutdown=graceful_s)
+                          timeout_graceful_shutdown=graceful_s, proxy_headers=bool(trusted),
+                          forwarded_allow_ips=trusted or None)
 
 
 def _worker(uds: str, graceful_s: float, http_sock: socket.socket) -> None:

@@ -290,7 +290,9 @@ def api_key_update(*, api_key: ApiKey, actor: KeyActor | None = None, **changes)
     In force in every api process within ``gateway.auth.AUTH_CACHE_TTL_S`` (1 s). ``actor``: the tenant-side
     caller (None = an operator's tool). Raises ``ValueError`` for unknown fields or malformed values (a
     ``KeyRequestInvalid`` for the name); ``KeyPermissionDenied`` for a later or cleared expiry of a rotated key
-    (its grace period) or a change ``actor`` may not make (the key's resulting settings are checked whole).
+    (its grace period), a change ``actor`` may not make (the key's resulting settings are checked whole), or an
+    expiry that makes an expired key active again while the tenant is at ``settings.MAX_API_KEYS_PER_TENANT``
+    active keys (``api_key_limit_reached``; a revoked key stays revoked whatever its expiry).
     """
     allowed = {"name", "allowed_models", "scopes", "expires_at", *LIMIT_FIELDS}
     unknown = set(changes) - allowed
@@ -312,9 +314,22 @@ def api_key_update(*, api_key: ApiKey, actor: KeyActor | None = None, **changes)
     after = {f: changes.get(f, getattr(api_key, f)) for f in ("scopes", "allowed_models", "expires_at", *LIMIT_FIELDS)}
     _actor_check_result(actor, scopes=after["scopes"] or [], allowed_models=after["allowed_models"] or [],
                         expires_at=after["expires_at"], limits={f: after[f] for f in LIMIT_FIELDS})
-    for name, value in changes.items():
-        setattr(api_key, name, value)
-    api_key.save(update_fields=list(changes) or None)
+    with transaction.atomic():
+        if "expires_at" in changes:
+            # Moving an expired key's expiry to the future (or clearing it) makes it active again: it counts
+            # against the tenant's cap like a new key, under the same per-tenant lock as api_key_create.
+            Tenant.objects.select_for_update().filter(pk=api_key.tenant_id).first()
+            current = ApiKey.objects.filter(pk=api_key.pk).values("revoked_at", "expires_at").first()
+            now = timezone.now()
+            until = changes["expires_at"]
+            was_active = current is not None and current["revoked_at"] is None and (
+                current["expires_at"] is None or current["expires_at"] > now)
+            if (current is not None and current["revoked_at"] is None and not was_active
+                    and (until is None or until > now)):
+                _cap_check(api_key.tenant_id)
+        for name, value in changes.items():
+            setattr(api_key, name, value)
+        api_key.save(update_fields=list(changes) or None)
     return api_key
 
 

@@ -26,6 +26,7 @@ from django.shortcuts import render
 from django.views.decorators.http import require_GET
 from django.views.static import serve
 
+from inference.protocol.errors import ErrorType, error_dict
 from tenancy.models import ApiKey, Tenant
 
 from .selectors import RANGES, usage_range, usage_series
@@ -178,7 +179,8 @@ def tenant_dashboard_data(request):
                                        "param": None, "code": None}}, status=403)
     range_name, key_id, model = _params(request)
     if key_id is not None and not ApiKey.objects.filter(pk=key_id, tenant=tenant).exists():
-        raise Http404("no such key")
+        return JsonResponse(error_dict(f"API key {key_id} is not one of this tenant's keys.", ErrorType.NOT_FOUND,
+                                       "api_key_id", None), status=404)
     return JsonResponse(dashboard_payload(range_name=range_name, tenant_id=tenant.pk, api_key_id=key_id,
                                           model=model))
 

@@ -20,6 +20,22 @@ from inference.protocol.engine import replicas_index_key
 from registry.selectors import served_models_enabled
 
 
+def proxy_header_args() -> list[str]:
+    """uvicorn options for proxy headers: ``--forwarded-allow-ips FORWARDED_ALLOW_IPS`` when the operator set
+    that setting, else ``--no-proxy-headers`` (uvicorn would otherwise believe ``X-Forwarded-For`` from
+    127.0.0.1, its default, and every loopback client could choose the address login throttling counts)."""
+    if settings.FORWARDED_ALLOW_IPS:
+        return ["--proxy-headers", "--forwarded-allow-ips", settings.FORWARDED_ALLOW_IPS]
+    return ["--no-proxy-headers"]
+
+
+def api_command(py: str, host: str, port: int, workers: int) -> list[str]:
+    """The front api's command line: uvicorn serving ``config.asgi:application`` on ``host``:``port`` with
+    ``workers`` processes, no access log, 5 s graceful shutdown, proxy headers as ``proxy_header_args``."""
+    return [py, "-m", "uvicorn", "config.asgi:application", "--host", host, "--port", str(port),
+            "--workers", str(workers), "--no-access-log", "--timeout-graceful-shutdown", "5", *proxy_header_args()]
+
+
 class Command(BaseCommand):
     help = ("Start embedded Redis (unless REDIS_URL is set), a Celery worker and beat, one engine per enabled "
             "model, and uvicorn; stop them all on Ctrl-C.")
@@ -127,9 +143,7 @@ class Command(BaseCommand):
                       cpus=back_cpus)
             wait_until(lambda: unix_socket_accepts(mm_socket), 60, "the multimodal api", sup)
             front_env["MULTIMODAL_API_SOCKET"] = mm_socket
-        sup.start("api", [py, "-m", "uvicorn", "config.asgi:application", "--host", opts["host"],
-                          "--port", str(opts["port"]), "--workers", str(opts["api_workers"]),
-                          "--no-access-log", "--timeout-graceful-shutdown", "5"],
+        sup.start("api", api_command(py, opts["host"], opts["port"], opts["api_workers"]),
                   env_extra=front_env, cpus=front_cpus)
         for m in models:
             wait_until(lambda m=m: bool(client.zrangebyscore(replicas_index_key(settings.LINK_PREFIX, m.served_model_name),
