@@ -428,7 +428,9 @@ def test_c35_client_chat_template_refused(http, live):
 
 def test_c35_health_responsive_during_costly_render(http, live):
     """A heavy (server-side) render in flight does not block /health (render runs off the loop)."""
-    msgs = [{"role": "user", "content": "word " * 20000}]
+    # 60,000 characters: as heavy as a render gets while still fitting the model (max_model_len 512 x 128, the
+    # longest llama3_1 token, = 65,536 characters; longer text is refused before rendering)
+    msgs = [{"role": "user", "content": "word " * 1000} for _ in range(12)]
     answered_meanwhile = 0
     with cf.ThreadPoolExecutor(1) as pool, httpx.Client(base_url=live.base_url, timeout=30) as probe:
         fut = pool.submit(lambda: http.post("/tokenize", json={"model": M, "messages": msgs}))
