@@ -109,7 +109,7 @@ def main() -> None:
     live = start_platform(tmp, max_model_len=4096, engine=False)
     vllm = None
     try:
-        _, inline_url = live.start_api(name="api-inline", env_extra={"RENDER_ROUTE": "inline"})
+        inline_url = live.start_inline_api()
         vport = free_port()
         vllm = start_vllm(args.vllm_python, vport, tmp / "vllm.log")
         targets = {
