@@ -109,12 +109,7 @@ def main() -> None:
     live = start_platform(tmp, max_model_len=4096, engine=False)
     vllm = None
     try:
-        env = live.sup.env
-        env["RENDER_ROUTE"] = "inline"
-        try:
-            _, inline_url = live.start_api(name="api-inline")
-        finally:
-            env.pop("RENDER_ROUTE", None)
+        inline_url = live.start_inline_api()
         vport = free_port()
         vllm = start_vllm(args.vllm_python, vport, tmp / "vllm.log")
         targets = {

@@ -106,6 +106,13 @@ class LivePlatform:
         wait_until(lambda: _http_ok(f"http://127.0.0.1:{port}/health"), 60, f"{name} /health", self.sup)
         return child, f"http://127.0.0.1:{port}"
 
+    def start_inline_api(self) -> str:
+        """Start a second api process, ``api-inline``, that renders in-process (``RENDER_ROUTE=inline``); its
+        base URL, also kept in ``extra["inline_url"]``."""
+        _, url = self.start_api(name="api-inline", env_extra={"RENDER_ROUTE": "inline"})
+        self.extra["inline_url"] = url
+        return url
+
     def stop(self) -> None:
         stop_children(self.sup, self.extra.get("scratch_db"), self.redis_url, self.prefix)
 

@@ -32,7 +32,7 @@ import torch
 from inference.protocol.engine import FINISH_ERROR, FINISH_STOP, EngineCoreOutput
 
 from .core import EngineCore
-from .runner import DTYPES, RequestError, Sequence, now
+from .runner import DTYPES, RequestError, Sequence, check_token_ids, now
 
 log = logging.getLogger("inference.engine")
 
@@ -136,11 +136,7 @@ class PoolingRunner:
         if not req.pooling:
             raise RequestError("this engine serves an embedding model (pooling mode); it cannot generate")
         ids = req.prompt_token_ids
-        if not ids:
-            raise RequestError("prompt_token_ids is empty")
-        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= self.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]!r} out of range [0, {self.vocab_size})")
+        check_token_ids(ids, self.vocab_size)
         if len(ids) > self.max_model_len:
             raise RequestError(f"input has {len(ids)} tokens; max_model_len is {self.max_model_len}")
 

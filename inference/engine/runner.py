@@ -65,6 +65,28 @@ class RequestError(ValueError):
     """A request that cannot run (bad token id, too long, bad parameter); fails only that request."""
 
 
+def check_token_ids(ids: list[int], vocab_size: int) -> None:
+    """Raise ``RequestError`` when ``ids`` is empty or holds a non-int or an id outside ``[0, vocab_size)``."""
+    if not ids:
+        raise RequestError("prompt_token_ids is empty")
+    bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab_size]
+    if bad:
+        raise RequestError(f"token id {bad[0]!r} out of range [0, {vocab_size})")
+
+
+def left_padded(seqs: list[Sequence], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts of ``seqs`` left-padded to the longest: ``(input_ids, attention_mask)``, both long
+    ``[len(seqs), max prompt length]`` on ``device`` (pad id 0, mask 0 on the padding)."""
+    lens = [len(s.request.prompt_token_ids) for s in seqs]
+    width = max(lens)
+    ids = torch.zeros((len(seqs), width), dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - lens[i]:] = torch.tensor(s.request.prompt_token_ids, dtype=torch.long)
+        mask[i, width - lens[i]:] = 1
+    return ids.to(device), mask.to(device)
+
+
 @dataclass
 class Sequence:
     """Engine-side state of one request.
@@ -210,11 +232,7 @@ class ModelRunner:
         req = seq.request
         ids = req.prompt_token_ids
         sp = req.sampling_params
-        if not ids:
-            raise RequestError("prompt_token_ids is empty")
-        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= self.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]!r} out of range [0, {self.vocab_size})")
+        check_token_ids(ids, self.vocab_size)
         if len(ids) >= self.max_model_len:
             raise RequestError(
                 f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} (prompt + output)")
@@ -354,20 +372,14 @@ class ModelRunner:
 
         if len(seqs) == 1 and seqs[0].prefix_entry is not None:
             return self._prefill_cached(seqs[0])
-        lens = [len(s.request.prompt_token_ids) for s in seqs]
-        width = max(lens)
-        ids = torch.zeros((len(seqs), width), dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, width - lens[i]:] = torch.tensor(s.request.prompt_token_ids, dtype=torch.long)
-            mask[i, width - lens[i]:] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask = left_padded(seqs, self.device)
+        width = ids.shape[1]
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.config)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
                          use_cache=True, logits_to_keep=1)
-        for s, n in zip(seqs, lens):
-            s.num_computed = n
+        for s in seqs:
+            s.num_computed = len(s.request.prompt_token_ids)
         self._store_prefixes(seqs, cache, width)
         self._merge(cache, mask)
         return _last_logits(out)

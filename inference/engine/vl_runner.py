@@ -30,7 +30,7 @@ from inference.media.cache import FeatureCache, ImageFeatures
 
 from .encoder_cache import EncodedImage, EncoderCache
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB, ImageSpan
-from .runner import ModelRunner, RequestError, Sequence, _last_logits
+from .runner import ModelRunner, RequestError, Sequence, _last_logits, left_padded
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -118,15 +118,9 @@ class VLModelRunner(ModelRunner):
 
         if len(seqs) == 1 and seqs[0].prefix_entry is not None:
             return self._prefill_cached(seqs[0])
-        lens = [len(s.request.prompt_token_ids) for s in seqs]
-        width = max(lens)
-        ids = torch.zeros((len(seqs), width), dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, width - lens[i]:] = torch.tensor(s.request.prompt_token_ids, dtype=torch.long)
-            mask[i, width - lens[i]:] = 1
+        ids, mask = left_padded(seqs, self.device)
+        width = ids.shape[1]
         images = [img for s in seqs for img in getattr(s, "mm_images", [])]
-        ids, mask = ids.to(self.device), mask.to(self.device)
         mm_types = (ids == self.image_token_id).to(torch.int32) * mask.to(torch.int32)
         encoded = self._encode(images)
         grid = torch.tensor([e.grid_thw for e in encoded], dtype=torch.long, device=self.device) if images else None
@@ -135,8 +129,8 @@ class VLModelRunner(ModelRunner):
         cache = DynamicCache(config=self.config)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
                          logits_to_keep=1, **self._mm_kwargs(encoded))
-        for s, n in zip(seqs, lens):
-            s.num_computed = n
+        for s in seqs:
+            s.num_computed = len(s.request.prompt_token_ids)
         self._finish_prefill(seqs, cache, mask, deltas, width)
         return _last_logits(out)
 

@@ -13,16 +13,8 @@
 
 from .chat_template import RenderedPrompt, detokenize, render_chat, tokenize_prompt
 from .errors import (
-    InvalidMessagesError,
-    InvalidTemplateKwargsError,
-    NoChatTemplateError,
-    RenderError,
-    TemplateLimitError,
-    TemplateRenderError,
-    TemplateSecurityError,
-    TemplateSyntaxError,
-    TemplateTimeoutError,
-    TokenIdError,
+    InvalidMessagesError, InvalidTemplateKwargsError, NoChatTemplateError, RenderError, TemplateLimitError,
+    TemplateRenderError, TemplateSecurityError, TemplateSyntaxError, TemplateTimeoutError, TokenIdError,
     TokenizerLoadError,
 )
 from .tokenizer_cache import LoadedTokenizer, get_tokenizer

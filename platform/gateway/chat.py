@@ -8,11 +8,10 @@ from typing import Any
 
 from gateway.http import GatewayConsumer
 from gateway.logprobs import chat_logprobs
-from gateway.pipeline import inputs, preamble, rendering, responses
+from gateway.pipeline import inputs, preamble, responses
 from gateway.pipeline.clients import link
 from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.flow import admit_and_start, hold_before_render
-from gateway.pipeline.media import render_chat_media
 from gateway.pipeline.scope import record_refusal, request_scope
 from gateway.pipeline.usage import public_finish_reason
 from inference.input_processor import new_internal_id
@@ -34,15 +33,8 @@ class ChatCompletionsConsumer(GatewayConsumer):
             model = await preamble.resolve_model(ctx, req.model)
             await hold_before_render(self, scope, ctx, model, n=n, size=len(body), exact=False,
                                      max_tokens=req.requested_max_tokens[0])
-            tokenizer = await rendering.load_tokenizer(model)
-            rendering.check_prompt_chars(model, tokenizer, rendering.message_chars(req.messages), "messages")
-            salt = inputs.cache_salt_for(ctx, req.cache_salt)
-            rendered = await render_chat_media(model, rendering.chat_render_payload(model, req), cache_salt=salt,
-                                               tenant_id=ctx.tenant_id)
-            processed = inputs.process(
-                req, model, tokenizer, external_id=pre.external_id, prompt_token_ids=rendered["prompt_token_ids"],
-                prompt_param="messages", client_id=link().client_id, arrival_time=arrival,
-                logprobs=(req.top_logprobs or 0) if req.logprobs else None, cache_salt=salt)
+            tokenizer, rendered, processed = await inputs.render_chat_input(
+                ctx, model, req, external_id=pre.external_id, client_id=link().client_id, arrival_time=arrival)
             inputs.attach_media(processed, rendered)
             run = await admit_and_start(scope, model, tokenizer, processed, stop=req.stop,
                                         include_stop_str_in_output=bool(req.include_stop_str_in_output),

@@ -20,7 +20,6 @@ from typing import Any
 from gateway.errors import bad_request
 from gateway.http import GatewayConsumer
 from gateway.pipeline import inputs, limits, preamble, rendering
-from gateway.pipeline.media import render_chat_media
 from gateway.model_cache import ModelSnapshot
 from inference.input_processor import ProcessedInput
 from inference.protocol.openai import ChatCompletionRequest, CompletionRequest
@@ -53,15 +52,8 @@ class ChatRenderConsumer(GatewayConsumer):
         ctx, req = pre.ctx, pre.req
         async with limits.held(self, ctx, grant=pre.grant):  # RPM and concurrency taken before parsing
             model = await preamble.resolve_model(ctx, req.model)
-            tokenizer = await rendering.load_tokenizer(model)
-            rendering.check_prompt_chars(model, tokenizer, rendering.message_chars(req.messages), "messages")
-            salt = inputs.cache_salt_for(ctx, req.cache_salt)
-            rendered = await render_chat_media(model, rendering.chat_render_payload(model, req), cache_salt=salt,
-                                               tenant_id=ctx.tenant_id)
-            processed = inputs.process(
-                req, model, tokenizer, external_id=pre.external_id, prompt_token_ids=rendered["prompt_token_ids"],
-                prompt_param="messages", client_id="", arrival_time=time.time(),
-                logprobs=(req.top_logprobs or 0) if req.logprobs else None, cache_salt=salt)
+            _, _, processed = await inputs.render_chat_input(ctx, model, req, external_id=pre.external_id,
+                                                             client_id="", arrival_time=time.time())
             await self.send_json(200, _tokens_in_request(processed, req, model, processed.external_id))
 
 

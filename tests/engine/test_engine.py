@@ -123,6 +123,18 @@ def test_logprobs_top_k(engine):
             assert abs(sampled - top[0][1]) < 1e-5
 
 
+def _wait_idle(engine, timeout_s: float = 30) -> None:
+    """Wait (bounded by ``timeout_s``) until the engine reports no running and no waiting request."""
+    st = None
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        st = engine.stats()
+        if st and st.num_running == 0 and st.num_waiting == 0:
+            break
+        time.sleep(0.1)
+    assert st is not None and st.num_running == 0 and st.num_waiting == 0
+
+
 def test_abort_frees_the_slot(engine):
     max_tokens = 512 - len(PROMPT)  # max_model_len 512: the most it can be asked for
     rid = engine.send(PROMPT, temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
@@ -131,13 +143,7 @@ def test_abort_frees_the_slot(engine):
     outs = engine.collect([rid], timeout=60)[rid]
     assert final(outs).finish_reason == FINISH_ABORT  # a lost abort ends with length
     assert len(tokens(outs)) < max_tokens
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        st = engine.stats()
-        if st and st.num_running == 0 and st.num_waiting == 0:
-            break
-        time.sleep(0.1)
-    assert st.num_running == 0 and st.num_waiting == 0
+    _wait_idle(engine)
 
 
 def test_abort_before_the_request_is_read(engine):
@@ -194,14 +200,7 @@ def test_requests_of_a_vanished_api_process_are_aborted(engine):
         time.sleep(CLIENT_CHECK_INTERVAL_S + 0.2)  # a lower bound on the pause, whatever the machine: check due
     finally:
         os.kill(engine.proc.pid, signal.SIGCONT)
-    st = None
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        st = engine.stats()
-        if st and st.num_running == 0 and st.num_waiting == 0:
-            break
-        time.sleep(0.1)
-    assert st is not None and st.num_running == 0 and st.num_waiting == 0
+    _wait_idle(engine)
     # the engine's own outputs: never finished by length, far fewer tokens than asked (outputs for a vanished
     # client are dropped, so no abort output is expected)
     outs = first + [o for m in engine.read(timeout_ms=500) for o in m.outputs if o.request_id == rid]

@@ -26,13 +26,7 @@ def live(tmp_path_factory):
                             str(REPO / ".cache" / "tokenizers" / name), "--max-model-len", "32768")
         platform.manage("register_model", "tiny-qwen3-trusted", str(MODEL_DIR), "--max-model-len", "512",
                         "--allow-request-chat-template", "true")
-        env = platform.sup.env
-        env["RENDER_ROUTE"] = "inline"
-        try:
-            _, url = platform.start_api(name="api-inline")
-        finally:
-            env.pop("RENDER_ROUTE", None)
-        platform.extra["inline_url"] = url
+        platform.start_inline_api()
         yield platform
     finally:
         platform.stop()

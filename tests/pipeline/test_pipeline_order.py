@@ -106,6 +106,14 @@ async def _until_usage(steps: list[str]) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _spend_the_minute(steps: list[str], key: str) -> None:
+    """One accepted chat with ``key`` (rpm=1), recorded; then ``steps`` is cleared for the next request."""
+    status, _ = await _chat(key)
+    assert status == 200
+    await _until_usage(steps)
+    steps.clear()
+
+
 def _collapsed(steps: list[str]) -> list[str]:
     """``steps`` with repeats of the same step in a row counted once (one ``output`` per SSE event)."""
     return [s for i, s in enumerate(steps) if i == 0 or steps[i - 1] != s]
@@ -123,10 +131,7 @@ async def test_a_streamed_chat_takes_the_steps_in_design_order(platform):
 
 async def test_an_over_limit_key_gets_its_429_before_any_render(platform):
     steps, keys, fake = platform
-    status, _ = await _chat(keys["rpm1"])
-    assert status == 200
-    await _until_usage(steps)
-    steps.clear()
+    await _spend_the_minute(steps, keys["rpm1"])
     status, body = await _chat(keys["rpm1"])  # the second request of the minute: over rpm=1
     assert status == 429, body
     assert json.loads(body)["error"]["code"] == "rate_limit_exceeded"
@@ -137,10 +142,7 @@ async def test_an_over_limit_key_gets_its_429_before_any_render(platform):
 
 async def test_an_over_limit_key_gets_429_for_an_invalid_body_without_parsing_it(platform):
     steps, keys, fake = platform
-    status, _ = await _chat(keys["rpm1"])
-    assert status == 200
-    await _until_usage(steps)
-    steps.clear()
+    await _spend_the_minute(steps, keys["rpm1"])
     status, body = await _chat(keys["rpm1"], body=b"{not json" + b" " * 1_000_000)
     assert status == 429, body  # not 400: the key's RPM comes before any parse
     assert json.loads(body)["error"]["code"] == "rate_limit_exceeded"

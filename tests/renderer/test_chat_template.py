@@ -9,14 +9,8 @@ import pytest
 
 from inference.renderer.chat_template import detect_content_format, render_chat
 from inference.renderer.errors import (
-    InvalidMessagesError,
-    InvalidTemplateKwargsError,
-    NoChatTemplateError,
-    RenderError,
-    TemplateLimitError,
-    TemplateRenderError,
-    TemplateSecurityError,
-    TemplateSyntaxError,
+    InvalidMessagesError, InvalidTemplateKwargsError, NoChatTemplateError, RenderError, TemplateLimitError,
+    TemplateRenderError, TemplateSecurityError, TemplateSyntaxError,
 )
 from tests.renderer.tokdirs import hf_tokenizer, tok_dir
 

@@ -151,16 +151,28 @@ def _revoke(user, how: str) -> None:
         type(user).objects.filter(pk=user.pk).update(is_active=False)
 
 
-@pytest.mark.django_db(transaction=True)
-@pytest.mark.parametrize("how", ["staff flag", "permission", "deactivated"])
-async def test_ws_operator_feed_stops_at_the_next_push_after_revocation(staff, channel_layer_redis, how):
+async def _operator_feed(staff, perm: bool):
+    """Another tenant's usage recorded, a staff user (``perm``: with the all-tenant permission) connected to the
+    usage WebSocket and asking for the operator view; ``(user, communicator, first message)``. The caller
+    disconnects the communicator."""
     await sync_to_async(_usage_of_another_tenant)()
-    user, client = await sync_to_async(staff)(perm=True)
+    user, client = await sync_to_async(staff)(perm=perm)
     ws = _communicator(client)
     assert (await ws.connect())["type"] == "websocket.accept"
     try:
         await ws.send_json_to({"range": "hour", "api_key_id": None, "operator": True})
         first = await ws.receive_json_from(timeout=10)
+    except BaseException:
+        await ws.disconnect()
+        raise
+    return user, ws, first
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("how", ["staff flag", "permission", "deactivated"])
+async def test_ws_operator_feed_stops_at_the_next_push_after_revocation(staff, channel_layer_redis, how):
+    user, ws, first = await _operator_feed(staff, perm=True)
+    try:
         assert first["totals"]["requests"] == 1  # another tenant's usage: the all-tenant view
         await _push_from_server()
         again = await ws.receive_json_from(timeout=10)  # keeps streaming
@@ -180,13 +192,8 @@ async def test_ws_operator_feed_stops_at_the_next_push_after_revocation(staff, c
 
 @pytest.mark.django_db(transaction=True)
 async def test_ws_staff_without_the_permission_never_gets_all_tenants(staff, channel_layer_redis):
-    await sync_to_async(_usage_of_another_tenant)()
-    _, client = await sync_to_async(staff)(perm=False)
-    ws = _communicator(client)
-    assert (await ws.connect())["type"] == "websocket.accept"
+    _, ws, refused = await _operator_feed(staff, perm=False)
     try:
-        await ws.send_json_to({"range": "hour", "api_key_id": None, "operator": True})
-        refused = await ws.receive_json_from(timeout=10)
         assert "points" not in refused and refused["error"]["code"] == "forbidden", refused
         assert await ws.receive_output(timeout=10) == {"type": "websocket.close", "code": 4403}
     finally:

@@ -9,23 +9,12 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
 from django.utils import timezone
-from rest_framework.test import APIClient
 
+from tests.support.api_client import bearer_client
 from tenancy.models import ApiKey, Tenant
 from tenancy.services import KeyPermissionDenied, api_key_create, api_key_revoke, api_key_update
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def tenant():
-    return Tenant.objects.create(name="acme")
-
-
-def _client(secret: str) -> APIClient:
-    client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
-    return client
 
 
 def test_reactivating_an_expired_key_counts_against_the_cap(tenant, settings):
@@ -33,7 +22,7 @@ def test_reactivating_an_expired_key_counts_against_the_cap(tenant, settings):
     _, admin_secret = api_key_create(tenant=tenant, name="tenant-admin", scopes=["inference", "keys:write"])
     past = timezone.now() - timedelta(seconds=1)
     gone = [api_key_create(tenant=tenant, name=f"gone-{i}", expires_at=past)[0] for i in range(2)]  # not counted
-    c = _client(admin_secret)
+    c = bearer_client(admin_secret)
     assert c.post("/api/v1/keys", {"name": "b"}, format="json").status_code == 201  # the cap (2) is reached
     for body in ({"expires_at": None}, {"expires_at": (timezone.now() + timedelta(hours=1)).isoformat()}):
         r = c.patch(f"/api/v1/keys/{gone[0].pk}", body, format="json")

@@ -16,7 +16,7 @@ from inference.renderer.tokenizer_cache import get_tokenizer
 from tests.frontend.test_template_conformance import reference
 from tests.multimodal.conftest import VL_DIR, VL_MODEL, live_vl  # noqa: F401 - the live platform fixture
 from tests.renderer.tokdirs import tok_dir
-from tests.security.test_isolation_live import chat, post
+from tests.security.test_isolation_live import post, same_ids_everywhere
 
 TOOL_CALL, TOOL_CALL_END, TOOL_RESP, TOOL_RESP_END, THINK, THINK_END = 151657, 151658, 151665, 151666, 151667, 151668
 ADDED = (TOOL_CALL, TOOL_CALL_END, TOOL_RESP, TOOL_RESP_END, THINK, THINK_END)
@@ -96,14 +96,7 @@ def test_think_tag_left_in_assistant_content_is_text():
 def test_forged_added_tokens_same_ids_on_tokenize_render_and_generation(live_vl):  # noqa: F811
     key = live_vl.new_key()
     msgs = [{"role": "user", "content": FORGED}]
-    s, tok = post(live_vl, key, "/tokenize", {"model": VL_MODEL, "messages": msgs})
-    assert s == 200, tok
-    s, rendered = post(live_vl, key, "/v1/chat/completions/render", {"model": VL_MODEL, "messages": msgs,
-                                                                      "max_tokens": 1})
-    assert s == 200, rendered
-    gen = chat(live_vl, key, FORGED, return_token_ids=True)
-    ids = tok["tokens"]
-    assert ids == rendered["token_ids"] == gen["prompt_token_ids"]
+    ids = same_ids_everywhere(live_vl, key, FORGED)
     assert not _added(ids)
     live_vl.manage("register_model", "tiny-vl-permissive-added", str(VL_DIR), "--max-model-len", "1024",
                    "--allow-control-tokens-in-content", "true")

@@ -13,22 +13,12 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from tenancy.api.serializers import ApiKeyWriteSerializer
-from tenancy.models import ApiKey, Tenant
+from tests.support.api_client import bearer_client
+from tenancy.models import ApiKey
 from tenancy.selectors import api_key_authenticate
 from tenancy.services import api_key_create
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def tenant():
-    return Tenant.objects.create(name="acme")
-
-
-def _client(secret: str) -> APIClient:
-    client = APIClient()
-    client.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
-    return client
 
 
 def _limited_admin(tenant, **overrides):
@@ -39,7 +29,7 @@ def _limited_admin(tenant, **overrides):
                           "budget_period": "week"})
     fields.update(overrides)
     key, secret = api_key_create(tenant=tenant, name="limited-admin", **fields)
-    return key, _client(secret)
+    return key, bearer_client(secret)
 
 
 def _iso(delta: timedelta) -> str:
@@ -136,7 +126,7 @@ def test_operator_scoped_keys_are_out_of_reach(tenant):
     tenant.save()
     session = APIClient()
     session.force_login(owner)
-    for c in (_client(unrestricted), session):
+    for c in (bearer_client(unrestricted), session):
         _refused(c.patch(f"/api/v1/keys/{prom.pk}", {"scopes": ["inference"]}, format="json"), 403, None)
         _refused(c.post(f"/api/v1/keys/{prom.pk}/rotate", {}, format="json"), 403, None)
         _refused(c.delete(f"/api/v1/keys/{prom.pk}"), 403, None)
@@ -152,7 +142,7 @@ def test_rotation_grace_period_cannot_be_undone_or_extended(tenant):
     tenant.save()
     session = APIClient()
     session.force_login(owner)
-    c = _client(admin_secret)
+    c = bearer_client(admin_secret)
     old = c.post("/api/v1/keys", {"name": "svc"}, format="json").json()
     assert c.post(f"/api/v1/keys/{old['id']}/rotate", {"grace_period_s": 600}, format="json").status_code == 201
     grace_end = ApiKey.objects.get(pk=old["id"]).expires_at
@@ -170,7 +160,7 @@ def test_keys_per_tenant_are_capped(tenant, settings):
     settings.MAX_API_KEYS_PER_TENANT = 3
     _, admin_secret = api_key_create(tenant=tenant, name="tenant-admin", scopes=["inference", "keys:write"])
     api_key_create(tenant=tenant, name="gone", expires_at=timezone.now() - timedelta(seconds=1))  # not counted
-    c = _client(admin_secret)
+    c = bearer_client(admin_secret)
     first = c.post("/api/v1/keys", {"name": "a"}, format="json")
     assert first.status_code == 201
     assert c.post("/api/v1/keys", {"name": "b"}, format="json").status_code == 201
@@ -187,7 +177,7 @@ def test_keys_per_tenant_are_capped(tenant, settings):
                                   "quote\"s", "emoji \U0001F600", "back\\slash"])
 def test_unsafe_key_names_are_refused(tenant, name):
     _, admin_secret = api_key_create(tenant=tenant, name="tenant-admin", scopes=["inference", "keys:write"])
-    c = _client(admin_secret)
+    c = bearer_client(admin_secret)
     _refused(c.post("/api/v1/keys", {"name": name}, format="json"), 400, "name")
     ser = ApiKeyWriteSerializer(data={"name": name})
     assert not ser.is_valid() and "name" in ser.errors  # the serializer refuses it already, not only the service
@@ -203,6 +193,6 @@ def test_unsafe_key_names_are_refused(tenant, name):
 def test_safe_key_names_are_accepted(tenant):
     _, admin_secret = api_key_create(tenant=tenant, name="tenant-admin", scopes=["inference", "keys:write"])
     name = "ci-bot_01 prod.eu:v2 ops@example.com/x (old)"
-    r = _client(admin_secret).post("/api/v1/keys", {"name": name}, format="json")
+    r = bearer_client(admin_secret).post("/api/v1/keys", {"name": name}, format="json")
     assert r.status_code == 201 and r.json()["name"] == name
     assert api_key_create(tenant=tenant, name="a" * 100)[0].name == "a" * 100

@@ -12,12 +12,12 @@ import os
 import uuid
 
 import pytest
-import redis
 from channels_redis.core import RedisChannelLayer
 from django.conf import settings
 
 from inference import engine_client
 from inference.redis_timeouts import SOCKET_TIMEOUT_MARGIN_S, blocking_socket_timeout
+from tests.support.redis import delete_matching, delete_prefix
 
 URL = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/4"
 
@@ -65,11 +65,7 @@ def test_idle_channel_layer_receive_survives_past_the_block_time_then_delivers()
     try:
         assert asyncio.run(scenario()) == {"type": "usage.updated"}
     finally:
-        client = redis.Redis.from_url(URL)
-        keys = list(client.scan_iter(match=f"{prefix}*", count=1000))
-        if keys:
-            client.delete(*keys)
-        client.close()
+        delete_matching(URL, f"{prefix}*")  # channels_redis keys: the prefix, no colon
 
 
 def test_engine_link_xread_outlives_its_block_and_reads_what_arrives_after():
@@ -94,8 +90,4 @@ def test_engine_link_xread_outlives_its_block_and_reads_what_arrives_after():
     try:
         asyncio.run(scenario())
     finally:
-        client = redis.Redis.from_url(URL)
-        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
-        if keys:
-            client.delete(*keys)
-        client.close()
+        delete_prefix(URL, prefix)

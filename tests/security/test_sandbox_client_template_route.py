@@ -23,8 +23,7 @@ def live(tmp_path_factory):
     try:
         platform.manage("register_model", TRUSTED, str(MODEL_DIR), "--max-model-len", "512",
                         "--allow-request-chat-template", "true")
-        _, url = platform.start_api(name="api-inline", env_extra={"RENDER_ROUTE": "inline"})
-        platform.extra["inline_url"] = url
+        platform.start_inline_api()
         yield platform
     finally:
         platform.stop()

@@ -13,15 +13,20 @@ import redis
 TEST_REDIS_URL = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/9"
 
 
-def delete_prefix(url: str, prefix: str) -> None:
-    """Delete every key under ``prefix:`` in the Redis at ``url``."""
+def delete_matching(url: str, pattern: str) -> None:
+    """Delete every key matching the glob ``pattern`` (Redis ``SCAN MATCH`` syntax) in the Redis at ``url``."""
     client = redis.Redis.from_url(url)
     try:
-        keys = list(client.scan_iter(match=f"{prefix}:*", count=1000))
+        keys = list(client.scan_iter(match=pattern, count=1000))
         if keys:
             client.delete(*keys)
     finally:
         client.close()
+
+
+def delete_prefix(url: str, prefix: str) -> None:
+    """Delete every key under ``prefix:`` in the Redis at ``url``."""
+    delete_matching(url, f"{prefix}:*")
 
 
 @contextmanager
