@@ -116,7 +116,10 @@ class EngineProc:
 
     def read(self, timeout_ms: int = 200) -> list[EngineCoreOutputs]:
         """Read the next output messages of this client (may be empty)."""
-        resp = self.r.xread({outputs_stream(self.prefix, self.client_id): self._last}, block=timeout_ms)
+        try:
+            resp = self.r.xread({outputs_stream(self.prefix, self.client_id): self._last}, block=timeout_ms)
+        except redis.exceptions.TimeoutError:  # a shared Redis on a loaded machine answered late: read again
+            return []
         msgs = []
         for _stream, entries in resp or []:
             for entry_id, fields in entries:
@@ -124,7 +127,7 @@ class EngineProc:
                 msgs.append(EngineCoreOutputs.from_wire(fields[b"o"]))
         return msgs
 
-    def collect(self, request_ids, timeout: float = 30, until_first_token: bool = False) -> dict:
+    def collect(self, request_ids, timeout: float = 120, until_first_token: bool = False) -> dict:
         """Outputs per request id until every one has finished (or produced a token when
         ``until_first_token``). Raises ``TimeoutError`` when that takes longer than ``timeout``."""
         want = set(request_ids)

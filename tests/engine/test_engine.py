@@ -54,7 +54,7 @@ def test_same_seed_same_output_across_batch_companions(engine):
     engine.collect(companions, until_first_token=True)  # the companions are running when ours joins
     again = engine.send(PROMPT, temperature=1.0, seed=1234, max_tokens=16)
     other_seed = engine.send(PROMPT, temperature=1.0, seed=99, max_tokens=16)
-    got = engine.collect([again, other_seed, *companions])
+    got = engine.collect([again, other_seed])  # (a companion may have finished in the collect above)
     assert tokens(got[again]) == r_alone
     assert tokens(got[other_seed]) != r_alone  # the seed matters: random weights give near-uniform draws
 
@@ -161,7 +161,7 @@ def test_abort_before_the_request_is_read(engine):
 def test_sixteen_concurrent_requests_finish(engine):
     ids = [engine.send([50 + i] * (5 + i), temperature=0.8, seed=i, max_tokens=64, ignore_eos=True)
            for i in range(16)]
-    got = engine.collect(ids, timeout=60)
+    got = engine.collect(ids, timeout=300)  # bounds a failure only: 16 x 64 tokens on a loaded 2-core box
     for rid in ids:
         assert final(got[rid]).finish_reason == FINISH_LENGTH and len(tokens(got[rid])) == 64
     st = engine.stats()
@@ -250,7 +250,7 @@ def test_prefix_cache_reuses_prompt_kv_with_the_same_output(engine):
     engine.collect(companions, until_first_token=True)  # the cached rows join a running batch
     partial = engine.send(a_prompt, **kw)
     warm = engine.send(b_prompt, **kw)
-    got = engine.collect([partial, warm, *companions])
+    got = engine.collect([partial, warm])
     assert _first_cached(got[partial]) == 64
     assert _first_cached(got[warm]) == len(b_prompt) - 1 == 79
     assert final(got[warm]).finish_reason == FINISH_LENGTH and len(tokens(got[partial])) == 8
