@@ -8,7 +8,7 @@ from typing import Any
 
 from gateway.http import GatewayConsumer
 from gateway.logprobs import chat_logprobs
-from gateway.pipeline import inputs, preamble, responses
+from gateway.pipeline import flow, inputs, preamble, responses
 from gateway.pipeline.clients import link
 from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.flow import admit_and_start, hold_before_render
@@ -33,7 +33,7 @@ class ChatCompletionsConsumer(GatewayConsumer):
             model = await preamble.resolve_model(ctx, req.model)
             await hold_before_render(self, scope, ctx, model, n=n, size=len(body), exact=False,
                                      max_tokens=req.requested_max_tokens[0])
-            tokenizer, rendered, processed = await inputs.render_chat_input(
+            tokenizer, rendered, processed = await flow.render_chat_input(
                 ctx, model, req, external_id=pre.external_id, client_id=link().client_id, arrival_time=arrival)
             inputs.attach_media(processed, rendered)
             run = await admit_and_start(scope, model, tokenizer, processed, stop=req.stop,

@@ -19,7 +19,7 @@ from typing import Any
 
 from gateway.errors import bad_request
 from gateway.http import GatewayConsumer
-from gateway.pipeline import inputs, limits, preamble, rendering
+from gateway.pipeline import flow, inputs, limits, preamble, rendering
 from gateway.model_cache import ModelSnapshot
 from inference.input_processor import ProcessedInput
 from inference.protocol.openai import ChatCompletionRequest, CompletionRequest
@@ -52,7 +52,7 @@ class ChatRenderConsumer(GatewayConsumer):
         ctx, req = pre.ctx, pre.req
         async with limits.held(self, ctx, grant=pre.grant):  # RPM and concurrency taken before parsing
             model = await preamble.resolve_model(ctx, req.model)
-            _, _, processed = await inputs.render_chat_input(ctx, model, req, external_id=pre.external_id,
+            _, _, processed = await flow.render_chat_input(ctx, model, req, external_id=pre.external_id,
                                                              client_id="", arrival_time=time.time())
             await self.send_json(200, _tokens_in_request(processed, req, model, processed.external_id))
 

@@ -11,7 +11,7 @@ os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/11")
 from tests.live_platform import start_platform
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def live(tmp_path_factory):
     platform = start_platform(tmp_path_factory.mktemp("adm"))
     _child, platform.extra["api2"] = platform.start_api("api2")

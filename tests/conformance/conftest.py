@@ -11,7 +11,7 @@ from tests.live_platform import MODEL_DIR, REPO, start_platform
 LLAMA_MODEL = "tiny-llama3tok"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def live(tmp_path_factory):
     platform = start_platform(tmp_path_factory.mktemp("live"))
     try:
@@ -28,7 +28,7 @@ def model_name():
     return "tiny-qwen3"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def http(live):
     """An httpx client on the api with the test key."""
     with httpx.Client(base_url=live.base_url, timeout=60,

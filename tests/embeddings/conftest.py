@@ -11,7 +11,7 @@ from tests.support.live import running_platform, start_replica
 EMBED_MODEL = "minilm"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def live_embed(tmp_path_factory):
     with running_platform(tmp_path_factory.mktemp("live-embed"), engine=False) as live:
         live.manage("register_model", EMBED_MODEL, minilm_dir(), "--task", "embed", "--max-model-len", "256")

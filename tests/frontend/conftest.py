@@ -17,7 +17,7 @@ from tests.live_platform import MODEL_DIR, REPO, start_platform
 TOKENIZER_NAMES = ("qwen3", "llama3_1", "gemma3", "deepseek_v3", "gptoss", "llama2")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def live(tmp_path_factory):
     platform = start_platform(tmp_path_factory.mktemp("live"))
     try:
@@ -36,14 +36,14 @@ def _client(url, key):
     return httpx.Client(base_url=url, timeout=120, headers={"Authorization": f"Bearer {key}"})
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def http(live):
     """httpx client on the default (Celery route) api process."""
     with _client(live.base_url, live.api_key) as c:
         yield c
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def http_inline(live):
     """httpx client on the ``RENDER_ROUTE=inline`` api process."""
     with _client(live.extra["inline_url"], live.api_key) as c:

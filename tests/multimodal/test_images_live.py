@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+import uuid
 
 import pytest
 
@@ -17,10 +18,14 @@ from tests.support.live import post_json
 post = post_json
 
 
-def chat(live, url: str, text: str = "What is in the picture?", model: str = VL_MODEL, **kw):
-    return post(live, "/v1/chat/completions", {"model": model, "max_tokens": 4, "temperature": 0, "messages": [
+def image_chat_body(url: str, text: str = "What is in the picture?", model: str = VL_MODEL, **kw) -> dict:
+    return {"model": model, "max_tokens": 4, "temperature": 0, "messages": [
         {"role": "user", "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]}],
-        **kw})
+        **kw}
+
+
+def chat(live, url: str, text: str = "What is in the picture?", model: str = VL_MODEL, **kw):
+    return post(live, "/v1/chat/completions", image_chat_body(url, text, model, **kw))
 
 
 def processor_calls(live) -> int:
@@ -135,8 +140,12 @@ def test_text_requests_answered_while_mm_queue_busy(live_vl):
     srv, port = serve("127.0.0.1", {"/slow.png": stall(5, hits=hits)})
     try:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            # four fetches the mm worker (concurrency 1) can only take one at a time, each cut at 3 s
-            busy = [pool.submit(chat, live_vl, f"http://127.0.0.1:{port}/slow.png?{i}") for i in range(4)]
+            # four fetches the mm worker (concurrency 1) can only take one at a time, each cut at 3 s; from four
+            # tenants, as one tenant may have only MM_TENANT_MAX_CONCURRENT (2) image requests in flight
+            run = uuid.uuid4().hex[:6]
+            keys = [live_vl.new_key(tenant=f"mmq-{i}-{run}") for i in range(4)]
+            busy = [pool.submit(post_json, live_vl, "/v1/chat/completions", image_chat_body(
+                f"http://127.0.0.1:{port}/slow.png?{i}"), key=keys[i]) for i in range(4)]
             deadline = time.monotonic() + 60
             while not hits and time.monotonic() < deadline:  # the mm worker is now stuck on a stalling fetch
                 time.sleep(0.02)

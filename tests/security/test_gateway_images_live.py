@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.multimodal.conftest import VL_MODEL, live_vl  # noqa: F401 - the session fixture
+from tests.multimodal.conftest import VL_MODEL
 from tests.multimodal.imgs import image_bytes
 from tests.multimodal.servers import serve
 
@@ -52,7 +52,7 @@ def post(base_url: str, key: str, body: dict) -> httpx.Response:
                       timeout=120)
 
 
-def test_images_of_a_request_are_fetched_concurrently(live_vl):  # noqa: F811
+def test_images_of_a_request_are_fetched_concurrently(live_vl):
     routes = [SlowImage(1.0, seed=700 + i) for i in range(4)]
     servers = [serve("127.0.0.1", {f"/slow{i}.png": r}) for i, r in enumerate(routes)]
     try:
@@ -69,7 +69,7 @@ def test_images_of_a_request_are_fetched_concurrently(live_vl):  # noqa: F811
             srv.shutdown()
 
 
-def test_images_past_the_deadline_are_a_clean_400(live_vl):  # noqa: F811
+def test_images_past_the_deadline_are_a_clean_400(live_vl):
     routes = [SlowImage(8.0, seed=800 + i, stall=True) for i in range(2)]
     servers = [serve("127.0.0.1", {"/stall.png": r}) for r in routes]
     try:
@@ -91,14 +91,14 @@ def test_images_past_the_deadline_are_a_clean_400(live_vl):  # noqa: F811
     "http://[::ffff:999.1.1.1]/", "http://" + "a" * 300 + ".example/", "http://" + "a." * 200 + "example/",
     "data:image/png;base64,", "data:image/png;base64,%%%garbage", "data:image/png;base64,AAAA",
 ])
-def test_malformed_image_urls_are_400_naming_the_part(live_vl, url):  # noqa: F811
+def test_malformed_image_urls_are_400_naming_the_part(live_vl, url):
     r = post(live_vl.base_url, live_vl.api_key, chat_body([url]))
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "messages[0].content[1]" and err["type"] == "invalid_request_error"
 
 
-def test_image_work_is_bounded_per_tenant(live_vl):  # noqa: F811
+def test_image_work_is_bounded_per_tenant(live_vl):
     _child, base = live_vl.start_api("api-mm-k1", env_extra={"MM_TENANT_MAX_CONCURRENT": "1"})
     tenant_a = f"sec-a-{time.time_ns()}"
     key_a1, key_a2 = live_vl.new_key(tenant=tenant_a), live_vl.new_key(tenant=tenant_a)

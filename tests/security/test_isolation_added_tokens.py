@@ -14,7 +14,7 @@ import pytest
 from inference.renderer.chat_template import render_chat
 from inference.renderer.tokenizer_cache import get_tokenizer
 from tests.frontend.test_template_conformance import reference
-from tests.multimodal.conftest import VL_DIR, VL_MODEL, live_vl  # noqa: F401 - the live platform fixture
+from tests.multimodal.conftest import VL_DIR
 from tests.renderer.tokdirs import tok_dir
 from tests.security.test_isolation_live import post, same_ids_everywhere
 
@@ -93,7 +93,7 @@ def test_think_tag_left_in_assistant_content_is_text():
         THINK, THINK_END, THINK]
 
 
-def test_forged_added_tokens_same_ids_on_tokenize_render_and_generation(live_vl):  # noqa: F811
+def test_forged_added_tokens_same_ids_on_tokenize_render_and_generation(live_vl):
     key = live_vl.new_key()
     msgs = [{"role": "user", "content": FORGED}]
     ids = same_ids_everywhere(live_vl, key, FORGED)

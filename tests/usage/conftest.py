@@ -6,7 +6,7 @@ import pytest
 
 from tests.support.live import platform_fixture
 
-live = platform_fixture("live-usage")
+live = platform_fixture("live-usage", scope="package")
 
 
 @pytest.fixture(scope="session")

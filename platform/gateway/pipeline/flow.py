@@ -3,12 +3,16 @@ embeddings share between the preamble and the response."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from gateway.http import GatewayConsumer
 from gateway.model_cache import ModelSnapshot
-from gateway.pipeline import admission, limits
+from gateway.pipeline import admission, inputs, limits, rendering
 from gateway.pipeline.engine import GenerationRun
+from gateway.pipeline.media import render_chat_media
 from gateway.pipeline.scope import RequestScope
 from inference.input_processor import ProcessedInput
+from inference.protocol.openai import ChatCompletionRequest
 from inference.renderer.tokenizer_cache import LoadedTokenizer
 from tenancy.selectors import AuthContext
 
@@ -40,3 +44,21 @@ async def admit_and_start(scope: RequestScope, model: ModelSnapshot, tokenizer: 
                                     reservation=scope.reservation)
     await run.start()
     return run
+
+
+async def render_chat_input(ctx: AuthContext, model: ModelSnapshot, req: ChatCompletionRequest, *, external_id: str,
+                            client_id: str, arrival_time: float) -> tuple[LoadedTokenizer, dict[str, Any],
+                                                                          ProcessedInput]:
+    """Steps 5-6 of a chat request: load the tokenizer, bound the prompt characters, render the messages (with
+    their images) and process the result. Returns ``(tokenizer, rendered, processed)``; ``rendered`` is the
+    render task's dict (``prompt_token_ids``, media keys). Raises ``ApiError`` (400 naming the field, 503)."""
+    tokenizer = await rendering.load_tokenizer(model)
+    rendering.check_prompt_chars(model, tokenizer, rendering.message_chars(req.messages), "messages")
+    salt = inputs.cache_salt_for(ctx, req.cache_salt)
+    rendered = await render_chat_media(model, rendering.chat_render_payload(model, req), cache_salt=salt,
+                                       tenant_id=ctx.tenant_id)
+    processed = inputs.process(
+        req, model, tokenizer, external_id=external_id, prompt_token_ids=rendered["prompt_token_ids"],
+        prompt_param="messages", client_id=client_id, arrival_time=arrival_time,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None, cache_salt=salt)
+    return tokenizer, rendered, processed

@@ -10,9 +10,7 @@ from typing import Any
 
 from tenancy.selectors import AuthContext
 from gateway.model_cache import ModelSnapshot
-from gateway.pipeline import rendering
 from gateway.pipeline.failures import api_error_from
-from gateway.pipeline.media import render_chat_media
 from inference.input_processor import (
     GenerationDefaults,
     ProcessedInput,
@@ -20,7 +18,7 @@ from inference.input_processor import (
     model_vocab_size,
     process_inputs,
 )
-from inference.protocol.openai import ChatCompletionRequest, RequestValidationError
+from inference.protocol.openai import RequestValidationError
 from inference.renderer.tokenizer_cache import LoadedTokenizer
 
 
@@ -72,21 +70,3 @@ def attach_media(processed: ProcessedInput, rendered: dict[str, Any]) -> None:
     if keys:
         for r in processed.requests:
             r.mm_cache_keys = keys
-
-
-async def render_chat_input(ctx: AuthContext, model: ModelSnapshot, req: ChatCompletionRequest, *, external_id: str,
-                            client_id: str, arrival_time: float) -> tuple[LoadedTokenizer, dict[str, Any],
-                                                                          ProcessedInput]:
-    """Steps 5-6 of a chat request: load the tokenizer, bound the prompt characters, render the messages (with
-    their images) and process the result. Returns ``(tokenizer, rendered, processed)``; ``rendered`` is the
-    render task's dict (``prompt_token_ids``, media keys). Raises ``ApiError`` (400 naming the field, 503)."""
-    tokenizer = await rendering.load_tokenizer(model)
-    rendering.check_prompt_chars(model, tokenizer, rendering.message_chars(req.messages), "messages")
-    salt = cache_salt_for(ctx, req.cache_salt)
-    rendered = await render_chat_media(model, rendering.chat_render_payload(model, req), cache_salt=salt,
-                                       tenant_id=ctx.tenant_id)
-    processed = process(
-        req, model, tokenizer, external_id=external_id, prompt_token_ids=rendered["prompt_token_ids"],
-        prompt_param="messages", client_id=client_id, arrival_time=arrival_time,
-        logprobs=(req.top_logprobs or 0) if req.logprobs else None, cache_salt=salt)
-    return tokenizer, rendered, processed

@@ -1,0 +1,28 @@
+"""Fixtures shared across test directories. A session fixture must be defined once here rather than imported
+into test modules: pytest makes one instance per module that imports it, and each live platform holds ~2 GB."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.multimodal.conftest import VL_DIR, VL_MODEL, ensure_vl_model
+from tests.support.live import running_platform, start_replica
+
+
+@pytest.fixture(scope="session")
+def live_vl(tmp_path_factory):
+    """Live platform serving the demo Qwen2-VL model (``VL_MODEL``) with an ``mm`` worker that may fetch from
+    127.0.0.1 (``MM_FETCH_ALLOW_NETS``) and a 3 s fetch deadline."""
+    ensure_vl_model()
+    with running_platform(tmp_path_factory.mktemp("live-vl"), engine=False, max_model_len=1024,
+                          mm_worker=False) as live:  # its own mm worker below may fetch from loopback
+        live.manage("register_model", VL_MODEL, str(VL_DIR), "--max-model-len", "1024")
+        env = dict(live.env, MM_FETCH_ALLOW_NETS="127.0.0.1/32", MM_FETCH_TIMEOUT_S="3")
+        live.sup.env = env
+        live.sup.start("mm-worker", [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "mm", "-c", "1",
+                                     "-I", "inference.mm_tasks", "--pool", "prefork", "-n", f"mm-{live.prefix}@%h",
+                                     "--without-gossip", "--without-mingle", "-l", "WARNING"])
+        start_replica(live, "vl-engine", VL_MODEL, VL_DIR, "--max-model-len", "1024", "--num-threads", "2")
+        yield live
