@@ -18,7 +18,7 @@ import logging
 from typing import Any
 
 import redis
-from celery import shared_task
+from celery import current_app, shared_task
 
 from inference.config import SETTINGS
 from inference.tasks import reply_if_requested
@@ -31,14 +31,16 @@ logger = logging.getLogger(__name__)
 
 MM_TIME_LIMIT_S = SETTINGS.mm_time_limit_s
 MM_QUEUE = "mm"
-_clients: dict[str, redis.Redis] = {}
+_client: redis.Redis | None = None
 
 
-def _redis(url: str) -> redis.Redis:
-    client = _clients.get(url)
-    if client is None:
-        client = _clients[url] = redis.Redis.from_url(url)
-    return client
+def _redis() -> redis.Redis:
+    """This worker's Redis: ``REDIS_URL`` (every platform process gets it), else the Celery app's broker URL.
+    Task messages never carry a URL (an embedded Redis's URL holds its password)."""
+    global _client
+    if _client is None:
+        _client = redis.Redis.from_url(SETTINGS.redis_url or current_app.conf.broker_url)
+    return _client
 
 
 def mm_tasks_counter_key(prefix: str) -> str:
@@ -47,12 +49,12 @@ def mm_tasks_counter_key(prefix: str) -> str:
 
 
 def run_mm_preprocess(payload: dict[str, Any]) -> dict[str, Any]:
-    """payload ``{"redis_url", "prefix", "model_dir", "items": [{"part", "url"}], "allowed_domains"?:
+    """payload ``{"prefix", "model_dir", "items": [{"part", "url"}], "allowed_domains"?:
     [str], "max_bytes"?: int, "cache_salt"?: str}`` → result dict (module docstring). Never raises for client
     errors."""
     try:
-        _redis(payload["redis_url"]).incr(mm_tasks_counter_key(payload["prefix"]))
-        items = preprocess_images(_redis(payload["redis_url"]), payload["prefix"], payload["model_dir"],
+        _redis().incr(mm_tasks_counter_key(payload["prefix"]))
+        items = preprocess_images(_redis(), payload["prefix"], payload["model_dir"],
                                   payload["items"], payload.get("allowed_domains"), payload.get("max_bytes"),
                                   payload.get("cache_salt"))
         return {"ok": True, "items": items}

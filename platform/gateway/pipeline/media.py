@@ -100,7 +100,7 @@ async def call_mm(model: ModelSnapshot, items: list[dict[str, Any]], cache_salt:
     under ``cache_salt``, in one of ``tenant_id``'s image-work slots (``mm_tenant_slot``); returns
     ``[{"key", "num_tokens", "cached"}]``. Client errors → 400 naming the part; tenant over its slots → 429; no
     worker in time → 503; worker bug → 500."""
-    payload = {"redis_url": settings.REDIS_URL, "prefix": settings.LINK_PREFIX, "model_dir": model.model_dir,
+    payload = {"prefix": settings.LINK_PREFIX, "model_dir": model.model_dir,
                "items": items, "allowed_domains": allowed_domains_for(model.served_model_name),
                "cache_salt": cache_salt}
     waiter = RenderReplyWaiter.for_current_loop(settings.REDIS_URL, settings.LINK_PREFIX)
