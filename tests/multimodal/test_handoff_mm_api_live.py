@@ -232,13 +232,19 @@ def test_killing_one_multimodal_worker_leaves_no_client_waiting(live_vl, relayin
     its graceful shutdown (which closes its copy first), a connection is refused at once and the front serves the
     request, instead of waiting on a socket nobody accepts from until the launcher exits."""
     parent = relaying["mm"].proc.pid
-    children = [int(p) for p in open(f"/proc/{parent}/task/{parent}/children").read().split()]
-    workers = [p for p in children if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
-    assert len(workers) == 2
     inode = _listening_inode(relaying["sock"])
     held = lambda pid: any(os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]"
                            for fd in os.listdir(f"/proc/{pid}/fd"))
-    assert held(workers[0]) and held(workers[1]) and not held(parent)
+
+    def workers_now() -> list[int]:
+        children = [int(p) for p in open(f"/proc/{parent}/task/{parent}/children").read().split()]
+        return [p for p in children if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+
+    # both workers are up and hold the listening socket (they may still be starting on a loaded machine)
+    wait_until(lambda: len(workers_now()) == 2 and all(held(p) for p in workers_now()), 60,
+               "both multimodal workers holding the socket")
+    workers = workers_now()
+    assert not held(parent)
     os.kill(workers[0], signal.SIGKILL)
     before = handoffs(live_vl)
     for seed in (64, 65, 66, 67):
