@@ -66,6 +66,7 @@ from redis.asyncio.client import Pipeline as AsyncPipeline
 from redis.client import Pipeline
 from redis.typing import EncodableT, FieldT
 
+from inference.cancel_safe import take_or_undo
 from inference.config import SETTINGS
 from inference.protocol.engine import EngineStats, live_replica_keys, replicas_index_key
 
@@ -421,8 +422,7 @@ class Admission:
         """
         res = Reservation(model=model, request_id=request_id, n=int(n), prompt_tokens=int(estimated_tokens),
                           provisional=True)
-        await self._take(res)
-        return res
+        return await self._take_for_caller(res)
 
     async def reserve(self, model: str, request_id: str, n: int, prompt_tokens: int, *,
                       reservation: Reservation | None = None) -> Reservation:
@@ -434,8 +434,7 @@ class Admission:
         """
         if reservation is None:
             res = Reservation(model=model, request_id=request_id, n=int(n), prompt_tokens=int(prompt_tokens))
-            await self._take(res)
-            return res
+            return await self._take_for_caller(res)
         if reservation.released:
             raise RuntimeError("reserve() on a released reservation")
         out = await self._settle(keys=[limits_key(self.prefix, model), state_key(self.prefix, model),
@@ -445,7 +444,7 @@ class Admission:
         if status == -1:  # reaped (this process stalled past its lease): take a fresh one
             fresh = Reservation(model=model, request_id=request_id, n=int(n), prompt_tokens=int(prompt_tokens),
                                 reservation_id=reservation.reservation_id)
-            await self._take(fresh)
+            await self._take_for_caller(fresh)
             reservation.prompt_tokens = fresh.prompt_tokens
             reservation.provisional = False
             return reservation
@@ -455,6 +454,14 @@ class Admission:
         reservation.prompt_tokens = int(prompt_tokens)
         reservation.provisional = False
         return reservation
+
+    async def _take_for_caller(self, res: Reservation) -> Reservation:
+        """``_take`` that never leaks: a caller cancelled while the script runs gets ``CancelledError`` and
+        the reservation, once taken, is released in the background (``cancel_safe.take_or_undo``)."""
+        async def take() -> Reservation:
+            await self._take(res)
+            return res
+        return await take_or_undo(take(), self.release)
 
     async def _take(self, res: Reservation) -> None:
         p, m = self.prefix, res.model

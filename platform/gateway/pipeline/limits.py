@@ -15,6 +15,7 @@ from gateway.model_cache import ModelSnapshot
 from gateway.pipeline.clients import redis
 from gateway.pipeline.failures import api_error_from
 from inference.admission import estimate_prompt_tokens
+from inference.cancel_safe import take_or_undo
 from gateway.http import GatewayConsumer
 from tenancy.limits import (
     LEASE_TTL_S,
@@ -46,10 +47,13 @@ def estimate(model: ModelSnapshot, size: int, n: int, max_tokens: int | None, *,
 async def acquire(consumer: GatewayConsumer, ctx: AuthContext, tokens: int) -> LimitGrant:
     """Reserve one request against RPM, one concurrency slot, and ``tokens`` against TPM and budgets (Redis,
     atomic, shared by every api process); add the ``x-ratelimit-*`` headers to ``consumer``'s response.
-    Returns the grant to ``settle``. Raises ``ApiError`` 429 (``Retry-After`` and ``x-ratelimit-*``)."""
+    Returns the grant to ``settle``. Raises ``ApiError`` 429 (``Retry-After`` and ``x-ratelimit-*``). A caller
+    cancelled mid-call holds nothing: what the script took is settled in the background."""
     try:
-        grant = await limits_acquire(redis(), settings.LINK_PREFIX, ctx,
-                                     max_tokens_reserved=limits_reservation(tokens, 0, 1))
+        # cancel-safe: a client gone while the script runs must not keep a concurrency slot and TPM tokens
+        grant = await take_or_undo(limits_acquire(redis(), settings.LINK_PREFIX, ctx,
+                                                  max_tokens_reserved=limits_reservation(tokens, 0, 1)),
+                                   lambda taken: settle(taken, 0))
     except RateLimitExceeded as exc:
         raise api_error_from(exc) from None
     consumer.extra_headers.extend(grant_headers(grant))
