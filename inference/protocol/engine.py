@@ -84,6 +84,9 @@ def replica_pattern(prefix: str, model: str) -> str:
     return f"{prefix}:engine:{model}:replica:*"
 
 
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
 @dataclass
 class SamplingParams:
     """Fully resolved per-request sampling parameters, as the engine applies them.
@@ -105,6 +108,12 @@ class SamplingParams:
     * ``logprobs``: ``None`` = none; k ≥ 0 = the sampled token's logprob plus the top k.
     * ``vocab_size``: only ids below it may be sampled (the served tokenizer can decode them; it may be
       smaller than the model's embedding); 0 = the engine's own limit.
+    * Structured outputs (vLLM's ``StructuredOutputsParams``, flattened for the wire): ``structured_kind`` is
+      ``None`` (unconstrained) or one of ``STRUCTURED_KINDS``; ``structured_spec`` its text: a JSON schema
+      (``"json"``), ``""`` (``"json_object"``: any JSON object), a regular expression (``"regex"``), a JSON
+      list of strings (``"choice"``) or a Lark grammar (``"grammar"``). The engine masks every step's logits
+      to the tokens the grammar allows. ``structured_after_token_ids``: the constraint starts only after
+      one of these ids was generated (a reasoning model's end-of-thinking token); empty = from the first token.
     """
 
     temperature: float = 1.0
@@ -123,6 +132,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
     vocab_size: int = 0
+    structured_kind: str | None = None
+    structured_spec: str = ""
+    structured_after_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
