@@ -46,7 +46,7 @@ class Tenant(LimitFields):
     )
     cache_group = models.CharField(
         max_length=64, blank=True, default="",
-        help_text="Prompt and image caches are shared only within a cache group (issue 14). Blank = this tenant "
+        help_text="Prompt and image caches are shared only within a cache group. Blank = this tenant "
                   "alone; tenants given the same non-blank group share cached prefixes and image features (and "
                   "can tell, from cached_tokens and latency, what the others recently sent).")
     created_at = models.DateTimeField(auto_now_add=True)

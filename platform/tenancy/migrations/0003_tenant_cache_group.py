@@ -13,6 +13,6 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='tenant',
             name='cache_group',
-            field=models.CharField(blank=True, default='', help_text='Prompt and image caches are shared only within a cache group (issue 14). Blank = this tenant alone; tenants given the same non-blank group share cached prefixes and image features (and can tell, from cached_tokens and latency, what the others recently sent).', max_length=64),
+            field=models.CharField(blank=True, default='', help_text='Prompt and image caches are shared only within a cache group. Blank = this tenant alone; tenants given the same non-blank group share cached prefixes and image features (and can tell, from cached_tokens and latency, what the others recently sent).', max_length=64),
         ),
     ]
