@@ -133,24 +133,22 @@ def resolve_max_tokens(*, prompt_len: int, max_model_len: int, requested: int | 
 
     ``requested`` is the client's value (``explicit`` = the client sent it) or an endpoint default
     (completions: 16). Omitted on chat → the remaining context, further capped by the model's
-    ``max_new_tokens`` default. An explicit value larger than ``max_model_len`` or than the room left
-    beside the prompt raises ``RequestValidationError`` naming that field and both real numbers.
+    ``max_new_tokens`` default. An explicit value larger than the room left beside the prompt
+    (``max_model_len - prompt_len``) raises ``RequestValidationError`` naming that field, in vLLM's words
+    (``'max_tokens' or 'max_completion_tokens' is too large: N. This model's maximum context length is M tokens
+    and your request has P input tokens (N > M - P)``, with the field actually used) plus the allowed maximum
+    ``M - P``.
     """
     room = max_model_len - prompt_len
     if requested is None:
         value = room if default_cap is None else min(room, default_cap)
         return max(1, value)
-    if explicit and requested > max_model_len:
-        raise RequestValidationError(
-            f"'{requested_param}' is {requested}, but this model's maximum context length is {max_model_len} "
-            f"tokens.", requested_param)
     if requested > room:
         if explicit:
             raise RequestValidationError(
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{prompt_len + requested} tokens ({prompt_len} in the input, {requested} for the "
-                f"completion). Please reduce the length of the input or of '{requested_param}'.",
-                requested_param)
+                f"'{requested_param}' is too large: {requested}. This model's maximum context length is "
+                f"{max_model_len} tokens and your request has {prompt_len} input tokens ({requested} > "
+                f"{max_model_len} - {prompt_len}): '{requested_param}' must be at most {room}.", requested_param)
         return room
     return requested
 
