@@ -133,30 +133,28 @@ def resolve_max_tokens(*, prompt_len: int, max_model_len: int, requested: int | 
 
     ``requested`` is the client's value (``explicit`` = the client sent it) or an endpoint default
     (completions: 16). Omitted on chat → the remaining context, further capped by the model's
-    ``max_new_tokens`` default. An explicit value larger than ``max_model_len`` or than the room left
-    beside the prompt raises ``RequestValidationError`` naming that field and both real numbers.
+    ``max_new_tokens`` default. An explicit value larger than the room left beside the prompt
+    (``max_model_len - prompt_len``) raises ``RequestValidationError`` naming that field, in vLLM's words
+    (``'max_tokens' or 'max_completion_tokens' is too large: N. This model's maximum context length is M tokens
+    and your request has P input tokens (N > M - P)``, with the field actually used) plus the allowed maximum
+    ``M - P``.
     """
     room = max_model_len - prompt_len
     if requested is None:
         value = room if default_cap is None else min(room, default_cap)
         return max(1, value)
-    if explicit and requested > max_model_len:
-        raise RequestValidationError(
-            f"'{requested_param}' is {requested}, but this model's maximum context length is {max_model_len} "
-            f"tokens.", requested_param)
     if requested > room:
         if explicit:
             raise RequestValidationError(
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{prompt_len + requested} tokens ({prompt_len} in the input, {requested} for the "
-                f"completion). Please reduce the length of the input or of '{requested_param}'.",
-                requested_param)
+                f"'{requested_param}' is too large: {requested}. This model's maximum context length is "
+                f"{max_model_len} tokens and your request has {prompt_len} input tokens ({requested} > "
+                f"{max_model_len} - {prompt_len}): '{requested_param}' must be at most {room}.", requested_param)
         return room
     return requested
 
 
 def build_sampling_params(req: Any, *, max_tokens: int, defaults: GenerationDefaults, vocab_size: int,
-                          logprobs: int | None) -> SamplingParams:
+                          logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
     """Merge request values over model defaults over OpenAI defaults into ``SamplingParams``.
 
     Order per field (vLLM ``to_sampling_params``): request value → ``generation_config.json`` → OpenAI
@@ -207,6 +205,7 @@ def build_sampling_params(req: Any, *, max_tokens: int, defaults: GenerationDefa
         repetition_penalty=float(pick(req.repetition_penalty, defaults.repetition_penalty, 1.0)),
         logit_bias=logit_bias,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         vocab_size=vocab_size,
     )
 
@@ -214,8 +213,12 @@ def build_sampling_params(req: Any, *, max_tokens: int, defaults: GenerationDefa
 def process_inputs(req: Any, *, external_id: str, prompt_token_ids: list[int], prompt_param: str,
                    max_model_len: int, vocab_size: int, defaults: GenerationDefaults, client_id: str,
                    arrival_time: float | None = None, eos_token_ids: list[int] | None = None,
-                   logprobs: int | None = None, cache_salt: str | None = None) -> ProcessedInput:
+                   logprobs: int | None = None, cache_salt: str | None = None,
+                   prompt_logprobs: int | None = None) -> ProcessedInput:
     """Turn a validated chat/completion request plus its prompt ids into ``n`` ``EngineCoreRequest``s.
+
+    ``logprobs`` / ``prompt_logprobs``: the engine's ``SamplingParams`` fields (top-k per generated / prompt
+    token; ``None`` = none). Every child asks for the prompt logprobs (each choice's first output carries them).
 
     ``cache_salt`` goes on every request (the prefix-cache salt, see ``EngineCoreRequest.cache_salt``).
 
@@ -232,7 +235,7 @@ def process_inputs(req: Any, *, external_id: str, prompt_token_ids: list[int], p
     if not defaults.eos_token_ids and eos_token_ids:
         defaults = GenerationDefaults(**{**defaults.__dict__, "eos_token_ids": tuple(eos_token_ids)})
     params = build_sampling_params(req, max_tokens=max_tokens, defaults=defaults, vocab_size=vocab_size,
-                                   logprobs=logprobs)
+                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     n = req.n or 1
     arrival = arrival_time if arrival_time is not None else time.time()
     out = ProcessedInput(external_id=external_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens)

@@ -260,6 +260,8 @@ class ChoiceState:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
+    # the engine's prompt logprob entries (``EngineCoreOutput.prompt_logprobs``), when the request asked
+    prompt_logprobs: list[Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -395,6 +397,8 @@ class OutputProcessor:
         state.token_ids.extend(new_ids)
         if out.new_logprobs:
             state.logprobs.extend(out.new_logprobs)
+        if out.prompt_logprobs is not None:
+            state.prompt_logprobs = out.prompt_logprobs
         text = state.detok.push(new_ids) if new_ids else ""
         finish = out.finish_reason
         if finish is not None:

@@ -326,6 +326,7 @@ class EngineCore:
             self._emit(seq.request.client_id, EngineCoreOutput(
                 request_id=seq.request_id, new_token_ids=[tok],
                 new_logprobs=[lps[i]] if lps is not None and lps[i] is not None else None,
+                prompt_logprobs=seq.prompt_logprobs if first else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                 num_cached_tokens=seq.num_cached_tokens if first else 0,
                 scheduled_ts=seq.scheduled_ts if first else None,

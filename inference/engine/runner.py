@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("inference.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# prompt positions per forward of a prompt-logprobs prefill: bounds its logits to CHUNK × vocab floats
+# (256 × 151,680 × 4 B ≈ 155 MB for Qwen3's vocabulary)
+PROMPT_LOGPROBS_CHUNK = 256
 
 
 class _KVLayer(Protocol):
@@ -112,6 +115,8 @@ class Sequence:
     block_hashes: list[bytes] | None = None
     prefix_entry: PrefixEntry | None = None
     num_cached_tokens: int = 0
+    # ``prompt_logprobs`` entries computed at prefill (``SamplingParams.prompt_logprobs``), sent with the first token
+    prompt_logprobs: list[Any] | None = None
     # ``stop_token_ids`` / ``eos_token_ids`` as sets, built once: the stop check is a lookup per step
     stop_ids: frozenset[int] = frozenset()
     eos_ids: frozenset[int] = frozenset()
@@ -248,6 +253,8 @@ class ModelRunner:
             raise RequestError("repetition_penalty must be > 0")
         if sp.logprobs is not None and sp.logprobs < 0:
             raise RequestError("logprobs must be >= 0")
+        if sp.prompt_logprobs is not None and sp.prompt_logprobs < 0:
+            raise RequestError("prompt_logprobs must be >= 0")
         if sp.logit_bias:
             keys = list(sp.logit_bias)
             if any(k < 0 or k >= self.vocab_size for k in keys):
@@ -316,9 +323,18 @@ class ModelRunner:
         The prefix reused is the longest cached one, cut to leave at least the last prompt token to compute
         (its logits give the first output token); it may end inside an image's placeholders (the VL runner then
         feeds the rest of that image's embeddings).
+
+        A request for prompt logprobs (``SamplingParams.prompt_logprobs``) needs every prompt position's logits:
+        it always runs on its own group, never from a cached prefix (its blocks are still offered to the cache).
         """
+        own = [[s] for s in seqs if s.params.prompt_logprobs is not None]
+        if own:
+            seqs = [s for s in seqs if s.params.prompt_logprobs is None]
         if self.prefix_cache is None:
-            return [seqs]
+            return ([seqs] if seqs else []) + own
+        for (s,) in own:
+            s.block_hashes = block_hashes(s.request.prompt_token_ids, self.image_spans(s),
+                                          self.prefix_cache.block_size, s.request.cache_salt)
         plain: list[Sequence] = []
         hits: list[list[Sequence]] = []
         for s in seqs:
@@ -332,7 +348,7 @@ class ModelRunner:
                 hits.append([s])
             else:
                 plain.append(s)
-        return ([plain] if plain else []) + hits
+        return ([plain] if plain else []) + hits + own
 
     def _prefix_cache_of(self, seq: Sequence) -> DynamicCache:
         """A fresh ``DynamicCache`` holding ``seq``'s cached prefix K/V (batch of one)."""
@@ -366,10 +382,13 @@ class ModelRunner:
         sequence with a cached prefix (``prefill_groups``), a forward of the tokens after it.
 
         Returns the last-position logits, float32 ``[len(seqs), vocab]``. The new rows follow the
-        existing ones, in ``seqs`` order.
+        existing ones, in ``seqs`` order. A single sequence that asks for prompt logprobs runs through
+        ``_prefill_prompt_logprobs``.
         """
         from transformers import DynamicCache
 
+        if len(seqs) == 1 and seqs[0].params.prompt_logprobs is not None:
+            return self._prefill_prompt_logprobs(seqs[0])
         if len(seqs) == 1 and seqs[0].prefix_entry is not None:
             return self._prefill_cached(seqs[0])
         ids, mask = left_padded(seqs, self.device)
@@ -398,6 +417,48 @@ class ModelRunner:
         self._store_prefixes([seq], cache, n)
         self._merge(cache, mask)
         return _last_logits(out)
+
+    def _prefill_prompt_logprobs(self, seq: Sequence) -> torch.Tensor:
+        """Prefill one sequence from position 0 in chunks of ``PROMPT_LOGPROBS_CHUNK`` positions, keeping every
+        position's logits, and set ``seq.prompt_logprobs``: ``None`` for the first prompt token, then per token
+        ``[logprob, [[id, logprob], ...top k]]`` with k = ``prompt_logprobs`` (vLLM's prompt logprobs: position
+        i's distribution scores token i + 1). The distribution is the one ``sample`` reports logprobs from: raw
+        logits with the ids the served tokenizer cannot decode masked out. Returns the last position's logits
+        ``[1, vocab]``; the sequence joins the batch as ``prefill`` would add it."""
+        from transformers import DynamicCache
+
+        ids = seq.request.prompt_token_ids
+        n, k = len(ids), seq.params.prompt_logprobs or 0
+        limit = min(self.sample_vocab, seq.params.vocab_size or self.sample_vocab)
+        cache = DynamicCache(config=self.config)
+        entries: list[Any] = [None]
+        last = torch.empty(0)
+        for lo in range(0, n, PROMPT_LOGPROBS_CHUNK):
+            hi = min(n, lo + PROMPT_LOGPROBS_CHUNK)
+            out = self.model(input_ids=torch.tensor([ids[lo:hi]], dtype=torch.long, device=self.device),
+                             attention_mask=torch.ones((1, hi), dtype=torch.long, device=self.device),
+                             position_ids=torch.arange(lo, hi, dtype=torch.long, device=self.device).view(1, -1),
+                             cache=cache, use_cache=True, logits_to_keep=0)
+            logits = cast(torch.Tensor, out.logits)[0].float()  # [hi - lo, vocab]
+            last = logits[-1:].clone()
+            rows = min(hi, n - 1) - lo  # the last prompt position predicts no prompt token
+            if rows <= 0:
+                continue
+            if limit < logits.shape[1]:
+                logits[:rows, limit:] = float("-inf")
+            lp = torch.log_softmax(logits[:rows], dim=-1)
+            target = torch.tensor(ids[lo + 1:lo + 1 + rows], dtype=torch.long, device=self.device)
+            chosen = lp.gather(1, target.unsqueeze(1)).squeeze(1).tolist()
+            if k:
+                top_v, top_i = torch.topk(lp, min(k, lp.shape[1]), dim=-1)
+                tv, ti = top_v.tolist(), top_i.tolist()
+            for r in range(rows):
+                entries.append([chosen[r], [[ti[r][j], tv[r][j]] for j in range(len(ti[r]))] if k else []])
+        seq.prompt_logprobs = entries
+        seq.num_computed = n
+        self._store_prefixes([seq], cache, n)
+        self._merge(cache, torch.ones((1, n), dtype=torch.long, device=self.device))
+        return last
 
     @torch.inference_mode()
     def decode(self, last_tokens: list[int], positions: list[int]) -> torch.Tensor:

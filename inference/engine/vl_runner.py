@@ -68,8 +68,11 @@ class VLModelRunner(ModelRunner):
     def prepare(self, seq: Sequence) -> None:
         """``ModelRunner.prepare`` plus the images: per key, the encoder cache's embeddings or else the
         processed features from the shared cache; the prompt must carry exactly their token counts.
-        Raises ``RequestError`` (missing/evicted features, count mismatch)."""
+        Raises ``RequestError`` (missing/evicted features, count mismatch, prompt logprobs: the chunked
+        full-logits prefill uses plain positions, not M-RoPE)."""
         super().prepare(seq)
+        if seq.params.prompt_logprobs is not None:
+            raise RequestError("prompt logprobs are not supported for vision-language models")
         keys = list(seq.request.mm_cache_keys or [])
         n_placeholders = sum(1 for t in seq.request.prompt_token_ids if t == self.image_token_id)
         images: list[_Image] = []  # (key, encoded, features)

@@ -106,6 +106,10 @@ class SamplingParams:
       (repetition) as vLLM does.
     * ``logit_bias``: token id → bias added to the logits, values in [-100, 100].
     * ``logprobs``: ``None`` = none; k ≥ 0 = the sampled token's logprob plus the top k.
+    * ``prompt_logprobs`` (vLLM's field): ``None`` = none; k ≥ 0 = for every prompt position after the first,
+      the logprob of the prompt token there plus the top k, from the same (vocabulary-masked) distribution
+      as ``logprobs``. The engine then prefills the prompt on its own, in chunks with every position's
+      logits, and never from the prefix cache; the entries come back on the output with the first token.
     * ``vocab_size``: only ids below it may be sampled (the served tokenizer can decode them; it may be
       smaller than the model's embedding); 0 = the engine's own limit.
     * Structured outputs (vLLM's ``StructuredOutputsParams``, flattened for the wire): ``structured_kind`` is
@@ -131,6 +135,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     vocab_size: int = 0
     structured_kind: str | None = None
     structured_spec: str = ""
@@ -246,6 +251,9 @@ class EngineCoreOutput:
       ``[sampled_logprob, [[token_id, logprob], ...top-k by logprob, descending]]``.
     * ``finish_reason``: ``None`` while running, else ``stop``/``length``/``abort``/``error``.
     * ``stop_reason``: the stop token id that ended it (``None`` for EOS or other reasons).
+    * ``prompt_logprobs``: when requested (``SamplingParams.prompt_logprobs``), on the output with the first
+      token only: one entry per prompt token, ``None`` for the first (nothing predicts it), then
+      ``[logprob, [[token_id, logprob], ...top-k]]`` as in ``new_logprobs``.
     * ``num_cached_tokens``: prompt tokens served from the prefix cache (first output only).
     * ``error``: message when ``finish_reason == "error"``.
     * timestamps (Unix seconds): ``queued_ts`` when the engine read it, ``scheduled_ts`` when it was
@@ -256,6 +264,7 @@ class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[Any] | None = None
+    prompt_logprobs: list[Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | None = None
     num_cached_tokens: int = 0

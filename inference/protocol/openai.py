@@ -517,6 +517,7 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool | None = False
     add_special_tokens: bool | None = True
@@ -549,9 +550,22 @@ class CompletionRequest(_SamplingFields):
             return inner
         return v
 
+    @model_validator(mode="after")
+    def _check_max_tokens_pair(self) -> CompletionRequest:
+        # OpenAI's chat field on the legacy endpoint (vLLM accepts both names); two different caps are ambiguous
+        if self.max_completion_tokens is not None and "max_tokens" in self.model_fields_set \
+                and self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
+            raise RequestValidationError(
+                f"max_tokens ({self.max_tokens}) and max_completion_tokens ({self.max_completion_tokens}) are "
+                f"both given and differ: send one of them", "max_completion_tokens")
+        return self
+
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:
-        """``(value, "max_tokens")``; ``null`` means the OpenAI default of 16."""
+        """``(value, field name)`` of the output cap: ``max_completion_tokens`` when given (as on chat), else
+        ``max_tokens``; ``null`` or omitted means the OpenAI default of 16."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
         return (16 if self.max_tokens is None else self.max_tokens), "max_tokens"
 
 

@@ -1,11 +1,19 @@
 """``POST /v1/completions`` (OpenAI legacy completions; vLLM's ``serving_completion.py`` shapes): the request
-path of DESIGN.md §2, step by step (docs/request_path.md)."""
+path of DESIGN.md §2, step by step (docs/request_path.md).
+
+``echo`` with ``logprobs``: the ``logprobs`` object covers the echoed prompt and then the completion, as OpenAI's
+legacy endpoint and vLLM do; the prompt's first token has ``null`` logprobs (nothing predicts it), the others come
+from the engine's prompt logprobs (``SamplingParams.prompt_logprobs`` = ``logprobs``), ``text_offset`` runs on
+over both parts. Streamed, the echo chunk of a choice waits for its first output (which carries the prompt
+logprobs) and holds the prompt text and its logprobs together with the first generated text.
+"""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
+from gateway.errors import engine_error
 from gateway.http import GatewayConsumer
 from gateway.logprobs import completion_logprobs
 from gateway.pipeline import inputs, preamble, rendering, responses
@@ -41,7 +49,8 @@ class CompletionsConsumer(GatewayConsumer):
             processed = inputs.process(
                 req, model, tokenizer, external_id=pre.external_id, prompt_token_ids=prompt_ids,
                 prompt_param="prompt", client_id=link().client_id, arrival_time=arrival, logprobs=req.logprobs,
-                cache_salt=inputs.cache_salt_for(ctx, req.cache_salt))
+                cache_salt=inputs.cache_salt_for(ctx, req.cache_salt),
+                prompt_logprobs=req.logprobs if req.echo else None)
             echo_text = ""
             if req.echo:
                 echo_text = prompt_text if prompt_text is not None else tokenizer.decode(prompt_ids, False)
@@ -61,19 +70,50 @@ class CompletionsConsumer(GatewayConsumer):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         cursor = responses.LogprobCursor(run)
         envelope = responses.chunk_envelope("text_completion", external_id, created, run, include_usage)
+        echo_pending = {c.index for c in run.choices} if req.echo and req.logprobs is not None else set()
+        offsets = {c.index: 0 for c in run.choices}  # text_offset runs on across a choice's chunks
 
         def choice_of(d: ChoiceDelta, state: ChoiceState) -> dict[str, Any] | None:
-            if d.finish_reason is None and not d.text:
+            echo_now = d.index in echo_pending
+            if d.finish_reason is None and not d.text and not echo_now:
                 return None
             choice: dict[str, Any] = {"index": d.index, "text": d.text, "logprobs": None,
                       "finish_reason": public_finish_reason(d.finish_reason), "stop_reason": d.stop_reason}
             if req.logprobs is not None:
-                choice["logprobs"] = completion_logprobs(tokenizer, *cursor.take(state))
+                ids, lps = cursor.take(state)
+                if echo_now:
+                    echo_pending.discard(d.index)
+                    choice["text"] = echo_text + d.text
+                    ids, lps = run.processed.prompt_token_ids + ids, prompt_entries(run, state) + lps
+                lp = completion_logprobs(tokenizer, ids, lps, offsets[d.index])
+                if lp["tokens"]:
+                    offsets[d.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                choice["logprobs"] = lp
             return choice
 
         first = [envelope([{"index": c.index, "text": echo_text, "logprobs": None, "finish_reason": None,
-                            "stop_reason": None}], None) for c in run.choices] if echo_text else []
+                            "stop_reason": None}], None) for c in run.choices] if echo_text and not echo_pending else []
         await responses.stream(self, run, envelope, choice_of, include_usage=include_usage, first_events=first)
+
+
+def prompt_entries(run: GenerationRun, state: ChoiceState) -> list[Any]:
+    """The engine's prompt logprob entries of one choice, one per prompt token (the first ``None``). An engine
+    that sent none (or not one per token) fails the request (``ApiError`` 503 ``engine_error``) rather than
+    giving a ``logprobs`` object that silently covers only part of the text."""
+    entries = state.prompt_logprobs
+    if entries is None or len(entries) != len(run.processed.prompt_token_ids):
+        raise engine_error("The engine returned no prompt logprobs for echo with logprobs", retry_after=True)
+    return entries
+
+
+def _logprobs(req: CompletionRequest, run: GenerationRun, c: ChoiceState,
+              tokenizer: LoadedTokenizer) -> dict[str, Any] | None:
+    if req.logprobs is None:
+        return None
+    if req.echo:  # the echoed prompt's tokens, then the completion's, offsets running on (OpenAI, vLLM)
+        return completion_logprobs(tokenizer, run.processed.prompt_token_ids + c.token_ids,
+                                   prompt_entries(run, c) + c.logprobs)
+    return completion_logprobs(tokenizer, c.token_ids, c.logprobs)
 
 
 def completion_body(req: CompletionRequest, run: GenerationRun, external_id: str, created: int,
@@ -82,8 +122,7 @@ def completion_body(req: CompletionRequest, run: GenerationRun, external_id: str
     choices = [{
         "index": c.index,
         "text": echo_text + c.text,
-        "logprobs": completion_logprobs(tokenizer, c.token_ids, c.logprobs, len(echo_text))
-        if req.logprobs is not None else None,
+        "logprobs": _logprobs(req, run, c, tokenizer),
         "finish_reason": public_finish_reason(c.finish_reason),
         "stop_reason": c.stop_reason,
         **({"token_ids": c.token_ids} if req.return_token_ids else {}),

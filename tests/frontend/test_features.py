@@ -186,7 +186,11 @@ def test_completion_logprobs_and_echo(http):
     assert lp["text_offset"][0] == 0
     echo = http.post("/v1/completions", json={**body, "echo": True, "logprobs": 1}).json()["choices"][0]
     assert echo["text"] == "The sea is" + out["text"]
-    assert echo["logprobs"]["text_offset"][0] == len("The sea is")
+    elp = echo["logprobs"]  # issue 16: the echoed prompt is covered too, its first token null (OpenAI)
+    assert "".join(elp["tokens"]) == echo["text"] and elp["text_offset"][0] == 0
+    assert elp["token_logprobs"][0] is None and elp["top_logprobs"][0] is None
+    assert elp["tokens"][-3:] == lp["tokens"] and elp["text_offset"][-3] == len("The sea is")
+    assert elp["token_logprobs"][-3:] == pytest.approx(lp["token_logprobs"], abs=1e-4)
     stream = http.post("/v1/completions", json={**body, "echo": True, "stream": True})
     assert "".join(ch["text"] for c in sse(stream.text) for ch in c["choices"]) == echo["text"]
     assert err_of(http.post("/v1/completions", json={**body, "logprobs": 6}))["param"] == "logprobs"

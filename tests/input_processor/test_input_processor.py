@@ -66,10 +66,12 @@ def test_max_tokens_resolution():
     # an endpoint default (completions: 16) that does not fit is clamped, never refused
     assert resolve_max_tokens(prompt_len=90, requested=16, explicit=False, default_cap=None, **r) == 10
     msg = raises("max_tokens", resolve_max_tokens, prompt_len=30, requested=71, explicit=True, default_cap=None, **r)
-    assert "101 tokens (30 in the input, 71 for the completion)" in msg
+    # vLLM's wording, plus the allowed maximum (issue 16)
+    assert msg == ("'max_tokens' is too large: 71. This model's maximum context length is 100 tokens and your "
+                   "request has 30 input tokens (71 > 100 - 30): 'max_tokens' must be at most 70.")
     msg = raises("max_completion_tokens", resolve_max_tokens, prompt_len=1, requested=101, explicit=True,
                  default_cap=None, max_model_len=100, requested_param="max_completion_tokens")
-    assert "'max_completion_tokens' is 101" in msg and "100" in msg
+    assert "'max_completion_tokens' is too large: 101" in msg and "'max_completion_tokens' must be at most 99" in msg
 
 
 def test_process_inputs_lengths_per_endpoint():
@@ -79,6 +81,13 @@ def test_process_inputs_lengths_per_endpoint():
     assert run(chat(max_tokens=61), max_model_len=64).max_tokens == 61
     raises("max_tokens", run, chat(max_tokens=62), max_model_len=64)
     raises("max_tokens", run, completion(max_tokens=62), max_model_len=64)
+    # completions honour max_completion_tokens as chat does (issue 16: it used to generate the default 16)
+    assert run(completion(max_completion_tokens=40), max_model_len=64).max_tokens == 40
+    assert run(completion(max_tokens=40, max_completion_tokens=40), max_model_len=64).max_tokens == 40
+    assert run(completion(max_tokens=None, max_completion_tokens=3), max_model_len=64).max_tokens == 3
+    assert "at most 61" in raises("max_completion_tokens", run, completion(max_completion_tokens=62),
+                                  max_model_len=64)
+    assert "differ" in raises("max_completion_tokens", completion, max_tokens=5, max_completion_tokens=6)
     raises("max_completion_tokens", run, chat(max_tokens=5, max_completion_tokens=62), max_model_len=64)
     assert run(chat(max_tokens=62, max_completion_tokens=5), max_model_len=64).max_tokens == 5  # it wins
     raises("messages", run, chat(), prompt=[1] * 64, max_model_len=64)

@@ -50,7 +50,8 @@ def eos_ids_of(tokenizer: LoadedTokenizer) -> list[int]:
 
 def process(req: Any, model: ModelSnapshot, tokenizer: LoadedTokenizer, *, external_id: str, prompt_token_ids: list[int],
             prompt_param: str, client_id: str, arrival_time: float | None, logprobs: int | None, cache_salt: str,
-            defaults: GenerationDefaults | None = None, param_prefix: str = "") -> ProcessedInput:
+            defaults: GenerationDefaults | None = None, param_prefix: str = "",
+            prompt_logprobs: int | None = None) -> ProcessedInput:
     """``process_inputs`` for ``req`` on ``model`` (its ``generation_config.json`` defaults unless ``defaults``
     is given); ``ApiError`` 400 naming the field (``param_prefix`` before it, see ``api_error_from``)."""
     try:
@@ -59,7 +60,7 @@ def process(req: Any, model: ModelSnapshot, tokenizer: LoadedTokenizer, *, exter
             max_model_len=model.max_model_len, vocab_size=vocab_size_of(tokenizer, model),
             defaults=defaults if defaults is not None else generation_defaults(model.model_dir),
             client_id=client_id, arrival_time=arrival_time, eos_token_ids=eos_ids_of(tokenizer),
-            logprobs=logprobs, cache_salt=cache_salt)
+            logprobs=logprobs, cache_salt=cache_salt, prompt_logprobs=prompt_logprobs)
     except RequestValidationError as exc:
         raise api_error_from(exc, param_prefix=param_prefix) from None
 
