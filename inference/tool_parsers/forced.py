@@ -1,0 +1,102 @@
+"""``tool_choice: "required"`` and a named function: the output is constrained by a JSON schema (the engine's
+structured-output mask), then read back as calls. The schemas are vLLM's
+(``vllm/entrypoints/openai/protocol.py::_get_json_schema_from_tool`` / ``get_structured_outputs``):
+
+* ``"required"`` → a JSON array (``minItems`` 1; ``maxItems`` 1 when ``parallel_tool_calls`` is false) of
+  ``{"name": <const>, "parameters": <the tool's parameters schema>}`` objects, ``anyOf`` the tools;
+* a named function → that tool's ``parameters`` schema itself (the output is the arguments object).
+
+A tool without ``parameters`` takes ``{"type": "object", "properties": {}}`` (OpenAI: the function takes no
+arguments).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from inference.tool_parsers.base import ParsedToolCall, ToolParseDelta, ToolParser, call_from_obj
+
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+def _parameters(tool: Any) -> dict[str, Any]:
+    params = tool.function.parameters
+    return dict(params) if params else dict(EMPTY_PARAMETERS)
+
+
+def forced_tool_name(tool_choice: Any) -> str | None:
+    """The function name of a named ``tool_choice`` (``{"type": "function", "function": {"name": ...}}``)."""
+    if isinstance(tool_choice, dict):
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if isinstance(name, str):
+            return name
+    return None
+
+
+def tool_choice_schema(tools: list[Any], tool_choice: Any, parallel_tool_calls: bool) -> dict[str, Any] | None:
+    """The JSON schema that forces ``tool_choice`` (module docstring), ``None`` for ``"auto"``/``"none"``/absent.
+    ``tools``: the request's validated ``ChatTool`` s (``check_tools`` already ensured a named tool exists)."""
+    if tool_choice == "required":
+        items = [{"properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                 "parameters": _parameters(t)},
+                  "required": ["name", "parameters"]} for t in tools]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+        if not parallel_tool_calls:
+            schema["maxItems"] = 1
+        return schema
+    name = forced_tool_name(tool_choice)
+    if name is None:
+        return None
+    return next(_parameters(t) for t in tools if t.function.name == name)
+
+
+class RequiredToolParser(ToolParser):
+    """Reads the ``"required"`` array at the end of the output; anything else (cut short by ``max_tokens``) is
+    content as written."""
+
+    name = "forced_required"
+
+    def __init__(self) -> None:
+        self._text = ""
+
+    def push(self, text: str) -> ToolParseDelta:
+        self._text += text
+        return ToolParseDelta()
+
+    def flush(self) -> ToolParseDelta:
+        text, self._text = self._text, ""
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return ToolParseDelta(content=text)
+        calls = [call_from_obj(item, args_keys=("parameters",), args_required=True)
+                 for item in items] if isinstance(items, list) and items else [None]
+        if any(c is None for c in calls):
+            return ToolParseDelta(content=text)
+        return ToolParseDelta(calls=[c for c in calls if c is not None])
+
+
+class NamedToolParser(ToolParser):
+    """Reads the named function's arguments object at the end of the output; anything else is content."""
+
+    name = "forced_named"
+
+    def __init__(self, function_name: str) -> None:
+        self.function_name = function_name
+        self._text = ""
+
+    def push(self, text: str) -> ToolParseDelta:
+        self._text += text
+        return ToolParseDelta()
+
+    def flush(self) -> ToolParseDelta:
+        text, self._text = self._text, ""
+        try:
+            args = json.loads(text)
+        except ValueError:
+            return ToolParseDelta(content=text)
+        if not isinstance(args, dict):
+            return ToolParseDelta(content=text)
+        return ToolParseDelta(calls=[ParsedToolCall(self.function_name, json.dumps(args, ensure_ascii=False))])
