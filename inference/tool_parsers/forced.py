@@ -13,8 +13,10 @@ arguments).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
+from inference.protocol.openai import RequestValidationError
 from inference.tool_parsers.base import ParsedToolCall, ToolParseDelta, ToolParser, call_from_obj
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -100,3 +102,34 @@ class NamedToolParser(ToolParser):
         if not isinstance(args, dict):
             return ToolParseDelta(content=text)
         return ToolParseDelta(calls=[ParsedToolCall(self.function_name, json.dumps(args, ensure_ascii=False))])
+
+
+@dataclass(frozen=True)
+class ToolChoiceConstraint:
+    """The structured-output fields of ``SamplingParams`` that force a ``tool_choice``: ``kind`` ``"json"``,
+    ``spec`` the schema's JSON text, ``after_token_ids`` the end-of-thinking ids of a reasoning model whose
+    output starts with thinking (the constraint then applies to the answer only), else ``[]``."""
+
+    kind: str
+    spec: str
+    after_token_ids: list[int]
+
+
+def tool_choice_constraint(req: Any, *, reasoning_end_ids: list[int]) -> ToolChoiceConstraint | None:
+    """The constraint of a chat request's ``tool_choice`` (``None`` unless ``"required"`` or named).
+
+    ``reasoning_end_ids``: the reasoning parser's ``end_token_ids`` for this prompt (``[]``: no thinking).
+    Raises ``RequestValidationError`` (param ``tool_choice``) when the request also asks for another output
+    constraint (``response_format`` other than ``text``, ``structured_outputs``): one output cannot follow two
+    schemas, and vLLM refuses ``structured_outputs`` with a named tool too (D-124).
+    """
+    schema = tool_choice_schema(req.tools or [], req.tool_choice, req.parallel_tool_calls is not False)
+    if schema is None:
+        return None
+    response_format = getattr(req, "response_format", None)
+    if (isinstance(response_format, dict) and response_format.get("type", "text") != "text") \
+            or getattr(req, "structured_outputs", None):
+        raise RequestValidationError(
+            "tool_choice 'required' or a named function constrains the output to tool calls; it cannot be "
+            "combined with response_format or structured_outputs", "tool_choice")
+    return ToolChoiceConstraint("json", json.dumps(schema, ensure_ascii=False), list(reasoning_end_ids))
