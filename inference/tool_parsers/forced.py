@@ -127,8 +127,9 @@ def tool_choice_constraint(req: Any, *, reasoning_end_ids: list[int]) -> ToolCho
     if schema is None:
         return None
     response_format = getattr(req, "response_format", None)
-    if (isinstance(response_format, dict) and response_format.get("type", "text") != "text") \
-            or getattr(req, "structured_outputs", None):
+    rf_type = response_format.get("type", "text") if isinstance(response_format, dict) \
+        else getattr(response_format, "type", "text")
+    if (response_format is not None and rf_type != "text") or getattr(req, "structured_outputs", None):
         raise RequestValidationError(
             "tool_choice 'required' or a named function constrains the output to tool calls; it cannot be "
             "combined with response_format or structured_outputs", "tool_choice")
