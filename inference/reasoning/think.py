@@ -51,6 +51,8 @@ class ThinkTagReasoningParser(ReasoningParser):
         else:
             self._mode, self._fallback = _START, (_REASONING if self.implicit_start else _CONTENT)
         self._thinking = self._mode != _CONTENT
+        # the output surely starts in the reasoning (the prompt opened it, or R1's implicit start)
+        self._starts_in_reasoning = self._fallback == _REASONING
         self._pending = ""
         self._had_reasoning = False  # the output entered the think block
 
@@ -80,7 +82,10 @@ class ThinkTagReasoningParser(ReasoningParser):
 
     @property
     def end_token_ids(self) -> list[int]:
-        return [self._end_id] if self._thinking and self._end_id is not None else []
+        """The end marker's id when the output surely starts in the reasoning; ``[]`` otherwise, also for Qwen3
+        without an open block in the prompt (the model may answer without thinking: an output constraint waiting
+        for ``</think>`` would then never start, so it applies from the first token, D-125)."""
+        return [self._end_id] if self._starts_in_reasoning and self._end_id is not None else []
 
     def push(self, text: str) -> ReasoningDelta:
         out = ReasoningDelta()

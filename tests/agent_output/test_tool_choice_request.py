@@ -68,6 +68,14 @@ def test_reasoning_model_constrains_after_the_end_of_thinking():
     off = ChatOutputSpec.for_request(r, tokenizer=tok, prompt_token_ids=closed, reasoning_parser="qwen3",
                                      tool_parser="hermes").reasoning()
     assert off is not None and off.end_token_ids == []
+    # Qwen3 without an open block (the model may answer without thinking): constrained from the first token
+    plain = tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    auto = ChatOutputSpec.for_request(r, tokenizer=tok, prompt_token_ids=plain, reasoning_parser="qwen3",
+                                      tool_parser="hermes").reasoning()
+    assert auto is not None and auto.thinking and auto.end_token_ids == []
+    r1 = ChatOutputSpec.for_request(r, tokenizer=tok, prompt_token_ids=plain, reasoning_parser="deepseek_r1",
+                                    tool_parser="hermes").reasoning()
+    assert r1 is not None and r1.end_token_ids == [tok.token_to_id("</think>")]
 
 
 def test_required_and_named_are_no_longer_refused():
