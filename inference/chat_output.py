@@ -9,7 +9,7 @@ reassemble to exactly the non-streamed message; a parser's output does not depen
 
 Fields (OpenAI, vLLM 0.33): ``reasoning`` and ``reasoning_content`` (the same text: vLLM's current name and
 DeepSeek's older one) only when a reasoning parser runs for the request; ``content`` the answer text outside any
-call, ``null`` when it is empty and the choice made calls or had a reasoning parser (leading whitespace before
+call, ``null`` when it is empty and the choice made calls or wrote reasoning (leading whitespace before
 calls is held back in a stream and dropped when calls follow, D-122); ``tool_calls`` one entry per call
 ``{"id": "chatcmpl-tool-<16 hex>", "type": "function", "function": {"name", "arguments"}}``. A stream sends a
 call as two deltas: ``{index, id, type, function: {name, arguments: ""}}``, then ``{index, function:
@@ -179,7 +179,7 @@ class ChatOutputParser:
     def message_fields(self) -> dict[str, Any]:
         """The non-streamed ``message`` fields (``content``, ``tool_calls``; the reasoning fields with a
         reasoning parser). Call after ``finish``."""
-        empty_is_null = bool(self.calls) or self.reasoning is not None
+        empty_is_null = bool(self.calls) or bool(self.reasoning_text)
         fields: dict[str, Any] = {"content": None if (empty_is_null and not self.content_text) else self.content_text}
         if self.reasoning is not None:
             reasoning = self.reasoning_text or None
