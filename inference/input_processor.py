@@ -87,13 +87,15 @@ class ProcessedInput:
     """The result of input processing for one API request.
 
     ``requests`` holds one ``EngineCoreRequest`` per choice (``n`` children, seeds ``seed + i``);
-    ``max_tokens`` is the resolved output cap; ``external_id`` the id shown to the client.
+    ``max_tokens`` is the resolved output cap; ``external_id`` the id shown to the client; ``chat_output`` how a
+    chat request's choices are parsed (``inference.chat_output.ChatOutputSpec``), set by the chat path.
     """
 
     external_id: str
     prompt_token_ids: list[int]
     max_tokens: int
     requests: list[EngineCoreRequest] = field(default_factory=list)
+    chat_output: Any = None
 
 
 def new_internal_id(external_id: str) -> str:
@@ -154,8 +156,12 @@ def resolve_max_tokens(*, prompt_len: int, max_model_len: int, requested: int | 
 
 
 def build_sampling_params(req: Any, *, max_tokens: int, defaults: GenerationDefaults, vocab_size: int,
-                          logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+                          logprobs: int | None, prompt_logprobs: int | None = None,
+                          constraint: Any = None) -> SamplingParams:
     """Merge request values over model defaults over OpenAI defaults into ``SamplingParams``.
+
+    ``constraint``: an output constraint decided before (``inference.tool_parsers.forced.ToolChoiceConstraint``
+    for ``tool_choice`` required/named: ``kind``, ``spec``, ``after_token_ids``), copied to the structured fields.
 
     Order per field (vLLM ``to_sampling_params``): request value → ``generation_config.json`` → OpenAI
     default. Raises ``RequestValidationError`` for ``logit_bias`` / ``stop_token_ids`` ids outside the
@@ -207,6 +213,8 @@ def build_sampling_params(req: Any, *, max_tokens: int, defaults: GenerationDefa
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         vocab_size=vocab_size,
+        **({"structured_kind": constraint.kind, "structured_spec": constraint.spec,
+            "structured_after_token_ids": list(constraint.after_token_ids)} if constraint is not None else {}),
     )
 
 
@@ -214,13 +222,14 @@ def process_inputs(req: Any, *, external_id: str, prompt_token_ids: list[int], p
                    max_model_len: int, vocab_size: int, defaults: GenerationDefaults, client_id: str,
                    arrival_time: float | None = None, eos_token_ids: list[int] | None = None,
                    logprobs: int | None = None, cache_salt: str | None = None,
-                   prompt_logprobs: int | None = None) -> ProcessedInput:
+                   prompt_logprobs: int | None = None, constraint: Any = None) -> ProcessedInput:
     """Turn a validated chat/completion request plus its prompt ids into ``n`` ``EngineCoreRequest``s.
 
     ``logprobs`` / ``prompt_logprobs``: the engine's ``SamplingParams`` fields (top-k per generated / prompt
     token; ``None`` = none). Every child asks for the prompt logprobs (each choice's first output carries them).
 
-    ``cache_salt`` goes on every request (the prefix-cache salt, see ``EngineCoreRequest.cache_salt``).
+    ``cache_salt`` goes on every request (the prefix-cache salt, see ``EngineCoreRequest.cache_salt``);
+    ``constraint`` as in ``build_sampling_params``.
 
     ``eos_token_ids`` (the tokenizer's EOS) is used when the model's generation config names none.
     Raises ``RequestValidationError`` (HTTP 400) for every length, vocabulary or parameter error.
@@ -235,7 +244,7 @@ def process_inputs(req: Any, *, external_id: str, prompt_token_ids: list[int], p
     if not defaults.eos_token_ids and eos_token_ids:
         defaults = GenerationDefaults(**{**defaults.__dict__, "eos_token_ids": tuple(eos_token_ids)})
     params = build_sampling_params(req, max_tokens=max_tokens, defaults=defaults, vocab_size=vocab_size,
-                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                                   logprobs=logprobs, prompt_logprobs=prompt_logprobs, constraint=constraint)
     n = req.n or 1
     arrival = arrival_time if arrival_time is not None else time.time()
     out = ProcessedInput(external_id=external_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens)

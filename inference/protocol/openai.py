@@ -320,8 +320,8 @@ def check_tools(tools: list[ChatTool] | None, tool_choice: Any) -> None:
 
     ``tool_choice``: ``"none"``, ``"auto"``, ``"required"`` or ``{"type": "function", "function":
     {"name": ...}}``; anything but ``"none"`` needs ``tools``; a named choice must name one of them; tool
-    names must be unique. ``"required"`` and a named choice ask for output constrained to a tool call,
-    which this server does not do (no guided decoding), so they are refused with 400 rather than ignored.
+    names must be unique. ``"required"`` and a named choice are enforced by a JSON-schema constraint on the
+    output (``inference.tool_parsers.forced``).
     """
     if tools is not None and len(tools) == 0:
         raise RequestValidationError("tools must not be an empty array", "tools")
@@ -337,10 +337,6 @@ def check_tools(tools: list[ChatTool] | None, tool_choice: Any) -> None:
                 "tool_choice")
         if tool_choice != "none" and not tools:
             raise RequestValidationError(f"tool_choice {tool_choice!r} requires 'tools'", "tool_choice")
-        if tool_choice == "required":
-            raise RequestValidationError(
-                "tool_choice 'required' is not supported: this server does not constrain output to tool calls",
-                "tool_choice")
         return
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     if tool_choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -351,9 +347,26 @@ def check_tools(tools: list[ChatTool] | None, tool_choice: Any) -> None:
     if fn["name"] not in names:
         raise RequestValidationError(f"tool_choice names {fn['name']!r}, which is not one of the tools {names}",
                                      "tool_choice")
-    raise RequestValidationError(
-        "a named tool_choice is not supported: this server does not constrain output to tool calls",
-        "tool_choice")
+
+
+def check_history_tool_calls(messages: list[ChatMessage]) -> None:
+    """Every ``messages[i].tool_calls[j].function.arguments`` given as a string must be a JSON object (OpenAI
+    sends the model's arguments as a JSON object string). Anything else is a 400 naming that field, where vLLM
+    (and this server before) silently rendered ``{}``: the model would see a call its client never made."""
+    for i, message in enumerate(messages):
+        for j, call in enumerate(message.tool_calls or []):
+            args = call.function.arguments
+            if not isinstance(args, str):
+                continue
+            try:
+                value = json.loads(args)
+            except ValueError:
+                value = None
+            if not isinstance(value, dict):
+                raise RequestValidationError(
+                    f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object encoded as a "
+                    f"string (e.g. '{{\"city\": \"Paris\"}}'), got {args[:80]!r}",
+                    f"messages[{i}].tool_calls[{j}].function.arguments")
 
 
 class _SamplingFields(_Base):
@@ -481,6 +494,7 @@ class _ChatTemplateFields(_Base):
                 "continue_final_message requires the last message to be from the assistant",
                 "continue_final_message")
         check_chat_template_kwargs(self.chat_template_kwargs)
+        check_history_tool_calls(self.messages)
         return self
 
 

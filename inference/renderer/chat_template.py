@@ -15,8 +15,8 @@ Pipeline of ``render_chat`` (sources in brackets):
      list of ``{"type": "text", "text": ...}`` parts instead (a string becomes one part); tool
      messages always get a string. Non-text parts -> ``InvalidMessagesError`` (no multimodal here).
    * ``tool_calls``: must be a list of objects of type ``function``; an empty list is dropped;
-     ``function.arguments`` given as a JSON string is parsed into a dict (invalid or non-object
-     JSON, including ``"null"``, becomes ``{}``), as vLLM does.
+     ``function.arguments`` given as a JSON string is parsed into a dict; invalid or non-object JSON
+     (``"null"`` included) is an ``InvalidMessagesError`` naming the field (vLLM renders ``{}``, issue 16).
    * ``developer`` messages become ``system`` when the template never mentions ``"developer"``.
    * then transformers' own steps: keys whose value is None are dropped
      [``_normalize_chat_messages``], reasoning aliases ``reasoning_content``/``thinking``/
@@ -231,13 +231,15 @@ def _text_of_parts(parts: list[Any], idx: int) -> list[str | None]:
     return texts
 
 
-def _parse_arguments(args: Any) -> Any:
+def _parse_arguments(args: Any, param: str) -> Any:
     if isinstance(args, str):
         try:
             parsed = json.loads(args)
         except ValueError:
-            return {}
-        return parsed if isinstance(parsed, dict) else {}
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise InvalidMessagesError(f"{param} must be a JSON object encoded as a string", param=param)
+        return parsed
     return args
 
 
@@ -292,7 +294,8 @@ def normalize_messages(messages: Any, *, content_format: str, template_has_devel
                     if not isinstance(fn, dict):
                         raise InvalidMessagesError(f"messages[{i}].tool_calls[{j}].function must be an object")
                     if "arguments" in fn:
-                        fn["arguments"] = _parse_arguments(fn["arguments"])
+                        fn["arguments"] = _parse_arguments(fn["arguments"],
+                                                           f"messages[{i}].tool_calls[{j}].function.arguments")
         # transformers: drop None-valued keys, then alias the reasoning fields.
         msg = {k: v for k, v in msg.items() if v is not None}
         reasoning = next((msg[k] for k in _REASONING_FIELDS if msg.get(k) is not None), None)

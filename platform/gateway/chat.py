@@ -14,6 +14,7 @@ from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.flow import admit_and_start, hold_before_render
 from gateway.pipeline.scope import record_refusal, request_scope
 from gateway.pipeline.usage import public_finish_reason
+from inference.chat_output import ChatDelta, ChatOutputParser, ChatOutputSpec
 from inference.input_processor import new_internal_id
 from inference.output_processor import ChoiceDelta, ChoiceState
 from inference.protocol.openai import ChatCompletionRequest
@@ -51,35 +52,64 @@ class ChatCompletionsConsumer(GatewayConsumer):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         cursor = responses.LogprobCursor(run)
         envelope = responses.chunk_envelope("chat.completion.chunk", external_id, created, run, include_usage)
+        parsers = choice_parsers(run)
 
-        def choice_of(d: ChoiceDelta, state: ChoiceState) -> dict[str, Any] | None:
-            if d.finish_reason is None and not d.text:
-                return None  # text held back (partial character or possible stop string)
-            choice: dict[str, Any] = {"index": d.index, "delta": {"content": d.text} if d.text else {},
-                      "logprobs": None, "finish_reason": public_finish_reason(d.finish_reason)}
+        def choice_of(d: ChoiceDelta, state: ChoiceState) -> list[dict[str, Any]] | None:
+            parser = parsers[d.index]
+            out = parser.push(d.text) if d.text else ChatDelta()
+            if d.finish_reason is not None:
+                tail = parser.finish()
+                out = ChatDelta(out.reasoning + tail.reasoning, out.content + tail.content, out.calls + tail.calls)
+            deltas = out.stream_deltas(with_reasoning=parser.reasoning is not None)
+            if d.finish_reason is None and not deltas:
+                return None  # text held back (partial character, possible stop string or markup)
+            choices: list[dict[str, Any]] = [{"index": d.index, "delta": delta, "logprobs": None,
+                                              "finish_reason": None} for delta in deltas or [{}]]
             if req.logprobs:
                 ids, lps = cursor.take(state)
-                choice["logprobs"] = chat_logprobs(tokenizer, ids, lps, req.top_logprobs or 0)
+                choices[0]["logprobs"] = chat_logprobs(tokenizer, ids, lps, req.top_logprobs or 0)
             if d.finish_reason is not None:
-                choice["stop_reason"] = d.stop_reason
-            return choice
+                choices[-1]["finish_reason"] = public_finish_reason(parser.finish_reason(d.finish_reason))
+                choices[-1]["stop_reason"] = d.stop_reason
+            return choices
 
         first = [envelope([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}], None) for c in run.choices]
-        await responses.stream(self, run, envelope, choice_of, include_usage=include_usage, first_events=first)
+        await responses.stream(self, run, envelope, choice_of, include_usage=include_usage, first_events=first,
+                               usage_of=lambda r: responses.run_usage(r, reasoning_tokens(r, parsers)))
+
+
+def choice_parsers(run: GenerationRun) -> list[ChatOutputParser]:
+    """One ``ChatOutputParser`` per choice of ``run`` (reasoning, answer, tool calls; ``inference.chat_output``)."""
+    spec: ChatOutputSpec | None = run.processed.chat_output
+    return [spec.parser() if spec is not None else ChatOutputParser() for _ in run.choices]
+
+
+def reasoning_tokens(run: GenerationRun, parsers: list[ChatOutputParser]) -> int | None:
+    """``usage.completion_tokens_details.reasoning_tokens`` over all choices; ``None`` without a reasoning
+    parser (the field is then left out, as vLLM does)."""
+    counts = [p.reasoning_tokens(c.token_ids) for p, c in zip(parsers, run.choices)]
+    return None if any(n is None for n in counts) else sum(n or 0 for n in counts)
 
 
 def chat_completion_body(req: ChatCompletionRequest, run: GenerationRun, external_id: str, created: int,
                          tokenizer: LoadedTokenizer) -> dict[str, Any]:
-    """The non-streaming ``chat.completion`` object of a finished run."""
-    choices = [{
-        "index": c.index,
-        "message": {"role": "assistant", "content": c.text, "tool_calls": []},
-        "logprobs": chat_logprobs(tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0) if req.logprobs else None,
-        "finish_reason": public_finish_reason(c.finish_reason),
-        "stop_reason": c.stop_reason,
-        **({"token_ids": c.token_ids} if req.return_token_ids else {}),
-    } for c in run.choices]
+    """The non-streaming ``chat.completion`` object of a finished run: each choice's text parsed at once into
+    reasoning, content and tool calls (the same parsers a stream uses, fed the whole text)."""
+    parsers = choice_parsers(run)
+    choices = []
+    for c, parser in zip(run.choices, parsers):
+        parser.push(c.text)
+        parser.finish()
+        choices.append({
+            "index": c.index,
+            "message": {"role": "assistant", **parser.message_fields()},
+            "logprobs": chat_logprobs(tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0) if req.logprobs else None,
+            "finish_reason": public_finish_reason(parser.finish_reason(c.finish_reason)),
+            "stop_reason": c.stop_reason,
+            **({"token_ids": c.token_ids} if req.return_token_ids else {}),
+        })
     return {"id": external_id, "object": "chat.completion", "created": created, "model": run.model.served_model_name,
-            "choices": choices, "usage": responses.run_usage(run), "system_fingerprint": None,
+            "choices": choices, "usage": responses.run_usage(run, reasoning_tokens(run, parsers)),
+            "system_fingerprint": None,
             **({"prompt_token_ids": run.processed.prompt_token_ids} if req.return_token_ids else {})}

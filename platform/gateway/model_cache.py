@@ -37,6 +37,8 @@ class ModelSnapshot:
     chat_template: str | None = None
     allow_request_chat_template: bool = False
     allow_control_tokens_in_content: bool = False
+    reasoning_parser: str = "auto"
+    tool_call_parser: str = "auto"
     task: str = "generate"
     enabled: bool = True
     dtype: str = ""

@@ -57,5 +57,6 @@ class ServedModelAdmin(admin.ModelAdmin):
         ("Serving", {"fields": ("max_model_len", "max_num_seqs", "dtype", "device")}),
         ("Chat template", {"fields": ("chat_template", "allow_request_chat_template",
                                        "allow_control_tokens_in_content")}),
+        ("Output parsing", {"fields": ("reasoning_parser", "tool_call_parser")}),
         ("Timestamps", {"fields": ("created_at", "updated_at")}),
     )

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
+
+from inference.reasoning import REASONING_PARSERS
+from inference.tool_parsers import TOOL_PARSERS
 
 SERVED_MODEL_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"
 
@@ -11,6 +15,22 @@ served_model_name_validator = RegexValidator(
     SERVED_MODEL_NAME_RE,
     "1-128 characters: letters, digits and . _ : / - (starting with a letter or digit).",
 )
+
+PARSER_KEYWORDS = ("auto", "none", "")
+
+
+def reasoning_parser_validator(value: str) -> None:
+    """``auto``, ``none``/blank or a registered reasoning parser (``inference.reasoning.REASONING_PARSERS``)."""
+    if value not in PARSER_KEYWORDS and value not in REASONING_PARSERS:
+        raise ValidationError(f"Unknown reasoning parser {value!r}; use auto, none or one of "
+                              f"{sorted(REASONING_PARSERS)}.")
+
+
+def tool_call_parser_validator(value: str) -> None:
+    """``auto``, ``none``/blank or a registered tool-call parser (``inference.tool_parsers.TOOL_PARSERS``)."""
+    if value not in PARSER_KEYWORDS and value not in TOOL_PARSERS:
+        raise ValidationError(f"Unknown tool-call parser {value!r}; use auto, none or one of "
+                              f"{sorted(TOOL_PARSERS)}.")
 
 
 class ServedModel(models.Model):
@@ -53,6 +73,18 @@ class ServedModel(models.Model):
         help_text="Let special-token strings inside request text (message content, tool results, names, "
                   "arguments, documents) become control tokens, as transformers and vLLM do. Off: they are "
                   "encoded as plain text and only the chat template's own markup yields control tokens.",
+    )
+    reasoning_parser = models.CharField(
+        max_length=64, blank=True, default="auto", validators=[reasoning_parser_validator],
+        help_text="How reasoning is split off the output into message.reasoning: 'auto' (from the chat template: "
+                  "qwen3 when it renders <think>, deepseek_r1 for DeepSeek templates), 'none' (never), or a parser "
+                  "name (inference/reasoning/).",
+    )
+    tool_call_parser = models.CharField(
+        max_length=64, blank=True, default="auto", validators=[tool_call_parser_validator],
+        help_text="How tool calls are read from the output for tool_choice 'auto': 'auto' (from the chat "
+                  "template: hermes for <tool_call>, llama3_json for Llama 3.1's <|python_tag|>), 'none' (never: "
+                  "calls stay content), or a parser name (inference/tool_parsers/).",
     )
     dtype = models.CharField(max_length=16, choices=Dtype.choices, default=Dtype.AUTO)
     device = models.CharField(max_length=16, choices=Device.choices, default=Device.CPU)

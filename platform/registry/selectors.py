@@ -24,7 +24,8 @@ def served_model_snapshot_from(served_model: ServedModel) -> dict[str, Any]:
 
     Keys: ``name`` and ``served_model_name`` (same value), ``model_dir``, ``tokenizer_dir`` (resolved:
     never blank), ``max_model_len``, ``chat_template`` (``None`` = the tokenizer's own),
-    ``allow_request_chat_template``, ``allow_control_tokens_in_content``, ``task``, ``enabled``, ``dtype``, ``device``, ``max_num_seqs``,
+    ``allow_request_chat_template``, ``allow_control_tokens_in_content``, ``reasoning_parser`` and
+    ``tool_call_parser`` (the registry's setting: ``auto``, ``none`` or a parser name), ``task``, ``enabled``, ``dtype``, ``device``, ``max_num_seqs``,
     ``revision`` (``updated_at`` as ISO-8601; changes on every edit, usable as a cache key).
     """
     return {
@@ -36,6 +37,8 @@ def served_model_snapshot_from(served_model: ServedModel) -> dict[str, Any]:
         "chat_template": served_model.chat_template or None,
         "allow_request_chat_template": served_model.allow_request_chat_template,
         "allow_control_tokens_in_content": served_model.allow_control_tokens_in_content,
+        "reasoning_parser": served_model.reasoning_parser,
+        "tool_call_parser": served_model.tool_call_parser,
         "task": served_model.task,
         "enabled": served_model.enabled,
         "dtype": served_model.dtype,

@@ -10,6 +10,7 @@ from django.core.exceptions import ValidationError
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
+from gateway.model_cache import ModelSnapshot
 from registry.models import ServedModel
 from registry.selectors import served_model_get, served_model_snapshot, served_models_enabled
 from registry.services import served_model_register
@@ -87,3 +88,17 @@ def test_register_model_command(model_dir):
     assert (served_model.max_model_len, served_model.dtype) == (4096, "float32")
     with pytest.raises(CommandError):
         call_command("register_model", "x", str(model_dir / "nope"), stdout=StringIO())
+
+
+def test_output_parser_fields_default_auto_validated_and_in_the_snapshot(model_dir):
+    served_model_register(served_model_name="parsers", model_dir=str(model_dir))
+    snap = served_model_snapshot("parsers")
+    assert (snap["reasoning_parser"], snap["tool_call_parser"]) == ("auto", "auto")
+    served_model_register(served_model_name="parsers", model_dir=str(model_dir), reasoning_parser="deepseek_r1",
+                          tool_call_parser="llama3_json")
+    cached = ModelSnapshot.from_dict(served_model_snapshot("parsers"))
+    assert (cached.reasoning_parser, cached.tool_call_parser) == ("deepseek_r1", "llama3_json")
+    for field in ("reasoning_parser", "tool_call_parser"):
+        with pytest.raises(ValidationError) as exc:
+            served_model_register(served_model_name="parsers", model_dir=str(model_dir), **{field: "nope"})
+        assert field in exc.value.message_dict

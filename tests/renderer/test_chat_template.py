@@ -97,11 +97,16 @@ def test_qwen3_tool_call_arguments_json_string_parsed_like_vllm():
     as_string[2]["tool_calls"][0]["function"]["arguments"] = json.dumps({"city": "Paris"})
     as_string[2]["content"] = None  # OpenAI clients send null content with tool_calls
     assert_same("qwen3", as_string, TOOLS_CONV, tools=[WEATHER_TOOL])
-    nulled = copy.deepcopy(TOOLS_CONV)
-    nulled[2]["tool_calls"][0]["function"]["arguments"] = "null"
-    expected = copy.deepcopy(TOOLS_CONV)
-    expected[2]["tool_calls"][0]["function"]["arguments"] = {}
-    assert_same("qwen3", nulled, expected, tools=[WEATHER_TOOL])
+
+
+@pytest.mark.parametrize("bad", ["null", "[1]", "{not json", '"x"'])
+def test_tool_call_arguments_not_a_json_object_string_is_refused_naming_the_field(bad):
+    # issue 16: vLLM renders {} here (the model would see a call the client never made); we refuse
+    conv = copy.deepcopy(TOOLS_CONV)
+    conv[2]["tool_calls"][0]["function"]["arguments"] = bad
+    with pytest.raises(InvalidMessagesError) as exc:
+        render_chat(tok_dir("qwen3"), conv, tools=[WEATHER_TOOL])
+    assert exc.value.param == "messages[2].tool_calls[0].function.arguments"
 
 
 def test_qwen3_list_content_is_joined_with_newlines():

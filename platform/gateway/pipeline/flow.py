@@ -50,15 +50,18 @@ async def render_chat_input(ctx: AuthContext, model: ModelSnapshot, req: ChatCom
                             client_id: str, arrival_time: float) -> tuple[LoadedTokenizer, dict[str, Any],
                                                                           ProcessedInput]:
     """Steps 5-6 of a chat request: load the tokenizer, bound the prompt characters, render the messages (with
-    their images) and process the result. Returns ``(tokenizer, rendered, processed)``; ``rendered`` is the
+    their images) and process the result (with the request's output parsing, ``processed.chat_output``, and the
+    ``tool_choice`` constraint). Returns ``(tokenizer, rendered, processed)``; ``rendered`` is the
     render task's dict (``prompt_token_ids``, media keys). Raises ``ApiError`` (400 naming the field, 503)."""
     tokenizer = await rendering.load_tokenizer(model)
     rendering.check_prompt_chars(model, tokenizer, rendering.message_chars(req.messages), "messages")
     salt = inputs.cache_salt_for(ctx, req.cache_salt)
     rendered = await render_chat_media(model, rendering.chat_render_payload(model, req), cache_salt=salt,
                                        tenant_id=ctx.tenant_id)
+    prompt_ids = rendered["prompt_token_ids"]
     processed = inputs.process(
-        req, model, tokenizer, external_id=external_id, prompt_token_ids=rendered["prompt_token_ids"],
+        req, model, tokenizer, external_id=external_id, prompt_token_ids=prompt_ids,
         prompt_param="messages", client_id=client_id, arrival_time=arrival_time,
-        logprobs=(req.top_logprobs or 0) if req.logprobs else None, cache_salt=salt)
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None, cache_salt=salt,
+        chat_output=inputs.chat_output_spec(req, model, tokenizer, prompt_ids))
     return tokenizer, rendered, processed

@@ -18,8 +18,10 @@ from inference.input_processor import (
     model_vocab_size,
     process_inputs,
 )
+from inference.chat_output import ChatOutputSpec, resolve_parser_name
 from inference.protocol.openai import RequestValidationError
 from inference.renderer.tokenizer_cache import LoadedTokenizer
+from inference.tool_parsers.forced import tool_choice_constraint
 
 
 def cache_salt_for(ctx: AuthContext, request_salt: str | None = None) -> str:
@@ -51,18 +53,46 @@ def eos_ids_of(tokenizer: LoadedTokenizer) -> list[int]:
 def process(req: Any, model: ModelSnapshot, tokenizer: LoadedTokenizer, *, external_id: str, prompt_token_ids: list[int],
             prompt_param: str, client_id: str, arrival_time: float | None, logprobs: int | None, cache_salt: str,
             defaults: GenerationDefaults | None = None, param_prefix: str = "",
-            prompt_logprobs: int | None = None) -> ProcessedInput:
+            prompt_logprobs: int | None = None, chat_output: ChatOutputSpec | None = None) -> ProcessedInput:
     """``process_inputs`` for ``req`` on ``model`` (its ``generation_config.json`` defaults unless ``defaults``
-    is given); ``ApiError`` 400 naming the field (``param_prefix`` before it, see ``api_error_from``)."""
+    is given); ``ApiError`` 400 naming the field (``param_prefix`` before it, see ``api_error_from``).
+    ``chat_output`` (a chat request's output parsing) adds the ``tool_choice`` constraint (required/named) and
+    is kept on the result for the response."""
     try:
-        return process_inputs(
+        constraint = None
+        if chat_output is not None:
+            reasoning = chat_output.reasoning()
+            constraint = tool_choice_constraint(
+                req, reasoning_end_ids=reasoning.end_token_ids if reasoning is not None else [])
+        processed = process_inputs(
             req, external_id=external_id, prompt_token_ids=prompt_token_ids, prompt_param=prompt_param,
             max_model_len=model.max_model_len, vocab_size=vocab_size_of(tokenizer, model),
             defaults=defaults if defaults is not None else generation_defaults(model.model_dir),
             client_id=client_id, arrival_time=arrival_time, eos_token_ids=eos_ids_of(tokenizer),
-            logprobs=logprobs, cache_salt=cache_salt, prompt_logprobs=prompt_logprobs)
+            logprobs=logprobs, cache_salt=cache_salt, prompt_logprobs=prompt_logprobs, constraint=constraint)
     except RequestValidationError as exc:
         raise api_error_from(exc, param_prefix=param_prefix) from None
+    processed.chat_output = chat_output
+    return processed
+
+
+def model_template_text(model: ModelSnapshot, tokenizer: LoadedTokenizer) -> str:
+    """The served model's own chat template text (the registry override, else the tokenizer's templates, named
+    ones included): what the ``auto`` parser choices are derived from."""
+    if model.chat_template:
+        return model.chat_template
+    return "\n".join([tokenizer.chat_template or "", *tokenizer.chat_templates.values()])
+
+
+def chat_output_spec(req: Any, model: ModelSnapshot, tokenizer: LoadedTokenizer,
+                     prompt_token_ids: list[int]) -> ChatOutputSpec:
+    """How the choices of chat request ``req`` are parsed on ``model`` (its registry ``reasoning_parser`` and
+    ``tool_call_parser``, ``auto`` resolved from its template; ``inference.chat_output``)."""
+    template = model_template_text(model, tokenizer)
+    return ChatOutputSpec.for_request(
+        req, tokenizer=tokenizer, prompt_token_ids=prompt_token_ids,
+        reasoning_parser=resolve_parser_name(model.reasoning_parser, template, kind="reasoning"),
+        tool_parser=resolve_parser_name(model.tool_call_parser, template, kind="tool"))
 
 
 def attach_media(processed: ProcessedInput, rendered: dict[str, Any]) -> None:

@@ -10,14 +10,15 @@ from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.usage import usage_dict
 from inference.output_processor import ChoiceDelta, ChoiceState
 
-ChoiceOf = Callable[[ChoiceDelta, ChoiceState], "dict[str, Any] | None"]
+# choice_of(delta, state) -> one chunk's choice, several (one chunk each, in order), or None (nothing to send)
+ChoiceOf = Callable[[ChoiceDelta, ChoiceState], "dict[str, Any] | list[dict[str, Any]] | None"]
 # envelope(choices, usage) -> one response object or chunk
 Envelope = Callable[[list[dict[str, Any]], "dict[str, Any] | None"], dict[str, Any]]
 
 
-def run_usage(run: GenerationRun) -> dict[str, Any]:
-    """The OpenAI ``usage`` object of a finished run."""
-    return usage_dict(run.prompt_tokens, run.completion_tokens, run.num_cached_tokens)
+def run_usage(run: GenerationRun, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """The OpenAI ``usage`` object of a finished run (``reasoning_tokens``: see ``usage_dict``)."""
+    return usage_dict(run.prompt_tokens, run.completion_tokens, run.num_cached_tokens, reasoning_tokens)
 
 
 async def complete(run: GenerationRun) -> None:
@@ -28,11 +29,12 @@ async def complete(run: GenerationRun) -> None:
 
 
 async def stream(consumer: GatewayConsumer, run: GenerationRun, envelope: Envelope, choice_of: ChoiceOf, *,
-                 include_usage: bool, first_events: Iterable[dict[str, Any]] = ()) -> None:
+                 include_usage: bool, first_events: Iterable[dict[str, Any]] = (),
+                 usage_of: Callable[[GenerationRun], dict[str, Any]] = run_usage) -> None:
     """Stream ``run`` as SSE: 200 + headers, ``first_events``, then one chunk ``envelope([choice], None)`` per
-    delta for which ``choice_of(delta, state)`` gives a choice (``None``: nothing to send yet), the usage chunk
-    ``envelope([], usage)`` when ``include_usage``, and ``[DONE]``. An engine failure ends the stream with an
-    in-band error (raised as ``ApiError``)."""
+    choice that ``choice_of(delta, state)`` gives for a delta (a list: one chunk each; ``None``: nothing to send
+    yet), the usage chunk ``envelope([], usage_of(run))`` when ``include_usage``, and ``[DONE]``. An engine
+    failure ends the stream with an in-band error (raised as ``ApiError``)."""
     await consumer.start_sse()
     for event in first_events:
         await consumer.send_event(event)
@@ -41,11 +43,11 @@ async def stream(consumer: GatewayConsumer, run: GenerationRun, envelope: Envelo
         if state.finish_reason == "error":
             break
         choice = choice_of(d, state)
-        if choice is not None:
-            await consumer.send_event(envelope([choice], None))
+        for one in ([choice] if isinstance(choice, dict) else choice or []):
+            await consumer.send_event(envelope([one], None))
     run.raise_for_engine_error(retry_after=False)
     if include_usage:
-        await consumer.send_event(envelope([], run_usage(run)))
+        await consumer.send_event(envelope([], usage_of(run)))
     await consumer.end_sse()
 
 

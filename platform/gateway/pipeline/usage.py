@@ -16,12 +16,16 @@ from usage.events import usage_event_emit
 log = logging.getLogger(__name__)
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
-    """OpenAI ``usage`` object (``prompt_tokens_details.cached_tokens`` only when some were cached)."""
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+               reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI ``usage`` object (``prompt_tokens_details.cached_tokens`` only when some were cached;
+    ``completion_tokens_details.reasoning_tokens`` only when a reasoning parser ran, as vLLM)."""
     usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens:
         usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return usage
 
 

@@ -33,6 +33,10 @@ class Command(BaseCommand):
         parser.add_argument("--allow-request-chat-template", type=_bool, default=None, metavar="BOOL")
         parser.add_argument("--allow-control-tokens-in-content", type=_bool, default=None, metavar="BOOL",
                             help="special-token strings in request text become control tokens (default false)")
+        parser.add_argument("--reasoning-parser", default=None,
+                            help="auto (from the chat template; default), none, or a reasoning parser name")
+        parser.add_argument("--tool-call-parser", default=None,
+                            help="auto (from the chat template; default), none, or a tool-call parser name")
         parser.add_argument("--dtype", choices=ServedModel.Dtype.values, default=None)
         parser.add_argument("--device", choices=ServedModel.Device.values, default=None)
         parser.add_argument("--max-num-seqs", type=int, default=None)
@@ -52,6 +56,8 @@ class Command(BaseCommand):
                 chat_template=chat_template,
                 allow_request_chat_template=options["allow_request_chat_template"],
                 allow_control_tokens_in_content=options["allow_control_tokens_in_content"],
+                reasoning_parser=options["reasoning_parser"],
+                tool_call_parser=options["tool_call_parser"],
                 dtype=options["dtype"],
                 device=options["device"],
                 max_num_seqs=options["max_num_seqs"],

@@ -1,0 +1,165 @@
+"""``<think>…</think>`` reasoning parsers: Qwen3 (``qwen3``) and DeepSeek-R1 style (``deepseek_r1``).
+
+Where the output starts is read from the rendered prompt's last think markers (ids of the template's own markup:
+request text never holds them as control ids, D-064):
+
+* the prompt ends inside an open think block (DeepSeek-R1's and Qwen3-Thinking-2507's templates put ``<think>\\n``
+  in the generation prompt) → the output starts in the reasoning; a repeated ``<think>`` at its start is dropped;
+* the prompt closes the think block at its end (Qwen3 with ``chat_template_kwargs.enable_thinking: false`` renders
+  ``<think>\\n\\n</think>\\n\\n``), or the request says ``enable_thinking: false`` and the prompt opens none
+  → no reasoning: the whole output is content;
+* otherwise the output decides: one that starts with ``<think>`` (leading whitespace allowed) is reasoning up
+  to ``</think>``; one that does not is content (``qwen3``) or reasoning anyway up to ``</think>``
+  (``deepseek_r1``: R1 models may omit the opening tag, vLLM's ``DeepSeekR1ReasoningParser``).
+
+Reasoning that never ends (``max_tokens`` reached inside it) stays reasoning. The text between the markers is
+kept as the model wrote it (vLLM does not strip it either); the text after ``</think>`` is the content.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from inference.markers import split_at_marker
+from inference.reasoning.base import ReasoningDelta, ReasoningParser, TokenizerLike, register_reasoning_parser
+
+_START, _REASONING, _CONTENT = "start", "reasoning", "content"
+
+
+class ThinkTagReasoningParser(ReasoningParser):
+    """Reasoning between ``start_marker`` and ``end_marker`` (module docstring for where it starts).
+
+    ``implicit_start``: without an opening marker in the output (and none open in the prompt), the output is
+    reasoning up to ``end_marker`` (True, R1) or content (False, Qwen3).
+    """
+
+    start_marker: ClassVar[str] = "<think>"
+    end_marker: ClassVar[str] = "</think>"
+    implicit_start: ClassVar[bool] = False
+
+    def __init__(self, tokenizer: TokenizerLike, prompt_token_ids: list[int],
+                 chat_template_kwargs: dict[str, Any] | None = None):
+        super().__init__(tokenizer, prompt_token_ids, chat_template_kwargs)
+        self._start_id = tokenizer.token_to_id(self.start_marker)
+        self._end_id = tokenizer.token_to_id(self.end_marker)
+        prompt_state = self._prompt_state()
+        disabled = self.chat_template_kwargs.get("enable_thinking") is False
+        if prompt_state == "open":
+            self._mode, self._fallback = _START, _REASONING
+        elif prompt_state == "closed" or disabled:
+            self._mode, self._fallback = _CONTENT, _CONTENT
+        else:
+            self._mode, self._fallback = _START, (_REASONING if self.implicit_start else _CONTENT)
+        self._thinking = self._mode != _CONTENT
+        # the output surely starts in the reasoning (the prompt opened it, or R1's implicit start)
+        self._starts_in_reasoning = self._fallback == _REASONING
+        self._pending = ""
+        self._had_reasoning = False  # the output entered the think block
+
+    def _prompt_state(self) -> str:
+        """``"open"``, ``"closed"`` (closed with only whitespace after) or ``"none"``: the think block at the
+        end of the prompt, from the marker ids (the markers must be single tokens of the vocabulary)."""
+        if self._start_id is None or self._end_id is None:
+            return "none"
+        ids = self.prompt_token_ids
+        last_start = last_end = -1
+        for i in range(len(ids) - 1, -1, -1):
+            if ids[i] == self._start_id and last_start < 0:
+                last_start = i
+            elif ids[i] == self._end_id and last_end < 0:
+                last_end = i
+            if last_start >= 0 and last_end >= 0:
+                break
+        if last_start > last_end:
+            return "open"
+        if last_end >= 0 and not self.tokenizer.decode(list(ids[last_end + 1:])).strip():
+            return "closed"
+        return "none"
+
+    @property
+    def thinking(self) -> bool:
+        return self._thinking
+
+    @property
+    def end_token_ids(self) -> list[int]:
+        """The end marker's id when the output surely starts in the reasoning; ``[]`` otherwise, also for Qwen3
+        without an open block in the prompt (the model may answer without thinking: an output constraint waiting
+        for ``</think>`` would then never start, so it applies from the first token, D-125)."""
+        return [self._end_id] if self._starts_in_reasoning and self._end_id is not None else []
+
+    def push(self, text: str) -> ReasoningDelta:
+        out = ReasoningDelta()
+        self._pending += text
+        while self._pending:
+            if self._mode == _CONTENT:
+                out.content += self._pending
+                self._pending = ""
+            elif self._mode == _START:
+                body = self._pending.lstrip()
+                if body.startswith(self.start_marker):
+                    self._pending = body[len(self.start_marker):]
+                    self._mode, self._had_reasoning = _REASONING, True
+                elif self.start_marker.startswith(body):
+                    break  # empty or a proper prefix of the marker: wait for more
+                else:
+                    self._mode = self._fallback
+                    self._had_reasoning = self._mode == _REASONING
+            else:
+                before, marker, rest = split_at_marker(self._pending, self.end_marker)
+                out.reasoning += before
+                if marker is None:
+                    self._pending = rest
+                    break
+                self._pending, self._mode = rest, _CONTENT
+        return out
+
+    def flush(self) -> ReasoningDelta:
+        held, self._pending = self._pending, ""
+        if self._mode == _START:
+            self._mode = self._fallback
+            self._had_reasoning = self._mode == _REASONING
+        if self._mode == _REASONING:
+            return ReasoningDelta(reasoning=held)
+        return ReasoningDelta(content=held)
+
+    def reasoning_tokens(self, output_token_ids: list[int]) -> int:
+        """Output tokens up to and including the first end marker (the markers count: they are hidden thinking
+        tokens, as OpenAI counts every hidden token), all of them when the reasoning never ended; 0 when the
+        output held no reasoning. By id when the end marker is one token, else by re-encoding the text. Call it
+        after ``flush``."""
+        if not self._had_reasoning:
+            return 0
+        if self._end_id is not None:
+            try:
+                return output_token_ids.index(self._end_id) + 1
+            except ValueError:
+                return len(output_token_ids)
+        text = self.tokenizer.decode(output_token_ids)
+        end = text.find(self.end_marker)
+        if end < 0:
+            return len(output_token_ids)
+        return min(len(output_token_ids),
+                   len(self.tokenizer.encode(text[:end + len(self.end_marker)], add_special_tokens=False)))
+
+
+@register_reasoning_parser
+class Qwen3ReasoningParser(ThinkTagReasoningParser):
+    """Qwen3 (and QwQ, Qwen3-Thinking): ``<think>`` in the prompt or the output; none → content."""
+
+    name = "qwen3"
+
+
+@register_reasoning_parser
+class DeepSeekR1ReasoningParser(ThinkTagReasoningParser):
+    """DeepSeek-R1 style: the output is reasoning until ``</think>`` even without an opening ``<think>``."""
+
+    name = "deepseek_r1"
+    implicit_start = True
+
+
+def default_reasoning_parser(chat_template: str | None) -> str | None:
+    """The ``"auto"`` choice from a chat template: ``deepseek_r1`` when it renders ``<think>`` and DeepSeek's
+    ``<｜Assistant｜>``, ``qwen3`` when it renders ``<think>``, else ``None`` (no reasoning parsing)."""
+    if not chat_template or "<think>" not in chat_template:
+        return None
+    return "deepseek_r1" if "<｜Assistant｜>" in chat_template else "qwen3"

@@ -1,0 +1,136 @@
+"""``tool_choice: "required"`` and a named function: the output is constrained by a JSON schema (the engine's
+structured-output mask), then read back as calls. The schemas are vLLM's
+(``vllm/entrypoints/openai/protocol.py::_get_json_schema_from_tool`` / ``get_structured_outputs``):
+
+* ``"required"`` → a JSON array (``minItems`` 1; ``maxItems`` 1 when ``parallel_tool_calls`` is false) of
+  ``{"name": <const>, "parameters": <the tool's parameters schema>}`` objects, ``anyOf`` the tools;
+* a named function → that tool's ``parameters`` schema itself (the output is the arguments object).
+
+A tool without ``parameters`` takes ``{"type": "object", "properties": {}}`` (OpenAI: the function takes no
+arguments).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from inference.protocol.openai import RequestValidationError
+from inference.tool_parsers.base import ParsedToolCall, ToolParseDelta, ToolParser, call_from_obj
+
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+def _parameters(tool: Any) -> dict[str, Any]:
+    params = tool.function.parameters
+    return dict(params) if params else dict(EMPTY_PARAMETERS)
+
+
+def forced_tool_name(tool_choice: Any) -> str | None:
+    """The function name of a named ``tool_choice`` (``{"type": "function", "function": {"name": ...}}``)."""
+    if isinstance(tool_choice, dict):
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if isinstance(name, str):
+            return name
+    return None
+
+
+def tool_choice_schema(tools: list[Any], tool_choice: Any, parallel_tool_calls: bool) -> dict[str, Any] | None:
+    """The JSON schema that forces ``tool_choice`` (module docstring), ``None`` for ``"auto"``/``"none"``/absent.
+    ``tools``: the request's validated ``ChatTool`` s (``check_tools`` already ensured a named tool exists)."""
+    if tool_choice == "required":
+        items = [{"properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                 "parameters": _parameters(t)},
+                  "required": ["name", "parameters"]} for t in tools]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+        if not parallel_tool_calls:
+            schema["maxItems"] = 1
+        return schema
+    name = forced_tool_name(tool_choice)
+    if name is None:
+        return None
+    return next(_parameters(t) for t in tools if t.function.name == name)
+
+
+class RequiredToolParser(ToolParser):
+    """Reads the ``"required"`` array at the end of the output; anything else (cut short by ``max_tokens``) is
+    content as written."""
+
+    name = "forced_required"
+
+    def __init__(self) -> None:
+        self._text = ""
+
+    def push(self, text: str) -> ToolParseDelta:
+        self._text += text
+        return ToolParseDelta()
+
+    def flush(self) -> ToolParseDelta:
+        text, self._text = self._text, ""
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return ToolParseDelta(content=text)
+        calls = [call_from_obj(item, args_keys=("parameters",), args_required=True)
+                 for item in items] if isinstance(items, list) and items else [None]
+        if any(c is None for c in calls):
+            return ToolParseDelta(content=text)
+        return ToolParseDelta(calls=[c for c in calls if c is not None])
+
+
+class NamedToolParser(ToolParser):
+    """Reads the named function's arguments object at the end of the output; anything else is content."""
+
+    name = "forced_named"
+
+    def __init__(self, function_name: str) -> None:
+        self.function_name = function_name
+        self._text = ""
+
+    def push(self, text: str) -> ToolParseDelta:
+        self._text += text
+        return ToolParseDelta()
+
+    def flush(self) -> ToolParseDelta:
+        text, self._text = self._text, ""
+        try:
+            args = json.loads(text)
+        except ValueError:
+            return ToolParseDelta(content=text)
+        if not isinstance(args, dict):
+            return ToolParseDelta(content=text)
+        return ToolParseDelta(calls=[ParsedToolCall(self.function_name, json.dumps(args, ensure_ascii=False))])
+
+
+@dataclass(frozen=True)
+class ToolChoiceConstraint:
+    """The structured-output fields of ``SamplingParams`` that force a ``tool_choice``: ``kind`` ``"json"``,
+    ``spec`` the schema's JSON text, ``after_token_ids`` the end-of-thinking ids of a reasoning model whose
+    output starts with thinking (the constraint then applies to the answer only), else ``[]``."""
+
+    kind: str
+    spec: str
+    after_token_ids: list[int]
+
+
+def tool_choice_constraint(req: Any, *, reasoning_end_ids: list[int]) -> ToolChoiceConstraint | None:
+    """The constraint of a chat request's ``tool_choice`` (``None`` unless ``"required"`` or named).
+
+    ``reasoning_end_ids``: the reasoning parser's ``end_token_ids`` for this prompt (``[]``: no thinking).
+    Raises ``RequestValidationError`` (param ``tool_choice``) when the request also asks for another output
+    constraint (``response_format`` other than ``text``, ``structured_outputs``): one output cannot follow two
+    schemas, and vLLM refuses ``structured_outputs`` with a named tool too (D-124).
+    """
+    schema = tool_choice_schema(req.tools or [], req.tool_choice, req.parallel_tool_calls is not False)
+    if schema is None:
+        return None
+    response_format = getattr(req, "response_format", None)
+    rf_type = response_format.get("type", "text") if isinstance(response_format, dict) \
+        else getattr(response_format, "type", "text")
+    if (response_format is not None and rf_type != "text") or getattr(req, "structured_outputs", None):
+        raise RequestValidationError(
+            "tool_choice 'required' or a named function constrains the output to tool calls; it cannot be "
+            "combined with response_format or structured_outputs", "tool_choice")
+    return ToolChoiceConstraint("json", json.dumps(schema, ensure_ascii=False), list(reasoning_end_ids))
