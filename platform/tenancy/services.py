@@ -300,7 +300,8 @@ def api_key_revoke(*, api_key: ApiKey, actor: KeyActor | None = None) -> ApiKey:
 def api_key_update(*, api_key: ApiKey, actor: KeyActor | None = None, **changes) -> ApiKey:
     """Change ``name``, ``allowed_models``, ``scopes``, ``expires_at`` or limit fields of ``api_key``.
 
-    In force in every api process within ``gateway.auth.AUTH_CACHE_TTL_S`` (1 s). ``actor``: the tenant-side
+    In force in every api process at once (``tenancy.invalidation``; within ``gateway.auth.AUTH_CACHE_TTL_S``,
+    1 s, if the announcement is lost). ``actor``: the tenant-side
     caller (None = an operator's tool). Raises ``ValueError`` for unknown fields or malformed values (a
     ``KeyRequestInvalid`` for the name); ``KeyPermissionDenied`` for a later or cleared expiry of a rotated key
     (its grace period), a change ``actor`` may not make (the key's resulting settings are checked whole), or an
