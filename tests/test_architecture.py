@@ -12,7 +12,7 @@ from pathlib import Path
 import grimp
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("gateway", "inference", "tenancy", "usage", "registry", "admission", "config", "ops")
+PACKAGES = ("gateway", "inference", "tenancy", "usage", "registry", "admission", "config", "ops", "audit")
 
 
 def test_import_linter_contracts_hold():
@@ -179,6 +179,9 @@ FUNCTION_IMPORTS_ALLOWED = {
     ("platform/admission/apps.py", "ready", ".models"),
     ("platform/admission/apps.py", "ready", ".services"),
     ("platform/admission/apps.py", "ready", "config.celery"),
+    ("platform/audit/apps.py", "ready", ".context"),
+    ("platform/tenancy/apps.py", "ready", ".invalidation"),
+    ("platform/tenancy/apps.py", "ready", ".models"),
     # config.celery is imported with the settings, before the apps are ready; only render workers load the renderer
     ("platform/config/celery.py", "_warm_renderer", "inference.renderer.chat_template"),
     ("platform/config/celery.py", "_warm_renderer", "registry.selectors"),

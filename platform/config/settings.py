@@ -170,6 +170,8 @@ INSTALLED_APPS = [
     "admission",
     "gateway",
     "ops",
+    "auditlog",  # django-auditlog: one LogEntry per change of a tracked model (AUDITLOG_* below)
+    "audit",  # who made each change (audit.context), the tenant's view (/api/v1/audit), the admin's
 ]
 
 MIDDLEWARE = [
@@ -179,6 +181,7 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "audit.context.AuditContextMiddleware",  # names the request's user and address in audit entries
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
@@ -338,6 +341,19 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
 }
+
+# --- audit log (django-auditlog; audit.context adds the actor) -----------------------------------------------
+# Every change to these rows is logged with its fields before and after. Secrets are never tracked: the key hash
+# is excluded (a key's plaintext is never stored at all); ``last_used_at`` and ``updated_at`` are noise. No user
+# or TOTP device model is tracked (passwords, TOTP secrets). tests/audit checks that no secret reaches an entry.
+AUDITLOG_INCLUDE_TRACKING_MODELS = (
+    {"model": "tenancy.tenant"},
+    {"model": "tenancy.apikey", "exclude_fields": ["secret_hash", "last_used_at"]},
+    {"model": "registry.servedmodel", "exclude_fields": ["updated_at"]},
+    {"model": "admission.admissionpolicy", "exclude_fields": ["updated_at"]},
+)
+AUDITLOG_STORE_JSON_CHANGES = True  # values as JSON (null, numbers, lists), not Python reprs
+AUDITLOG_DISABLE_REMOTE_ADDR = False  # filled from REMOTE_ADDR by audit.context, never from X-Forwarded-For
 
 # --- API key management limits (tenancy.services) ------------------------------------------------------
 MAX_API_KEYS_PER_TENANT = int(_env_first("MAX_API_KEYS_PER_TENANT", default="1000"))

@@ -9,6 +9,7 @@ from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView
 from rest_framework.permissions import IsAuthenticated
 
+from audit.api.views import KeyAuditView
 from tenancy.api.urls import urlpatterns as key_urls
 from usage import web
 from usage.api.views import UsageView
@@ -16,6 +17,7 @@ from usage.api.views import UsageView
 api_v1 = [
     *key_urls,
     path("usage", UsageView.as_view(), name="api-usage"),
+    path("audit", KeyAuditView.as_view(), name="api-audit"),
 ]
 
 urlpatterns = [

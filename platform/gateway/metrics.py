@@ -12,7 +12,11 @@ Every value comes from Redis, so all api processes answer the same numbers (DESI
   (bucket counts kept in Redis by ``inference.admission``);
 * ``gateway_handoffs_total{outcome}`` (counter) — image requests the front api relayed to the multimodal api
   (``forwarded``), served itself because that api was down (``fallback``), or lost with it (``failed``):
-  gateway/handoff.py.
+  gateway/handoff.py;
+* ``gateway_auth_refusals_total{reason,key_prefix}`` (counter) — requests refused (401) for their API key:
+  ``reason`` among ``revoked``, ``expired``, ``tenant_inactive`` (the key's own secret: ``key_prefix`` is the
+  key's prefix), ``unknown_key``, ``wrong_secret``, ``malformed`` (``key_prefix="unknown"``); series are capped
+  (gateway/auth.py ``REFUSAL_PREFIX_LABELS_MAX``, then ``key_prefix="other"``).
 """
 
 from __future__ import annotations
@@ -83,7 +87,13 @@ async def collect_families(redis: Redis, prefix: str) -> list[Metric]:
     counts = await redis.hgetall(handoff.handoff_key(prefix))
     for outcome in handoff.OUTCOMES:
         handoffs.add_metric([outcome], int(counts.get(outcome.encode(), counts.get(outcome, 0))))
-    return [rejections, q_reqs, q_toks, lim_reqs, lim_toks, tps, ttft, handoffs]
+    refusals = CounterMetricFamily("gateway_auth_refusals", "Requests refused for their API key (401), by reason "
+                                   "and key prefix (revoked, expired or inactive tenant's keys only)",
+                                   labels=["reason", "key_prefix"])
+    for field, count in sorted((await redis.hgetall(auth.refusals_key(prefix))).items()):
+        reason, key_prefix = auth.refusal_labels(field.decode() if isinstance(field, bytes) else field)
+        refusals.add_metric([reason, key_prefix], int(count))
+    return [rejections, q_reqs, q_toks, lim_reqs, lim_toks, tps, ttft, handoffs, refusals]
 
 
 class MetricsConsumer(GatewayConsumer):

@@ -63,25 +63,43 @@ def api_key_split(secret: str) -> str | None:
     return prefix
 
 
-def api_key_authenticate(secret: str) -> AuthContext | None:
-    """Authenticate a presented API key (sync ORM: call it off the event loop).
+REFUSAL_REASONS = ("malformed", "unknown_key", "wrong_secret", "revoked", "expired", "tenant_inactive")
 
-    Returns the ``AuthContext`` or ``None`` for a malformed, unknown, wrong, revoked or expired key,
-    or a key whose tenant is inactive. The hash comparison is constant-time (``hmac.compare_digest``),
-    and unknown prefixes still pay for one HMAC so timing does not reveal which prefixes exist.
+
+@dataclass(frozen=True, slots=True)
+class AuthRefusal:
+    """Why a presented key was refused: ``reason`` (one of ``REFUSAL_REASONS``) and, only when the secret was the
+    key's own (``revoked``, ``expired``, ``tenant_inactive``), the key's ``key_prefix`` (else None: a malformed
+    string, an unknown prefix or a wrong secret names no key). Immutable, cached like an ``AuthContext``."""
+
+    reason: str
+    key_prefix: str | None = None
+
+
+def api_key_check(secret: str) -> AuthContext | AuthRefusal:
+    """Authenticate a presented API key (sync ORM: call it off the event loop): its ``AuthContext``, or the
+    ``AuthRefusal`` saying why not (malformed, unknown, wrong secret, revoked, expired, inactive tenant).
+
+    The hash comparison is constant-time (``hmac.compare_digest``), and unknown prefixes still pay for one HMAC
+    so timing does not reveal which prefixes exist.
     """
     prefix = api_key_split(secret)
     if prefix is None:
-        return None
+        return AuthRefusal("malformed")
     api_key = ApiKey.objects.select_related("tenant").filter(prefix=prefix).first()
     presented = api_key_hash(secret)
     if api_key is None:
         hmac.compare_digest(presented, _DUMMY_HASH)
-        return None
+        return AuthRefusal("unknown_key")
     if not hmac.compare_digest(presented, api_key.secret_hash):
-        return None
-    if not api_key.is_usable():
-        return None
+        return AuthRefusal("wrong_secret")
+    now = timezone.now()
+    if api_key.revoked_at is not None:
+        return AuthRefusal("revoked", api_key.prefix)
+    if api_key.expires_at is not None and api_key.expires_at <= now:
+        return AuthRefusal("expired", api_key.prefix)
+    if not api_key.tenant.is_active:
+        return AuthRefusal("tenant_inactive", api_key.prefix)
     return AuthContext(
         key_id=api_key.pk,
         key_prefix=api_key.prefix,
@@ -94,3 +112,10 @@ def api_key_authenticate(secret: str) -> AuthContext | None:
         tenant_limits=api_key.tenant.limits(),
         cache_group=api_key.tenant.cache_group or "",
     )
+
+
+def api_key_authenticate(secret: str) -> AuthContext | None:
+    """``api_key_check``'s ``AuthContext``, or ``None`` for a malformed, unknown, wrong, revoked or expired key, or a
+    key whose tenant is inactive (sync ORM: call it off the event loop)."""
+    result = api_key_check(secret)
+    return result if isinstance(result, AuthContext) else None

@@ -28,6 +28,8 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from audit.context import audit_operation
+
 from .models import ApiKey, Tenant
 
 API_KEY_PREFIX_LEAD = "sk-"
@@ -246,6 +248,14 @@ def api_key_create(
     if actor is not None and actor.tenant_id != tenant.pk:
         raise KeyPermissionDenied("This tenant is not the caller's.", code="wrong_tenant")
     _actor_check_result(actor, scopes=scope_list, allowed_models=allowed, expires_at=expires_at, limits=limit_values)
+    with audit_operation("create"):
+        return _api_key_insert(tenant=tenant, name=name, allowed=allowed, scope_list=scope_list,
+                               expires_at=expires_at, limit_values=limit_values)
+
+
+def _api_key_insert(*, tenant: Tenant, name: str, allowed: list[str], scope_list: list[str],
+                    expires_at: datetime | None, limit_values: dict) -> tuple[ApiKey, str]:
+    """Insert a new key under the tenant's cap (``api_key_create`` after its checks); ``(api_key, plaintext)``."""
     for _attempt in range(5):  # prefix collisions (62**8 space) are rare; retry a few times
         prefix, plaintext = api_key_secret_generate()
         try:
@@ -278,16 +288,20 @@ def api_key_revoke(*, api_key: ApiKey, actor: KeyActor | None = None) -> ApiKey:
     (a key holding an operator scope; an acting key may revoke any other tenant key and itself).
     """
     _actor_check_target(actor, api_key, "revoke")
-    now = timezone.now()
-    ApiKey.objects.filter(pk=api_key.pk, revoked_at__isnull=True).update(revoked_at=now)
-    api_key.refresh_from_db(fields=["revoked_at"])
+    with audit_operation("revoke"), transaction.atomic():
+        row = ApiKey.objects.select_for_update().get(pk=api_key.pk)
+        if row.revoked_at is None:  # a save (not QuerySet.update): the audit log and the auth invalidation see it
+            row.revoked_at = timezone.now()
+            row.save(update_fields=["revoked_at"])
+    api_key.revoked_at = row.revoked_at
     return api_key
 
 
 def api_key_update(*, api_key: ApiKey, actor: KeyActor | None = None, **changes) -> ApiKey:
     """Change ``name``, ``allowed_models``, ``scopes``, ``expires_at`` or limit fields of ``api_key``.
 
-    In force in every api process within ``gateway.auth.AUTH_CACHE_TTL_S`` (1 s). ``actor``: the tenant-side
+    In force in every api process at once (``tenancy.invalidation``; within ``gateway.auth.AUTH_CACHE_TTL_S``,
+    1 s, if the announcement is lost). ``actor``: the tenant-side
     caller (None = an operator's tool). Raises ``ValueError`` for unknown fields or malformed values (a
     ``KeyRequestInvalid`` for the name); ``KeyPermissionDenied`` for a later or cleared expiry of a rotated key
     (its grace period), a change ``actor`` may not make (the key's resulting settings are checked whole), or an
@@ -314,7 +328,7 @@ def api_key_update(*, api_key: ApiKey, actor: KeyActor | None = None, **changes)
     after = {f: changes.get(f, getattr(api_key, f)) for f in ("scopes", "allowed_models", "expires_at", *LIMIT_FIELDS)}
     _actor_check_result(actor, scopes=after["scopes"] or [], allowed_models=after["allowed_models"] or [],
                         expires_at=after["expires_at"], limits={f: after[f] for f in LIMIT_FIELDS})
-    with transaction.atomic():
+    with audit_operation("update"), transaction.atomic():
         if "expires_at" in changes:
             # Moving an expired key's expiry to the future (or clearing it) makes it active again: it counts
             # against the tenant's cap like a new key, under the same per-tenant lock as api_key_create.
@@ -344,7 +358,7 @@ def api_key_rotate(*, api_key: ApiKey, grace_s: int = 0, actor: KeyActor | None 
     """
     if grace_s < 0:
         raise ValueError("grace_s must be >= 0")
-    with transaction.atomic():
+    with audit_operation("rotate"), transaction.atomic():
         old = ApiKey.objects.select_for_update().get(pk=api_key.pk)
         if old.revoked_at is not None:
             raise KeyRequestInvalid("a revoked key cannot be rotated", code="revoked")
@@ -354,8 +368,8 @@ def api_key_rotate(*, api_key: ApiKey, grace_s: int = 0, actor: KeyActor | None 
                                     f"(id {old.replaced_by_id}) instead", code="already_rotated")
         now = timezone.now()
         if grace_s == 0:  # revoked first, so a tenant at its key cap can still swap a key for a new one
-            ApiKey.objects.filter(pk=old.pk).update(revoked_at=now)
             old.revoked_at = now
+            old.save(update_fields=["revoked_at"])
         new, plaintext = api_key_create(
             tenant=old.tenant, name=old.name, allowed_models=old.allowed_models, scopes=old.scopes,
             expires_at=old.expires_at, limits={f: getattr(old, f) for f in LIMIT_FIELDS},
@@ -365,6 +379,6 @@ def api_key_rotate(*, api_key: ApiKey, grace_s: int = 0, actor: KeyActor | None 
         if grace_s != 0:
             until = now + timedelta(seconds=grace_s)
             old.expires_at = until if old.expires_at is None else min(old.expires_at, until)
-        old.save(update_fields=["replaced_by", "revoked_at", "expires_at"])
+        old.save(update_fields=["replaced_by", "expires_at"])
     api_key.refresh_from_db()
     return new, plaintext

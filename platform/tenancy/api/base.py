@@ -16,8 +16,10 @@ from rest_framework.permissions import BasePermission
 from rest_framework.response import Response
 from rest_framework.views import APIView, exception_handler
 
+from audit.context import AuditActor, actor_reset, actor_set
 from inference.protocol.errors import ErrorType, error_dict
 from tenancy.authentication import ApiKeyAuthentication
+from tenancy.selectors import AuthContext
 from tenancy.models import Tenant
 
 _ERROR_TYPES = {
@@ -141,6 +143,22 @@ class TenantAPIView(APIView):
 
     def get_exception_handler(self):
         return envelope_exception_handler
+
+    def initial(self, request, *args, **kwargs):
+        """DRF's checks; then, for an API key, name the key as the actor of the audit entries this request writes
+        (a session's user is named by ``audit.context.AuditContextMiddleware``)."""
+        super().initial(request, *args, **kwargs)
+        auth = request.auth
+        if isinstance(auth, AuthContext):
+            self._audit_token = actor_set(AuditActor(source="rest", api_key_id=auth.key_id,
+                                                     api_key_prefix=auth.key_prefix,
+                                                     remote_addr=request.META.get("REMOTE_ADDR") or None))
+
+    def finalize_response(self, request, response, *args, **kwargs):
+        token = self.__dict__.pop("_audit_token", None)
+        if token is not None:
+            actor_reset(token)
+        return super().finalize_response(request, response, *args, **kwargs)
 
     def permission_denied(self, request, message=None, code=None):
         if request.authenticators and not request.successful_authenticator:

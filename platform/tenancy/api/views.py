@@ -9,7 +9,9 @@
 ``POST   /api/v1/keys/{id}/rotate``        new secret; the old one works ``grace_period_s`` more seconds
 =========================================  ==========================================================
 
-Every change is in force in every api process within 1 s (``gateway.auth`` caches for at most 1 s).
+Every change is in force in every api process at once (``tenancy.invalidation`` announces it on Redis Pub/Sub and
+``gateway.auth`` drops its cached lookup; at most 1 s if the announcement is lost) and is recorded in the audit log
+(``GET /api/v1/audit``, ``audit``).
 The rules on who may change which key live in ``tenancy.services`` (``KeyActor``): a key never creates, changes
 or rotates a key wider than itself, never changes or rotates itself, never touches operator-scoped keys.
 """

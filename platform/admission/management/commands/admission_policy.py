@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
 from admission.services import (
     admission_policy_apply_suggested,
     admission_policy_get_or_create,
     admission_policy_update,
 )
+from audit.commands import AuditedCommand
 from registry.selectors import served_model_get
 
 
@@ -19,7 +20,7 @@ def _limit(value: str | None):
     return int(value)
 
 
-class Command(BaseCommand):
+class Command(AuditedCommand):
     help = "Set a served model's admission limits (none = unbounded) and publish them to Redis."
 
     def add_arguments(self, parser):

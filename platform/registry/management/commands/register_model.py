@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from django.core.exceptions import ValidationError
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 
+from audit.commands import AuditedCommand
 from registry.models import ServedModel
 from registry.services import served_model_register
 
@@ -20,7 +21,7 @@ def _bool(value: str) -> bool:
     raise ValueError(value)
 
 
-class Command(BaseCommand):
+class Command(AuditedCommand):
     help = "Register (or update, keyed on NAME) a served model from a Hugging Face-format directory."
 
     def add_arguments(self, parser):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import datetime as dt
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import CommandError
 from django.utils.dateparse import parse_datetime
 from django.utils import timezone
 
+from audit.commands import AuditedCommand
 from tenancy.services import KeyRuleError, api_key_create, api_key_name_validate, tenant_get_or_create
 
 
@@ -17,7 +18,7 @@ def _csv(value: str | None) -> list[str] | None:
     return [item.strip() for item in value.split(",") if item.strip()]
 
 
-class Command(BaseCommand):
+class Command(AuditedCommand):
     help = "Create an API key (and the tenant if missing). Prints the secret once on stdout; details on stderr."
 
     def add_arguments(self, parser):
