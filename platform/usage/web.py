@@ -21,8 +21,9 @@ from django.contrib.admin.views.decorators import staff_member_required
 from django.contrib.auth.decorators import login_required
 from django.contrib.staticfiles import finders
 from django.core.exceptions import PermissionDenied
-from django.http import Http404, HttpResponseForbidden, JsonResponse
-from django.shortcuts import render
+from django.http import Http404, JsonResponse
+from django.shortcuts import redirect, render
+from django.urls import reverse
 from django.views.decorators.http import require_GET
 from django.views.static import serve
 
@@ -53,6 +54,11 @@ def static_serve(request, path: str):
 
 
 OPERATOR_PERMISSION = "usage.view_usagerollup"
+
+
+def operator_dashboard_url() -> str:
+    """Path of the operator dashboard (the admin's changelist of ``UsageRollup``)."""
+    return reverse("admin:usage_usagerollup_changelist")
 _ID_MAX = 2**63 - 1  # BigAutoField
 
 
@@ -152,10 +158,16 @@ def _answers_bad_params(view):
 @require_GET
 @_answers_bad_params
 def tenant_dashboard(request):
-    """The tenant page: only the keys of the tenant the logged-in user owns."""
+    """The tenant page: only the keys of the tenant the logged-in user owns.
+
+    A user who owns no active tenant: an operator (``can_view_all_tenants``) is redirected (302) to the
+    operator dashboard with the same query string; anyone else gets a styled 403 page saying so."""
     tenant = _owned_tenant(request)
     if tenant is None:
-        return HttpResponseForbidden("This user owns no active tenant.")
+        if can_view_all_tenants(request.user):
+            query = request.GET.urlencode()
+            return redirect(operator_dashboard_url() + (f"?{query}" if query else ""))
+        return render(request, "usage/no_tenant.html", {"title": "No tenant"}, status=403)
     range_name, key_id, model = _params(request)
     keys = _keys_of(tenant.pk)
     if key_id is not None and key_id not in {k["id"] for k in keys}:
