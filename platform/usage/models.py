@@ -62,20 +62,17 @@ class UsageRecord(models.Model):
 GRANULARITIES = ("minute", "hour", "day")
 
 
-class UsageRollup(models.Model):
-    """Usage of one key and model in one minute, hour or day (``bucket_start``, UTC), summed from records.
+class UsageFigures(models.Model):
+    """What a rollup row sums (abstract): request count, tokens, status classes, latency sums and histograms.
 
-    ``api_key_id``/``tenant_id`` are plain ids (0 = none) so rows outlive deleted keys and the unique
-    constraint holds. Latency percentiles come from fixed log-spaced histograms (``usage.histogram``):
-    ``ttft_hist``/``e2e_hist`` are lists of counts, mergeable by addition across rows.
     Status classes: ``status_429`` (key limits), ``status_503`` (capacity), ``errors`` (any other status
     >= 400 but 499, or finish_reason ``error``), ``aborted`` (finish_reason ``abort``: client gone).
+    Latency percentiles come from fixed log-spaced histograms (``usage.histogram``): ``ttft_hist``/``e2e_hist``
+    are lists of counts, mergeable by addition across rows.
     """
 
     granularity = models.CharField(max_length=8, choices=[(g, g) for g in GRANULARITIES])
     bucket_start = models.DateTimeField()
-    tenant_id = models.BigIntegerField(default=0)
-    api_key_id = models.BigIntegerField(default=0)
     served_model_name = models.CharField(max_length=128, default="", blank=True)
     requests = models.PositiveIntegerField(default=0)
     prompt_tokens = models.PositiveBigIntegerField(default=0)
@@ -92,6 +89,20 @@ class UsageRollup(models.Model):
     e2e_hist = models.JSONField(default=list)
 
     class Meta:
+        abstract = True
+
+
+class UsageRollup(UsageFigures):
+    """Usage of one key and model in one minute, hour or day (``bucket_start``, UTC), summed from records.
+
+    ``api_key_id``/``tenant_id`` are plain ids (0 = none) so rows outlive deleted keys and the unique
+    constraint holds. Figures: ``UsageFigures``.
+    """
+
+    tenant_id = models.BigIntegerField(default=0)
+    api_key_id = models.BigIntegerField(default=0)
+
+    class Meta:
         constraints = [
             models.UniqueConstraint(fields=["granularity", "api_key_id", "tenant_id", "served_model_name", "bucket_start"],
                                     name="usage_rollup_unique"),
@@ -106,3 +117,23 @@ class UsageRollup(models.Model):
 
     def __str__(self) -> str:
         return f"{self.granularity} {self.bucket_start:%Y-%m-%d %H:%M} key={self.api_key_id} {self.served_model_name}"
+
+
+class UsageTotal(UsageFigures):
+    """Usage of every key together for one model in one minute, hour or day: the sum of that bucket's
+    ``UsageRollup`` rows, kept in the same transaction as they are (``usage.rollups``).
+
+    The all-tenant charts read these (one row per bucket and model) instead of one row per key and bucket,
+    which at 100,000 active keys is hundreds of thousands of rows per range.
+    """
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["granularity", "served_model_name", "bucket_start"],
+                                    name="usage_total_unique"),
+        ]
+        indexes = [models.Index(fields=["granularity", "bucket_start"], name="total_time_idx")]
+        verbose_name = "usage total"
+
+    def __str__(self) -> str:
+        return f"{self.granularity} {self.bucket_start:%Y-%m-%d %H:%M} all keys {self.served_model_name}"

@@ -1,4 +1,5 @@
-"""Usage rollups: ``UsageRecord`` rows → ``UsageRollup`` rows per key, model and minute/hour/day.
+"""Usage rollups: ``UsageRecord`` rows → ``UsageRollup`` rows per key, model and minute/hour/day, and
+``UsageTotal`` rows (every key together) per model and minute/hour/day, in the same transaction.
 
 The flush (``usage.services``) rolls up the rows it inserts in the same transaction
 (``usage_rollup_rows``). Rows written any other way (``rolled_up = False``) are caught up here.
@@ -19,7 +20,7 @@ from typing import Any
 from django.db import IntegrityError, connection, transaction
 
 from .histogram import bucket_of, hist_add, hist_new
-from .models import GRANULARITIES, UsageRecord, UsageRollup
+from .models import GRANULARITIES, UsageRecord, UsageRollup, UsageTotal
 
 _SUM_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "status_429", "status_503",
                "errors", "aborted", "ttft_count", "ttft_sum_ms", "e2e_sum_ms")
@@ -94,25 +95,39 @@ def _deltas(records) -> dict[tuple, dict[str, Any]]:
     return out
 
 
-def _apply(deltas: dict[tuple, dict[str, Any]]) -> None:
-    """Add ``deltas`` to their rollup rows (caller holds a transaction)."""
+def _totals(deltas: dict[tuple, dict[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    """``deltas`` (keyed ``(granularity, bucket_start, key, tenant, model)``) summed over keys and tenants:
+    keyed ``(granularity, bucket_start, model)``."""
+    out: dict[tuple, dict[str, Any]] = defaultdict(_new_delta)
+    for (gran, start, _key, _tenant, model), d in deltas.items():
+        t = out[(gran, start, model)]
+        for f in _SUM_FIELDS:
+            t[f] += d[f]
+        hist_add(t["ttft_hist"], d["ttft_hist"])
+        hist_add(t["e2e_hist"], d["e2e_hist"])
+    return out
+
+
+def _apply_rows(model, key_fields: tuple[str, ...], deltas: dict[tuple, dict[str, Any]]) -> None:
+    """Add ``deltas`` (keyed by the values of ``key_fields``, ``granularity`` and ``bucket_start`` first) to
+    their ``model`` rows (caller holds a transaction). Rows are locked ``FOR UPDATE`` in one order (by id)
+    before they are read, so two writers never wait on each other's locks in opposite orders."""
     by_gran: dict[str, list[tuple]] = defaultdict(list)
     for key in deltas:
         by_gran[key[0]].append(key)
     for gran, keys in by_gran.items():
-        starts = {k[1] for k in keys}
-        key_ids = {k[2] for k in keys}
-        qs = UsageRollup.objects.filter(granularity=gran, bucket_start__in=starts, api_key_id__in=key_ids)
+        qs = model.objects.filter(granularity=gran, bucket_start__in={k[1] for k in keys})
+        if "api_key_id" in key_fields:
+            qs = qs.filter(api_key_id__in={k[key_fields.index("api_key_id")] for k in keys})
         if connection.features.has_select_for_update:
-            qs = qs.select_for_update()
-        existing = {(r.granularity, r.bucket_start, r.api_key_id, r.tenant_id, r.served_model_name): r for r in qs}
+            qs = qs.select_for_update().order_by("id")
+        existing = {tuple(getattr(r, f) for f in key_fields): r for r in qs}
         to_update, to_create = [], []
         for key in keys:
             d = deltas[key]
             row = existing.get(key)
             if row is None:
-                row = UsageRollup(granularity=gran, bucket_start=key[1], api_key_id=key[2], tenant_id=key[3],
-                                  served_model_name=key[4], ttft_hist=[], e2e_hist=[])
+                row = model(**dict(zip(key_fields, key)), ttft_hist=[], e2e_hist=[])
                 to_create.append(row)
             else:
                 to_update.append(row)
@@ -121,9 +136,20 @@ def _apply(deltas: dict[tuple, dict[str, Any]]) -> None:
             row.ttft_hist = hist_add(list(row.ttft_hist or []), d["ttft_hist"])
             row.e2e_hist = hist_add(list(row.e2e_hist or []), d["e2e_hist"])
         if to_update:
-            UsageRollup.objects.bulk_update(to_update, [*_SUM_FIELDS, "ttft_hist", "e2e_hist"], batch_size=500)
+            model.objects.bulk_update(to_update, [*_SUM_FIELDS, "ttft_hist", "e2e_hist"], batch_size=500)
         if to_create:
-            UsageRollup.objects.bulk_create(to_create, batch_size=500)
+            model.objects.bulk_create(to_create, batch_size=500)
+
+
+_ROLLUP_KEY = ("granularity", "bucket_start", "api_key_id", "tenant_id", "served_model_name")
+_TOTAL_KEY = ("granularity", "bucket_start", "served_model_name")
+
+
+def _apply(deltas: dict[tuple, dict[str, Any]]) -> None:
+    """Add ``deltas`` to their ``UsageRollup`` rows and their sums to the ``UsageTotal`` rows (caller holds a
+    transaction)."""
+    _apply_rows(UsageRollup, _ROLLUP_KEY, deltas)
+    _apply_rows(UsageTotal, _TOTAL_KEY, _totals(deltas))
 
 
 def usage_rollup_rows(rows) -> None:

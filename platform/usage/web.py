@@ -8,7 +8,8 @@
   platform works offline under plain uvicorn (no separate web server, any ``DEBUG``).
 
 Query parameters of the dashboards: ``range`` (``hour``/``day``/``30d``), ``api_key_id`` and ``tenant`` (positive
-64-bit integers), ``model``. Any other value answers 400 in the OpenAI error envelope naming the parameter.
+64-bit integers), ``model``; the operator's key table also ``q`` (search, at most 128 characters) and ``page``
+(positive integer). Any other value answers 400 in the OpenAI error envelope naming the parameter.
 """
 
 from __future__ import annotations
@@ -21,15 +22,16 @@ from django.contrib.admin.views.decorators import staff_member_required
 from django.contrib.auth.decorators import login_required
 from django.contrib.staticfiles import finders
 from django.core.exceptions import PermissionDenied
-from django.http import Http404, HttpResponseForbidden, JsonResponse
-from django.shortcuts import render
+from django.http import Http404, JsonResponse
+from django.shortcuts import redirect, render
+from django.urls import reverse
 from django.views.decorators.http import require_GET
 from django.views.static import serve
 
 from inference.protocol.errors import ErrorType, error_dict
 from tenancy.models import ApiKey, Tenant
 
-from .selectors import RANGES, usage_range, usage_series
+from .selectors import RANGES, usage_key_table, usage_range, usage_series
 
 try:
     import drf_spectacular_sidecar
@@ -53,6 +55,11 @@ def static_serve(request, path: str):
 
 
 OPERATOR_PERMISSION = "usage.view_usagerollup"
+
+
+def operator_dashboard_url() -> str:
+    """Path of the operator dashboard (the admin's changelist of ``UsageRollup``)."""
+    return reverse("admin:usage_usagerollup_changelist")
 _ID_MAX = 2**63 - 1  # BigAutoField
 
 
@@ -120,10 +127,32 @@ def dashboard_payload(*, range_name: str, tenant_id: int | None, api_key_id: int
     return data
 
 
-def _keys_of(tenant_id: int | None):
+def operator_payload(*, range_name: str, tenant_id: int | None, api_key_id: int | None, model: str | None = None,
+                     q: str | None = None, page: int = 1) -> dict:
+    """What the operator dashboard draws: ``usage_series`` over every tenant (or ``tenant_id``, or one key)
+    for the range, and under ``keys`` one page of the key table (``usage_key_table``: every key, top traffic
+    first, ``q`` searched, ``page`` of ``KEY_PAGE_SIZE``). ``groups`` is empty: the table replaces it."""
+    start, end, gran = usage_range(range_name)
+    data = usage_series(granularity=gran, start=start, end=end, tenant_id=tenant_id,
+                        api_key_ids=[api_key_id] if api_key_id else None, served_model_name=model or None)
+    data["range"] = range_name
+    data["keys"] = usage_key_table(granularity=gran, start=start, end=end, served_model_name=model or None,
+                                   tenant_id=tenant_id, q=q, page=page)
+    return data
+
+
+def _table_params(request) -> tuple[str | None, int]:
+    """``(q, page)`` of the operator's key table; ``BadParam`` on bad values."""
+    return text_param(request.GET, "q", max_length=128), id_param(request.GET, "page") or 1
+
+
+def _keys_of(tenant_id: int | None, key_id: int | None = None):
+    """Keys of ``tenant_id`` (None: any tenant), or only ``key_id``, for a key menu."""
     qs = ApiKey.objects.select_related("tenant").order_by("tenant__name", "-created_at")
     if tenant_id is not None:
         qs = qs.filter(tenant_id=tenant_id)
+    if key_id is not None:
+        qs = qs.filter(pk=key_id)
     return [{"id": k.pk, "prefix": k.prefix, "name": k.name, "tenant": k.tenant.name,
              "revoked": k.revoked_at is not None} for k in qs]
 
@@ -152,10 +181,16 @@ def _answers_bad_params(view):
 @require_GET
 @_answers_bad_params
 def tenant_dashboard(request):
-    """The tenant page: only the keys of the tenant the logged-in user owns."""
+    """The tenant page: only the keys of the tenant the logged-in user owns.
+
+    A user who owns no active tenant: an operator (``can_view_all_tenants``) is redirected (302) to the
+    operator dashboard with the same query string; anyone else gets a styled 403 page saying so."""
     tenant = _owned_tenant(request)
     if tenant is None:
-        return HttpResponseForbidden("This user owns no active tenant.")
+        if can_view_all_tenants(request.user):
+            query = request.GET.urlencode()
+            return redirect(operator_dashboard_url() + (f"?{query}" if query else ""))
+        return render(request, "usage/no_tenant.html", {"title": "No tenant"}, status=403)
     range_name, key_id, model = _params(request)
     keys = _keys_of(tenant.pk)
     if key_id is not None and key_id not in {k["id"] for k in keys}:
@@ -198,8 +233,9 @@ def operator_dashboard_data(request):
                                        "code": None}}, status=403)
     range_name, key_id, model = _params(request)
     tenant_id = id_param(request.GET, "tenant")
-    return JsonResponse(dashboard_payload(range_name=range_name, tenant_id=tenant_id, api_key_id=key_id,
-                                          model=model))
+    q, page = _table_params(request)
+    return JsonResponse(operator_payload(range_name=range_name, tenant_id=tenant_id, api_key_id=key_id,
+                                         model=model, q=q, page=page))
 
 
 def operator_dashboard_context(request) -> dict:
@@ -210,11 +246,19 @@ def operator_dashboard_context(request) -> dict:
     if not can_view_all_tenants(request.user):
         raise PermissionDenied(f"needs the '{OPERATOR_PERMISSION}' permission")
     range_name, key_id, model = _params(request)
-    data = dashboard_payload(range_name=range_name, tenant_id=None, api_key_id=key_id, model=model)
+    tenant_id = id_param(request.GET, "tenant")
+    q, page = _table_params(request)
+    data = operator_payload(range_name=range_name, tenant_id=tenant_id, api_key_id=key_id, model=model, q=q,
+                            page=page)
+    # the key menu: the keys of the table's page, and the chosen key wherever it is (never all keys)
+    keys = [{f: row[f] for f in ("id", "prefix", "name", "tenant", "revoked")} for row in data["keys"]["results"]]
+    if key_id is not None and key_id not in {k["id"] for k in keys}:
+        keys = _keys_of(None, key_id) + keys
+    data_url = "/admin/usage-data?" + (f"tenant={tenant_id}&" if tenant_id is not None else "")
     return {
-        "title": "Usage dashboard (all tenants)", "operator": True, "keys": _keys_of(None), "range": range_name,
-        "api_key_id": key_id, "ranges": list(RANGES), "data_url": "/admin/usage-data?", "ws_path": "/ws/usage/",
-        "data": data,
+        "title": "Usage dashboard (all tenants)", "operator": True, "keys": keys, "range": range_name,
+        "api_key_id": key_id, "ranges": list(RANGES), "data_url": data_url, "ws_path": "/ws/usage/",
+        "data": data, "q": q or "", "tenant_id": tenant_id,
     }
 
 

@@ -14,9 +14,11 @@ import shlex
 import stat
 import subprocess
 import sys
+import textwrap
 import uuid
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import redis
@@ -121,6 +123,50 @@ def test_embedded_redis_refuses_clients_without_the_password_and_the_platform_wo
     curl = next(ln.strip() for ln in served["lines"] if ln.strip().startswith("curl -s"))
     out = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and '"chat.completion"' in out.stdout, (out.stdout, out.stderr)
+
+
+def _banner_login(lines: list[str], who: str) -> tuple[str, str]:
+    """``(username, password)`` of the banner's ``<who> login: USER / PASSWORD  (...)`` line."""
+    line = next(ln for ln in lines if ln.startswith(f"{who} login: "))
+    username, _, password = line.removeprefix(f"{who} login: ").split("  (")[0].strip().partition(" / ")
+    return username, password
+
+
+def _dashboard_login(base: str, username: str, password: str) -> httpx.Response:
+    """Log in on the dashboards' login page, asking for ``/usage/``; the page the redirects end on."""
+    with httpx.Client(base_url=base, follow_redirects=True, timeout=60) as http:
+        http.get("/accounts/login/?next=/usage/")
+        return http.post("/accounts/login/?next=/usage/", data={
+            "username": username, "password": password, "next": "/usage/",
+            "csrfmiddlewaretoken": http.cookies["csrftoken"]})
+
+
+def test_quickstart_banner_examples_and_logins_work_as_printed(served):
+    """Issue 17: the quickstart serves all-MiniLM-L6-v2 too; the banner's python snippet (a chat stream, then
+    ``client.embeddings.create``) and both curl lines run as printed; its tenant login opens the demo tenant's
+    dashboard, its operator login (asking for ``/usage/``) the operator dashboard."""
+    lines = served["lines"]
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("python (pip install openai)"))
+    block = []
+    for ln in lines[start + 1:]:
+        if not ln.startswith("  "):
+            break
+        block.append(ln)
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent("".join(block))], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.rstrip().endswith("2 vectors of 384"), out.stdout
+    curls = [ln.strip() for ln in lines if ln.strip().startswith("curl -s")]
+    assert len(curls) == 2 and "/v1/embeddings" in curls[1], curls
+    emb = subprocess.run(shlex.split(curls[1]), capture_output=True, text=True, timeout=60)
+    assert emb.returncode == 0 and '"embedding"' in emb.stdout and '"all-MiniLM-L6-v2"' in emb.stdout, emb.stdout
+
+    page = _dashboard_login(served["base"], *_banner_login(lines, "tenant"))
+    assert page.status_code == 200 and page.url.path == "/usage/", (page.status_code, page.url)
+    assert "Usage — demo" in page.text
+    page = _dashboard_login(served["base"], *_banner_login(lines, "operator"))
+    assert page.status_code == 200 and page.url.path == "/admin/usage/usagerollup/", (page.status_code, page.url)
+    assert 'data-operator="1"' in page.text
 
 
 def test_no_process_shows_the_redis_password_on_its_command_line(served):

@@ -54,7 +54,8 @@ class Command(BaseCommand):
         parser.add_argument("--render-concurrency", type=int, default=2, help="Celery prefork children")
         parser.add_argument("--no-engine", action="store_true", help="render-only deployment (no engines)")
         parser.add_argument("--demo", action="store_true",
-                            help="register the demo model and create the operator account and a demo key")
+                            help="register the demo chat model and all-MiniLM-L6-v2 (embeddings), create the operator "
+                                 "account, the demo tenant with its owner's login and a demo key")
         parser.add_argument("--demo-model-dir", default=str(Path(settings.REPO_DIR) / ".cache/models/tiny-qwen3"))
         parser.add_argument("--demo-max-model-len", type=int, default=2048)
 
@@ -189,15 +190,21 @@ class Command(BaseCommand):
     def _banner(self, base: str, info, var_dir: Path) -> None:
         lines = [f"\nPlatform ready at {base}  (admin: {base}/admin/, logs: {var_dir / 'log'})"]
         if info is not None:
-            if info.operator_password:
-                lines.append(f"operator login: {info.operator_username} / {info.operator_password}")
+            lines.append(f"operator login: {info.operator_username} / {_shown(info.operator_password)}  "
+                         f"(admin, all-tenant usage dashboard: {base}/admin/usage/usagerollup/)")
+            lines.append(f"tenant login: {info.tenant_username} / {_shown(info.tenant_password)}  "
+                         f"(the demo tenant's usage dashboard: {base}/usage/)")
             lines += [
                 f"API key (keep it secret): {info.api_key}",
+                f"models: {info.model_name} (chat, completions), {info.embed_model_name} (embeddings)",
                 "",
                 "curl:",
                 f"  curl -s {base}/v1/chat/completions -H 'Authorization: Bearer {info.api_key}' "
                 f"-H 'Content-Type: application/json' -d '{{\"model\": \"{info.model_name}\", "
                 f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'",
+                f"  curl -s {base}/v1/embeddings -H 'Authorization: Bearer {info.api_key}' "
+                f"-H 'Content-Type: application/json' -d '{{\"model\": \"{info.embed_model_name}\", "
+                f"\"input\": \"Hello!\"}}'",
                 "",
                 "python (pip install openai):",
                 "  from openai import OpenAI",
@@ -205,10 +212,18 @@ class Command(BaseCommand):
                 f"  for chunk in client.chat.completions.create(model='{info.model_name}', stream=True,",
                 "          messages=[{'role': 'user', 'content': 'Hello!'}], max_tokens=32):",
                 "      print(chunk.choices[0].delta.content or '', end='', flush=True)",
+                f"  emb = client.embeddings.create(model='{info.embed_model_name}', input=['a cat', 'a kitten'])",
+                "  print()",
+                "  print(len(emb.data), 'vectors of', len(emb.data[0].embedding))  # 2 vectors of 384",
             ]
         lines.append("\nPress Ctrl-C to stop every process.")
         self.stdout.write("\n".join(lines))
         self.stdout.flush()
+
+
+def _shown(password: str | None) -> str:
+    """A password for the banner; a placeholder when an earlier run made it and its file under var/ is gone."""
+    return password if password is not None else "(set by an earlier run; its file under var/ is gone)"
 
 
 def _core_split(frontend_cores: str) -> tuple[frozenset[int] | None, frozenset[int] | None]:

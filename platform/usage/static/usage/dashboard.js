@@ -1,5 +1,7 @@
 /* Usage dashboard: draws the figures and Chart.js charts, re-fetches on control changes and follows
-   live updates pushed over the WebSocket /ws/usage/ (the page works without it, on its initial data). */
+   live updates pushed over the WebSocket /ws/usage/ (the page works without it, on its initial data).
+   Operator page: the key table is one server-side page (data.keys: top traffic first, search q, page);
+   the key menu holds that page's keys (and the chosen one), never every key. */
 (function () {
   "use strict";
   const root = document.getElementById("usage-dash");
@@ -8,8 +10,15 @@
   const rangeSel = document.getElementById("usage-range");
   const keySel = document.getElementById("usage-key");
   const live = document.getElementById("usage-live");
+  const searchBox = document.getElementById("usage-q");
+  const pageInfo = document.getElementById("usage-page-info");
+  const prevLink = document.getElementById("usage-prev");
+  const nextLink = document.getElementById("usage-next");
+  const tenantId = root.dataset.tenant ? parseInt(root.dataset.tenant, 10) : null;
   const keys = JSON.parse(document.getElementById("usage-keys-json").textContent || "[]");
-  const keyName = Object.fromEntries(keys.map((k) => [String(k.id), (operator ? k.tenant + " / " : "") + k.prefix + " (" + k.name + ")"]));
+  function keyLabel(k) { return (operator ? k.tenant + " / " : "") + k.prefix + " (" + k.name + ")" + (k.revoked ? " [revoked]" : ""); }
+  const keyName = Object.fromEntries(keys.map((k) => [String(k.id), keyLabel(k)]));
+  let table = { page: 1, pages: 1 };
   const charts = {};
   window.usageDashboard = { data: null, updates: 0, charts };
 
@@ -74,8 +83,11 @@
       { label: "E2E p95", data: pts.map((p) => p.e2e_p95_ms), borderColor: "#ff9d9a", backgroundColor: "#ff9d9a", pointRadius: 2 },
     ], labels, false);
     const body = document.querySelector("#usage-keys tbody");
-    body.innerHTML = "";
-    for (const [id, g] of Object.entries(data.groups || {})) {
+    body.replaceChildren();
+    const rows = operator && data.keys
+      ? data.keys.results.map((k) => { keyName[String(k.id)] = keyLabel(k); return [String(k.id), k]; })
+      : Object.entries(data.groups || {});
+    for (const [id, g] of rows) {
       const tr = document.createElement("tr");
       tr.dataset.keyId = id;
       const cells = [keyName[id] || (id === "0" ? "(no key)" : "#" + id), g.requests, g.prompt_tokens, g.completion_tokens,
@@ -83,10 +95,30 @@
       for (const c of cells) { const td = document.createElement("td"); td.textContent = c === null ? "–" : String(c); tr.appendChild(td); }
       body.appendChild(tr);
     }
+    if (operator && data.keys) renderTable(data.keys);
+  }
+
+  function renderTable(k) {
+    table = k;
+    if (pageInfo) pageInfo.textContent = "page " + k.page + " of " + k.pages + " (" + k.count + " keys" + (k.q ? " matching" : "") + ")";
+    if (prevLink) prevLink.hidden = k.page <= 1;
+    if (nextLink) nextLink.hidden = k.page >= k.pages;
+    // the key menu: all keys, the chosen key, then this page's keys
+    const chosen = keySel.value;
+    const kept = chosen && !k.results.some((r) => String(r.id) === chosen)
+      ? Array.from(keySel.options).find((o) => o.value === chosen) : null;
+    keySel.replaceChildren();
+    const add = (value, text) => { const o = document.createElement("option"); o.value = value; o.textContent = text; keySel.appendChild(o); };
+    add("", "all keys");
+    if (kept) keySel.appendChild(kept);
+    for (const r of k.results) add(String(r.id), keyLabel(r));
+    keySel.value = chosen;
   }
 
   function view() {
-    return { range: rangeSel.value, api_key_id: keySel.value ? parseInt(keySel.value, 10) : null, operator };
+    const v = { range: rangeSel.value, api_key_id: keySel.value ? parseInt(keySel.value, 10) : null, operator };
+    if (operator) { v.tenant = tenantId; v.q = searchBox ? searchBox.value : ""; v.page = table.page || 1; }
+    return v;
   }
 
   let ws = null;
@@ -108,18 +140,40 @@
   async function refetch() {
     const v = view();
     const url = root.dataset.url;
-    const q = "range=" + encodeURIComponent(v.range) + (v.api_key_id ? "&api_key_id=" + v.api_key_id : "");
+    let q = "range=" + encodeURIComponent(v.range) + (v.api_key_id ? "&api_key_id=" + v.api_key_id : "");
+    if (operator) q += "&page=" + v.page + (v.q ? "&q=" + encodeURIComponent(v.q) : "");
     const resp = await fetch(url + (url.includes("?") ? "&" : "?") + q, { credentials: "same-origin" });
     if (resp.ok) render(await resp.json());
-    if (ws && ws.readyState === 1) ws.send(JSON.stringify(v));
+    if (ws && ws.readyState === 1) ws.send(JSON.stringify(view()));  // the page the server settled on
     const u = new URL(location.href);
     u.searchParams.set("range", v.range);
     if (v.api_key_id) u.searchParams.set("api_key_id", v.api_key_id); else u.searchParams.delete("api_key_id");
+    if (operator) {
+      if (table.page > 1) u.searchParams.set("page", table.page); else u.searchParams.delete("page");
+      if (v.q) u.searchParams.set("q", v.q); else u.searchParams.delete("q");
+    }
     history.replaceState(null, "", u);
   }
 
   rangeSel.addEventListener("change", refetch);
   keySel.addEventListener("change", refetch);
+  if (operator) {
+    let typing = null;
+    if (searchBox) searchBox.addEventListener("input", () => {
+      clearTimeout(typing);
+      typing = setTimeout(() => { table.page = 1; refetch(); }, 300);
+    });
+    const turn = (delta) => (ev) => { ev.preventDefault(); table.page = Math.min(Math.max(1, table.page + delta), table.pages); refetch(); };
+    if (prevLink) prevLink.addEventListener("click", turn(-1));
+    if (nextLink) nextLink.addEventListener("click", turn(1));
+    document.querySelector("#usage-keys tbody").addEventListener("click", (ev) => {
+      const tr = ev.target.closest("tr");
+      if (!tr || !tr.dataset.keyId) return;
+      if (!Array.from(keySel.options).some((o) => o.value === tr.dataset.keyId)) return;
+      keySel.value = tr.dataset.keyId;
+      refetch();
+    });
+  }
   render(JSON.parse(document.getElementById("usage-initial").textContent));
   connect();
 })();
