@@ -19,6 +19,7 @@ from typing import Any
 
 from inference.protocol.engine import EngineCoreRequest, SamplingParams
 from inference.protocol.openai import RequestValidationError
+from inference.structured import Constraint, constraint_of
 
 
 @dataclass(frozen=True)
@@ -156,12 +157,17 @@ def resolve_max_tokens(*, prompt_len: int, max_model_len: int, requested: int | 
 
 
 def build_sampling_params(req: Any, *, max_tokens: int, defaults: GenerationDefaults, vocab_size: int,
-                          logprobs: int | None) -> SamplingParams:
+                          logprobs: int | None, structured: Constraint | None = None) -> SamplingParams:
     """Merge request values over model defaults over OpenAI defaults into ``SamplingParams``.
 
     Order per field (vLLM ``to_sampling_params``): request value → ``generation_config.json`` → OpenAI
     default. Raises ``RequestValidationError`` for ``logit_bias`` / ``stop_token_ids`` ids outside the
     vocabulary and ``min_tokens`` > ``max_tokens``.
+
+    Structured outputs: ``structured`` (the request's constraint, validated by the gateway's
+    ``inference.structured.resolve``) becomes ``structured_kind`` / ``structured_spec``; without it the request's
+    own ``response_format`` / ``structured_outputs`` are mapped unvalidated (``constraint_of``: the engine then
+    refuses a bad one by finishing the request with an error).
     """
     def pick(value: Any, default: Any, fallback: Any) -> Any:
         if value is not None:
@@ -191,6 +197,7 @@ def build_sampling_params(req: Any, *, max_tokens: int, defaults: GenerationDefa
     temperature = float(pick(req.temperature, defaults.temperature, 1.0))
     greedy = temperature < 1e-5
     top_k = int(pick(req.top_k, defaults.top_k, 0))
+    constraint = structured if structured is not None else constraint_of(req)
     return SamplingParams(
         temperature=0.0 if greedy else temperature,
         top_p=1.0 if greedy else float(pick(req.top_p, defaults.top_p, 1.0)),
@@ -208,14 +215,19 @@ def build_sampling_params(req: Any, *, max_tokens: int, defaults: GenerationDefa
         logit_bias=logit_bias,
         logprobs=logprobs,
         vocab_size=vocab_size,
+        structured_kind=constraint.kind if constraint is not None else None,
+        structured_spec=constraint.spec if constraint is not None else "",
     )
 
 
 def process_inputs(req: Any, *, external_id: str, prompt_token_ids: list[int], prompt_param: str,
                    max_model_len: int, vocab_size: int, defaults: GenerationDefaults, client_id: str,
                    arrival_time: float | None = None, eos_token_ids: list[int] | None = None,
-                   logprobs: int | None = None, cache_salt: str | None = None) -> ProcessedInput:
+                   logprobs: int | None = None, cache_salt: str | None = None,
+                   structured: Constraint | None = None) -> ProcessedInput:
     """Turn a validated chat/completion request plus its prompt ids into ``n`` ``EngineCoreRequest``s.
+
+    ``structured``: the request's validated structured-output constraint (``build_sampling_params``).
 
     ``cache_salt`` goes on every request (the prefix-cache salt, see ``EngineCoreRequest.cache_salt``).
 
@@ -232,7 +244,7 @@ def process_inputs(req: Any, *, external_id: str, prompt_token_ids: list[int], p
     if not defaults.eos_token_ids and eos_token_ids:
         defaults = GenerationDefaults(**{**defaults.__dict__, "eos_token_ids": tuple(eos_token_ids)})
     params = build_sampling_params(req, max_tokens=max_tokens, defaults=defaults, vocab_size=vocab_size,
-                                   logprobs=logprobs)
+                                   logprobs=logprobs, structured=structured)
     n = req.n or 1
     arrival = arrival_time if arrival_time is not None else time.time()
     out = ProcessedInput(external_id=external_id, prompt_token_ids=prompt_token_ids, max_tokens=max_tokens)

@@ -1,9 +1,11 @@
 """Step 6 (DESIGN.md §2 step 6): input processing. The prompt ids and the validated request become ``n``
 ``EngineCoreRequest`` s (``inference.input_processor.process_inputs``: lengths vs ``max_model_len``, ids in the
-vocabulary, sampling parameters, seeds ``seed + i``), with the caller's prefix-cache salt."""
+vocabulary, sampling parameters, seeds ``seed + i``), with the caller's prefix-cache salt and its validated
+structured-output constraint (``structured_constraint``, before the render)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 from typing import Any
@@ -20,6 +22,7 @@ from inference.input_processor import (
 )
 from inference.protocol.openai import RequestValidationError
 from inference.renderer.tokenizer_cache import LoadedTokenizer
+from inference.structured import Constraint, resolve
 
 
 def cache_salt_for(ctx: AuthContext, request_salt: str | None = None) -> str:
@@ -48,18 +51,45 @@ def eos_ids_of(tokenizer: LoadedTokenizer) -> list[int]:
     return [eos] if isinstance(eos, int) else []
 
 
+async def structured_constraint(req: Any, param_prefix: str = "") -> Constraint | None:
+    """The request's structured-output constraint (``response_format`` / ``structured_outputs``), validated by
+    llguidance in a worker thread (``inference.structured.resolve``: serialising and validating a schema takes
+    up to milliseconds; results are cached by hash, so a repeated schema costs a lookup). ``None`` without one.
+    ``ApiError`` 400 naming the field (``response_format.json_schema.schema``, ``structured_outputs.regex``, ...)
+    for a constraint the library refuses or one over a cap (``param_prefix`` before it, see ``api_error_from``)."""
+    if constraint_of_fields_absent(req):
+        return None
+    try:
+        return await asyncio.to_thread(resolve, req)
+    except RequestValidationError as exc:
+        raise api_error_from(exc, param_prefix=param_prefix) from None
+
+
+def constraint_of_fields_absent(req: Any) -> bool:
+    """True when ``req`` asks for no constraint (no ``structured_outputs``; ``response_format`` absent or text):
+    the common case skips the thread hop."""
+    rf = getattr(req, "response_format", None)
+    return getattr(req, "structured_outputs", None) is None and (rf is None or rf.type == "text")
+
+
 def process(req: Any, model: ModelSnapshot, tokenizer: LoadedTokenizer, *, external_id: str, prompt_token_ids: list[int],
             prompt_param: str, client_id: str, arrival_time: float | None, logprobs: int | None, cache_salt: str,
-            defaults: GenerationDefaults | None = None, param_prefix: str = "") -> ProcessedInput:
+            defaults: GenerationDefaults | None = None, param_prefix: str = "",
+            structured: Constraint | None = None) -> ProcessedInput:
     """``process_inputs`` for ``req`` on ``model`` (its ``generation_config.json`` defaults unless ``defaults``
-    is given); ``ApiError`` 400 naming the field (``param_prefix`` before it, see ``api_error_from``)."""
+    is given); ``ApiError`` 400 naming the field (``param_prefix`` before it, see ``api_error_from``).
+    ``structured``: the constraint ``structured_constraint`` validated (a request that asks for one and comes
+    without it is refused here rather than sent unvalidated)."""
+    if structured is None and not constraint_of_fields_absent(req):
+        raise RuntimeError("a request with a structured-output constraint reached input processing unvalidated "
+                           "(await structured_constraint first)")
     try:
         return process_inputs(
             req, external_id=external_id, prompt_token_ids=prompt_token_ids, prompt_param=prompt_param,
             max_model_len=model.max_model_len, vocab_size=vocab_size_of(tokenizer, model),
             defaults=defaults if defaults is not None else generation_defaults(model.model_dir),
             client_id=client_id, arrival_time=arrival_time, eos_token_ids=eos_ids_of(tokenizer),
-            logprobs=logprobs, cache_salt=cache_salt)
+            logprobs=logprobs, cache_salt=cache_salt, structured=structured)
     except RequestValidationError as exc:
         raise api_error_from(exc, param_prefix=param_prefix) from None
 
