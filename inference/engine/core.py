@@ -160,6 +160,15 @@ class EngineCore:
         return SequenceGrammar(self.grammars.compile(sp.structured_kind, sp.structured_spec),
                                sp.structured_after_token_ids, eos)
 
+    def _load_grammar_tokenizer(self) -> None:
+        """Build the grammar tokenizer before serving: llguidance holds the GIL for part of its ~1-2 s (up to seconds
+        on a loaded machine), which would stall the step loop and the heartbeat if it ran later. A failure is
+        logged; constrained requests then finish with its error."""
+        try:
+            _ = self.grammars.tokenizer
+        except Exception:  # logged; the engine serves unconstrained requests without it
+            log.exception("structured outputs unavailable: the grammar tokenizer did not load")
+
     def _wait_for_grammars(self) -> None:
         """With nothing running and every waiting request's grammar still compiling, wait a little for one
         (instead of spinning on Redis)."""
@@ -485,10 +494,10 @@ class EngineCore:
     def run(self) -> None:
         """Run until ``request_stop`` (SIGTERM/SIGINT); then fail held requests and clear the heartbeat."""
         self._setup_link()
+        if isinstance(self.runner, ModelRunner):
+            self._load_grammar_tokenizer()
         hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         hb.start()
-        if isinstance(self.runner, ModelRunner):
-            _ = self.grammars  # the grammar tokenizer builds in the background from the start
         log.info("engine %s serving %s on %s (max_num_seqs=%d, max_model_len=%d)", self.engine_id,
                  self.model, self.runner.device, self.max_num_seqs, self.runner.max_model_len)
         try:
