@@ -367,7 +367,7 @@ class EngineCore:
 
     def _apply(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
-        mask = self.masker.mask(constrained, logits.shape[1], logits.device) if constrained else None
+        mask = self.masker.mask(constrained, logits.shape[0], logits.shape[1], logits.device) if constrained else None
         tokens, lps = self.runner.sample(logits, seqs, mask)
         ts = now()
         for i, (seq, tok) in enumerate(zip(seqs, tokens)):

@@ -8,8 +8,8 @@ per-step token mask (issue 16; the request side and the grammar text: ``inferenc
 * ``SequenceGrammar``: a sequence's own matcher, a ``deep_copy`` of the cached pristine one (cheap: the compiled
   grammar is shared), so the ``n`` children of a request advance independently. With ``after_token_ids`` it is
   inactive (unconstrained output) until one of those ids was sampled.
-* ``GrammarMask``: the allowed tokens of the constrained rows of one step, as a bool tensor ``[k, vocab]``; the
-  runner masks those rows' logits with it before sampling (``ModelRunner.sample``). Ids at or above the
+* ``GrammarMask``: the disallowed tokens of one step, a bool tensor ``[B, vocab]`` (llguidance's bitmask, bit i
+  of 32-bit word w = token 32 w + i, unpacked); the runner masks the logits with it before sampling (``ModelRunner.sample``). Ids at or above the
   tokenizer's vocabulary (embedding padding) are never allowed; once a grammar is complete only EOS is.
 """
 
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import llguidance
 import llguidance.torch
+import numpy as np
 import torch
 
 from inference.config import SETTINGS
@@ -34,10 +35,6 @@ log = logging.getLogger("inference.engine")
 
 COMPILE_THREADS = SETTINGS.structured_compile_threads
 CACHE_SIZE = SETTINGS.structured_grammar_cache_size
-
-# bit j of byte b: the allowed flags of a little-endian bitmask's bytes (llguidance: bit i of 32-bit word w is
-# token 32 w + i), expanded by one table lookup per byte
-_BITS = ((torch.arange(256, dtype=torch.int32).unsqueeze(1) >> torch.arange(8, dtype=torch.int32)) & 1).bool()
 
 
 def load_tokenizer(model_dir: str | Path, eos_token_ids: list[int]) -> tuple[llguidance.LLTokenizer, str]:
@@ -177,32 +174,33 @@ class SequenceGrammar:
 
 @dataclass
 class GrammarMask:
-    """The allowed tokens of some rows of one step's logits: ``rows`` (long ``[k]`` row indices) and ``allowed``
-    (bool ``[k, vocab]``, vocab = the logits' width)."""
+    """The token mask of one step's logits: ``disallowed`` (bool ``[B, vocab]``, True = masked; all False on the rows
+    no grammar constrains) and ``row_list``, the constrained rows."""
 
-    rows: torch.Tensor
-    allowed: torch.Tensor
+    disallowed: torch.Tensor
     row_list: list[int]
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Set the disallowed logits of the rows to ``-inf``, in place (``logits``: float ``[B, vocab]``)."""
-        sub = logits.index_select(0, self.rows).masked_fill_(~self.allowed, float("-inf"))
-        logits.index_copy_(0, self.rows, sub)
+        """Set the disallowed logits to ``-inf``, in place (``logits``: float ``[B, vocab]``): one full-batch
+        ``masked_fill`` (gathering the constrained rows and scattering them back cost ~10x more on CPU)."""
+        logits.masked_fill_(self.disallowed, float("-inf"))
 
 
 class GrammarMasker:
     """Builds each step's ``GrammarMask`` for the constrained rows with llguidance's parallel mask computation
-    (``LLExecutor``: threads outside the GIL)."""
+    (``LLExecutor``: threads outside the GIL); the bitmask is unpacked with numpy (``unpackbits``, ~0.1 ms for
+    16 rows of 151,680 bits; a torch table lookup took 2-20 ms)."""
 
     def __init__(self, compiler: GrammarCompiler, threads: int = COMPILE_THREADS):
         self.compiler = compiler
         self.executor = llguidance.LLExecutor(max(1, threads))
 
-    def mask(self, grammars: list[tuple[int, SequenceGrammar]], width: int,
+    def mask(self, grammars: list[tuple[int, SequenceGrammar]], batch: int, width: int,
              device: torch.device) -> GrammarMask | None:
-        """The mask of ``grammars`` (row index, the row's grammar) for logits ``width`` wide, or None when none
-        constrains this step. A complete grammar allows exactly its EOS ids; an accepting one adds them to what it
-        allows (the request's EOS ids may differ from the tokenizer's)."""
+        """The mask of ``grammars`` (row index, the row's grammar) for logits ``[batch, width]``, or None when none
+        constrains this step. Ids at or above the tokenizer's vocabulary are masked; a complete grammar allows
+        exactly its EOS ids; an accepting one adds them to what it allows (the request's EOS ids may differ from
+        the tokenizer's)."""
         rows = [(i, g) for i, g in grammars if g.constraining]
         if not rows:
             return None
@@ -210,17 +208,17 @@ class GrammarMasker:
         bitmask = llguidance.torch.allocate_token_bitmask(len(rows), tok.vocab_size)
         matchers = [(g.matcher, j) for j, (_i, g) in enumerate(rows) if g.matcher is not None]
         llguidance.torch.fill_next_token_bitmask_par(self.executor, matchers, bitmask)
-        flags = _BITS[bitmask.view(torch.uint8).long()].view(len(rows), -1)
-        allowed = torch.zeros((len(rows), width), dtype=torch.bool)
         n = min(width, tok.vocab_size)
-        allowed[:, :n] = flags[:, :n]
-        for j, (_i, g) in enumerate(rows):
+        flags = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=n, bitorder="little")
+        row_list = [i for i, _g in rows]
+        disallowed = np.zeros((batch, width), dtype=np.bool_)
+        disallowed[row_list, n:] = True
+        disallowed[row_list, :n] = flags == 0
+        for i, g in rows:
             ids = [t for t in g.eos_ids if 0 <= t < width]
             if g.complete:
-                allowed[j] = False
-                allowed[j, ids] = True
+                disallowed[i] = True
+                disallowed[i, ids] = False
             elif g.accepting():
-                allowed[j, ids] = True
-        row_list = [i for i, _g in rows]
-        return GrammarMask(rows=torch.tensor(row_list, dtype=torch.long, device=device),
-                           allowed=allowed.to(device), row_list=row_list)
+                disallowed[i, ids] = False
+        return GrammarMask(disallowed=torch.from_numpy(disallowed).to(device), row_list=row_list)

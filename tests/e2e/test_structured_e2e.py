@@ -82,7 +82,7 @@ async def test_json_object_and_completions_endpoint(aclient, model_name):
                   extra_body={"response_format": RESPONSE_FORMAT})
         if stream:
             parts: dict[int, str] = {}
-            for chunk in await aclient.completions.create(stream=True, **kw):
+            async for chunk in await aclient.completions.create(stream=True, **kw):
                 for c in chunk.choices:
                     parts[c.index] = parts.get(c.index, "") + c.text
             texts = [parts[i] for i in sorted(parts)]

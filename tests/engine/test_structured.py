@@ -73,8 +73,8 @@ def _walk(compiler, masker, tok, kind, spec, width=151936, pick=0):
     g.start()
     out: list[int] = []
     for _ in range(200):
-        m = masker.mask([(0, g)], width, torch.device("cpu"))
-        allowed = m.allowed[0].nonzero().flatten().tolist()
+        m = masker.mask([(0, g)], 1, width, torch.device("cpu"))
+        allowed = (~m.disallowed[0]).nonzero().flatten().tolist()
         assert allowed and max(allowed) < compiler.tokenizer.vocab_size  # nothing past the tokenizer
         if g.complete:
             assert sorted(allowed) == sorted(EOS_IDS)  # a complete grammar allows only EOS
@@ -99,12 +99,13 @@ def test_after_token_ids_leave_the_start_unconstrained(compiler):
     g = SequenceGrammar(compiler.compile("choice", '["x"]'), [151668], frozenset(EOS_IDS))
     g.future.result(timeout=60)
     g.start()
-    assert masker.mask([(0, g)], 151936, torch.device("cpu")) is None  # inactive: no mask
+    assert masker.mask([(0, g)], 2, 151936, torch.device("cpu")) is None  # inactive: no mask
     g.advance(100)
     assert not g.constraining
     g.advance(151668)  # the start id: constrained from the next token
-    m = masker.mask([(0, g)], 151936, torch.device("cpu"))
-    assert m is not None and m.allowed[0].sum().item() >= 1
+    m = masker.mask([(1, g)], 2, 151936, torch.device("cpu"))
+    assert m is not None and m.row_list == [1] and not m.disallowed[0].any()  # row 0 is not constrained
+    assert 1 <= (~m.disallowed[1]).sum().item() < 100
 
 
 # ----------------------------------------------------------------------------- the engine process
