@@ -44,6 +44,16 @@ variable                           type     default              meaning (unit; 
 ``MM_FETCH_MAX_REDIRECTS``         int      3                    redirects one fetch follows (``media/guard.py``)
 ``MM_FETCH_ALLOW_NETS``            str      unset (``None``)     comma-separated networks image fetches may reach besides
                                                                  public addresses (``media/guard.py:parse_allow_nets``)
+``STRUCTURED_MAX_SPEC_BYTES``      int      65536                bytes of a structured-output constraint (schema, regex,
+                                                                 choices, grammar) (``structured.py``)
+``STRUCTURED_MAX_SCHEMA_DEPTH``    int      32                   nesting levels of a JSON schema (``structured.py``)
+``STRUCTURED_MAX_CHOICES``         int      1024                 entries of ``structured_outputs.choice`` (``structured.py``)
+``STRUCTURED_MAX_GRAMMAR_SIZE``    int      100000               llguidance grammar symbols (``structured.py``)
+``STRUCTURED_MAX_LEXER_STATES``    int      50000                llguidance lexer states per grammar (``structured.py``)
+``STRUCTURED_COMPILE_THREADS``     int      2                    engine threads compiling grammars
+                                                                 (``engine/structured.py``)
+``STRUCTURED_GRAMMAR_CACHE_SIZE``  int      256                  compiled grammars an engine keeps (LRU)
+                                                                 (``engine/structured.py``)
 =================================  =======  ===================  ===========================================================
 """
 
@@ -96,6 +106,13 @@ class InferenceSettings:
     mm_fetch_max_bytes: int = 20 * 1024 * 1024
     mm_fetch_max_redirects: int = 3
     mm_fetch_allow_nets: str | None = None
+    structured_max_spec_bytes: int = 65536
+    structured_max_schema_depth: int = 32
+    structured_max_choices: int = 1024
+    structured_max_grammar_size: int = 100_000
+    structured_max_lexer_states: int = 50_000
+    structured_compile_threads: int = 2
+    structured_grammar_cache_size: int = 256
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> InferenceSettings:

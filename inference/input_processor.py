@@ -19,6 +19,7 @@ from typing import Any
 
 from inference.protocol.engine import EngineCoreRequest, SamplingParams
 from inference.protocol.openai import RequestValidationError
+from inference.structured import constraint_of
 
 
 @dataclass(frozen=True)
@@ -160,12 +161,17 @@ def build_sampling_params(req: Any, *, max_tokens: int, defaults: GenerationDefa
                           constraint: Any = None) -> SamplingParams:
     """Merge request values over model defaults over OpenAI defaults into ``SamplingParams``.
 
-    ``constraint``: an output constraint decided before (``inference.tool_parsers.forced.ToolChoiceConstraint``
-    for ``tool_choice`` required/named: ``kind``, ``spec``, ``after_token_ids``), copied to the structured fields.
+    ``constraint``: the output constraint decided before, copied to the structured fields: the request's
+    ``response_format`` / ``structured_outputs`` validated by the gateway (``inference.structured.Constraint``),
+    or ``inference.tool_parsers.forced.ToolChoiceConstraint`` for ``tool_choice`` required/named (``kind``,
+    ``spec``, ``after_token_ids``).
 
     Order per field (vLLM ``to_sampling_params``): request value → ``generation_config.json`` → OpenAI
     default. Raises ``RequestValidationError`` for ``logit_bias`` / ``stop_token_ids`` ids outside the
     vocabulary and ``min_tokens`` > ``max_tokens``.
+
+    Without ``constraint`` the request's own ``response_format`` / ``structured_outputs`` are mapped unvalidated (``constraint_of``: the engine then
+    refuses a bad one by finishing the request with an error).
     """
     def pick(value: Any, default: Any, fallback: Any) -> Any:
         if value is not None:
@@ -195,6 +201,8 @@ def build_sampling_params(req: Any, *, max_tokens: int, defaults: GenerationDefa
     temperature = float(pick(req.temperature, defaults.temperature, 1.0))
     greedy = temperature < 1e-5
     top_k = int(pick(req.top_k, defaults.top_k, 0))
+    if constraint is None:
+        constraint = constraint_of(req)
     return SamplingParams(
         temperature=0.0 if greedy else temperature,
         top_p=1.0 if greedy else float(pick(req.top_p, defaults.top_p, 1.0)),
@@ -213,8 +221,9 @@ def build_sampling_params(req: Any, *, max_tokens: int, defaults: GenerationDefa
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         vocab_size=vocab_size,
-        **({"structured_kind": constraint.kind, "structured_spec": constraint.spec,
-            "structured_after_token_ids": list(constraint.after_token_ids)} if constraint is not None else {}),
+        structured_kind=constraint.kind if constraint is not None else None,
+        structured_spec=constraint.spec if constraint is not None else "",
+        structured_after_token_ids=list(getattr(constraint, "after_token_ids", ()) or ()),
     )
 
 

@@ -18,6 +18,7 @@ the heartbeat key is deleted.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import signal
@@ -45,6 +46,7 @@ from inference.protocol.engine import (
     EngineCoreRequest,
     unpack_entry,
     EngineStats,
+    STRUCTURED_KINDS,
     control_stream,
     outputs_stream,
     replica_key,
@@ -53,6 +55,7 @@ from inference.protocol.engine import (
 from inference.redis_timeouts import blocking_socket_timeout
 
 from .runner import ModelRunner, RequestError, Sequence, make_rng, now
+from .structured import GrammarCompiler, GrammarMasker, SequenceGrammar
 
 if TYPE_CHECKING:
     import torch
@@ -67,6 +70,7 @@ RECLAIM_IDLE_MS = 2000  # a request entry read but not acknowledged this long be
 RECLAIM_INTERVAL_S = 1.0
 POLL_BLOCK_MS = 100  # an idle replica's XREADGROUP blocks this long; its client waits longer (redis_timeouts.py)
 CONSUMER_FORGET_MS = 60_000  # dead replicas' consumers with nothing pending leave the group after this
+GRAMMAR_WAIT_S = 0.005  # with nothing to run but requests whose grammar compiles, wait this long for one
 
 
 # replies of the engine's Redis connection (bytes mode, RESP2): redis-py's types cover every mode and protocol
@@ -126,6 +130,52 @@ class EngineCore:
         self._pending: dict[str, list[EngineCoreOutput]] = {}
         self._early_aborts: dict[str, float] = {}  # request id -> monotonic time the abort arrived
         self._next_client_check = time.monotonic() + CLIENT_CHECK_INTERVAL_S
+        self._grammars: GrammarCompiler | None = None
+        self._masker: GrammarMasker | None = None
+
+    # ------------------------------------------------------------------ structured outputs
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler (``structured.py``), created on first use (its tokenizer builds in its pool)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.runner.model_dir, list(self.runner.eos_token_ids))
+        return self._grammars
+
+    @property
+    def masker(self) -> GrammarMasker:
+        """The per-step mask builder (``structured.py``)."""
+        if self._masker is None:
+            self._masker = GrammarMasker(self.grammars)
+        return self._masker
+
+    def _grammar_of(self, seq: Sequence) -> SequenceGrammar | None:
+        """Start compiling ``seq``'s constraint (or take it from the cache); None when it has none. Raises
+        ``RequestError`` for an unknown kind."""
+        sp = seq.params
+        if sp.structured_kind is None:
+            return None
+        if sp.structured_kind not in STRUCTURED_KINDS:
+            raise RequestError(f"unknown structured_kind {sp.structured_kind!r}")
+        eos = seq.eos_ids or frozenset(self.runner.eos_token_ids)
+        return SequenceGrammar(self.grammars.compile(sp.structured_kind, sp.structured_spec),
+                               sp.structured_after_token_ids, eos)
+
+    def _load_grammar_tokenizer(self) -> None:
+        """Build the grammar tokenizer before serving: llguidance holds the GIL for part of its ~1-2 s (up to seconds
+        on a loaded machine), which would stall the step loop and the heartbeat if it ran later. A failure is
+        logged; constrained requests then finish with its error."""
+        try:
+            _ = self.grammars.tokenizer
+        except Exception:  # logged; the engine serves unconstrained requests without it
+            log.exception("structured outputs unavailable: the grammar tokenizer did not load")
+
+    def _wait_for_grammars(self) -> None:
+        """With nothing running and every waiting request's grammar still compiling, wait a little for one
+        (instead of spinning on Redis)."""
+        pending = [s.grammar.future for s in self.waiting if s.grammar is not None and not s.grammar.ready()]
+        if self.running or len(pending) != len(self.waiting):
+            return
+        concurrent.futures.wait(pending, timeout=GRAMMAR_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
 
     # ------------------------------------------------------------------ link
     def _setup_link(self) -> None:
@@ -241,6 +291,7 @@ class EngineCore:
             if req.pooling and not hasattr(self.runner, "embed"):
                 raise RequestError("this engine serves a generative model; it cannot compute embeddings")
             self.runner.prepare(seq)
+            seq.grammar = self._grammar_of(seq)
         except RequestError as exc:
             self._emit(req.client_id, EngineCoreOutput(finish_reason=FINISH_ERROR, error=str(exc), **base))
             return
@@ -315,7 +366,9 @@ class EngineCore:
             seq.finish_reason = FINISH_LENGTH
 
     def _apply(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        tokens, lps = self.runner.sample(logits, seqs)
+        constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
+        mask = self.masker.mask(constrained, logits.shape[0], logits.shape[1], logits.device) if constrained else None
+        tokens, lps = self.runner.sample(logits, seqs, mask)
         ts = now()
         for i, (seq, tok) in enumerate(zip(seqs, tokens)):
             seq.output_token_ids.append(tok)
@@ -323,14 +376,27 @@ class EngineCore:
             if first:
                 seq.first_token_ts = ts
             self._check_stop(seq, tok)
+            if seq.grammar is not None:
+                self._advance_grammar(seq, seq.grammar, tok)
             self._emit(seq.request.client_id, EngineCoreOutput(
                 request_id=seq.request_id, new_token_ids=[tok],
                 new_logprobs=[lps[i]] if lps is not None and lps[i] is not None else None,
                 prompt_logprobs=seq.prompt_logprobs if first else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, error=seq.error,
                 num_cached_tokens=seq.num_cached_tokens if first else 0,
                 scheduled_ts=seq.scheduled_ts if first else None,
                 first_token_ts=ts if first else None, engine_id=self.engine_id))
+
+    def _advance_grammar(self, seq: Sequence, grammar: SequenceGrammar, tok: int) -> None:
+        """Feed ``tok`` to ``seq``'s matcher. An EOS the grammar allowed ends the output with ``stop`` even under
+        ``ignore_eos`` or ``min_tokens`` (the structure is complete; nothing else may follow); a refused token
+        (impossible with the mask) finishes the request with an error."""
+        try:
+            if grammar.advance(tok) and seq.finish_reason in (None, FINISH_LENGTH):
+                seq.finish_reason, seq.stop_reason = FINISH_STOP, None
+        except Exception as exc:  # one request's grammar must not stop the engine (logged)
+            log.exception("grammar of %s failed", seq.request_id)
+            seq.finish_reason, seq.error = FINISH_ERROR, f"structured output failed: {exc}"
 
     def _ema(self, old: float, new: float) -> float:
         return new if old == 0 else (1 - EMA_ALPHA) * old + EMA_ALPHA * new
@@ -381,12 +447,25 @@ class EngineCore:
         # 2. prefill newcomers that fit
         group: list[Sequence] = []
         budget = self.max_prefill_tokens
+        compiling: list[Sequence] = []  # requests whose grammar is not compiled yet wait, in order, out of the way
         while self.waiting and len(self.running) + len(group) < self.max_num_seqs:
-            n = len(self.waiting[0].request.prompt_token_ids)
+            head = self.waiting[0]
+            if head.grammar is not None:
+                if not head.grammar.ready():
+                    compiling.append(self.waiting.popleft())
+                    continue
+                try:
+                    head.grammar.start()
+                except Exception as exc:  # noqa: BLE001 - a constraint that does not compile fails its request only
+                    self.waiting.popleft()
+                    self._finish_out(head, FINISH_ERROR, f"structured output constraint {exc}")
+                    continue
+            n = len(head.request.prompt_token_ids)
             if group and n > budget:
                 break
             group.append(self.waiting.popleft())
             budget -= n
+        self.waiting.extendleft(reversed(compiling))
         if group:
             ts = now()
             for s in group:
@@ -416,6 +495,8 @@ class EngineCore:
     def run(self) -> None:
         """Run until ``request_stop`` (SIGTERM/SIGINT); then fail held requests and clear the heartbeat."""
         self._setup_link()
+        if isinstance(self.runner, ModelRunner):
+            self._load_grammar_tokenizer()
         hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         hb.start()
         log.info("engine %s serving %s on %s (max_num_seqs=%d, max_model_len=%d)", self.engine_id,
@@ -430,12 +511,16 @@ class EngineCore:
                     if self.running or self.waiting:
                         self.step()
                     self._flush()
+                    if self.waiting:
+                        self._wait_for_grammars()
                 except redis.RedisError as exc:
                     log.warning("redis error: %s; retrying", exc)
                     self.stop_event.wait(0.5)
         finally:
             self.stop_event.set()
             hb.join(timeout=2)
+            if self._grammars is not None:
+                self._grammars.shutdown()
             for s in list(self.waiting) + self.running:
                 if s.finish_reason is None:
                     self._finish_out(s, FINISH_ABORT, "engine shut down")

@@ -33,6 +33,7 @@ import torch
 from inference.protocol.engine import EngineCoreRequest, SamplingParams
 
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB, ImageSpan, PrefixCache, PrefixEntry, block_hashes
+from .structured import GrammarMask, SequenceGrammar
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -120,6 +121,8 @@ class Sequence:
     # ``stop_token_ids`` / ``eos_token_ids`` as sets, built once: the stop check is a lookup per step
     stop_ids: frozenset[int] = frozenset()
     eos_ids: frozenset[int] = frozenset()
+    # structured outputs (``structured.py``): the request's grammar state, None when unconstrained
+    grammar: SequenceGrammar | None = None
 
     def __post_init__(self) -> None:
         self.stop_ids = frozenset(self.request.sampling_params.stop_token_ids)
@@ -477,12 +480,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ sampling
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[list[Any] | None] | None]:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], grammar: GrammarMask | None = None
+               ) -> tuple[list[int], list[list[Any] | None] | None]:
         """Pick one token per row of ``logits`` ``[B, vocab]`` for ``seqs`` (same order).
 
-        Applies, as vLLM does: logit_bias, min_tokens (EOS/stop masked), repetition / presence /
-        frequency penalties, temperature (0 = greedy), top_k, top_p, min_p. Logprobs (when asked)
-        come from the raw model distribution (vLLM's default ``raw_logprobs``).
+        Applies, as vLLM does: the structured-output mask of ``grammar`` (its rows' disallowed tokens to -inf),
+        logit_bias, min_tokens (EOS/stop masked; not on a row the grammar constrains: the grammar decides where
+        its output ends), repetition / presence / frequency penalties, temperature (0 = greedy), top_k, top_p,
+        min_p. A -inf logit stays -inf under every later step, so the mask may come first. Logprobs (when asked)
+        come from the model's distribution after the grammar mask and before anything else (vLLM's default
+        ``raw_logprobs``; vLLM applies the grammar bitmask to the logits before its sampler).
         Returns (token ids, per-row logprob entries or None) where an entry is
         ``[sampled_logprob, [[id, logprob], ...top-k]]`` or None for rows that did not ask.
         """
@@ -493,6 +500,9 @@ class ModelRunner:
             limit = s.params.vocab_size
             if 0 < limit < min(v, self.sample_vocab):
                 logits[i, limit:] = float("-inf")
+        if grammar is not None:
+            grammar.apply(logits)
+        constrained = set(grammar.row_list) if grammar is not None else set()
         want_lp = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_lp = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
 
@@ -501,7 +511,7 @@ class ModelRunner:
             row = logits[i]
             if s.bias_ids is not None and s.bias_vals is not None:  # set together (``prepare``)
                 row.index_add_(0, s.bias_ids, s.bias_vals)
-            if len(s.output_token_ids) < sp.min_tokens:
+            if len(s.output_token_ids) < sp.min_tokens and i not in constrained:
                 blocked = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(sp.eos_token_ids))
                 blocked = [t for t in blocked if 0 <= t < v]
                 if blocked:

@@ -369,6 +369,63 @@ def check_history_tool_calls(messages: list[ChatMessage]) -> None:
                     f"messages[{i}].tool_calls[{j}].function.arguments")
 
 
+class JsonSchemaFormat(_Base):
+    """``response_format.json_schema`` (OpenAI): ``name`` (1-64 of a-z, A-Z, 0-9, ``_``, ``-``), ``schema`` (a
+    JSON schema object, required here: without one there is nothing to constrain to), ``description`` and
+    ``strict`` (accepted; the schema is always enforced, as with ``strict: true``)."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Base):
+    """``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}`` (any JSON object) or
+    ``{"type": "json_schema", "json_schema": {...}}`` (OpenAI; vLLM's ``structural_tag`` shapes are refused)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_present(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise RequestValidationError("response_format of type 'json_schema' requires 'json_schema'",
+                                         "response_format.json_schema")
+        return self
+
+
+class StructuredOutputs(_Base):
+    """vLLM's ``structured_outputs`` request extension (``StructuredOutputsParams``): exactly one of ``json`` (a JSON
+    schema, as an object or as JSON text), ``regex``, ``choice`` (list of strings), ``grammar`` (Lark or GBNF) and
+    ``json_object`` (true: any JSON object). vLLM's other keys (backend options, ``structural_tag``) are not
+    supported; unknown keys are ignored, as every body's."""
+
+    json_: Any = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [name for name, value in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                          ("grammar", self.grammar), ("json_object", self.json_object))
+                 if value is not None]
+        if len(given) != 1:
+            raise RequestValidationError(
+                "structured_outputs must hold exactly one of 'json', 'regex', 'choice', 'grammar' and "
+                f"'json_object'; got {len(given)}" + (f" ({', '.join(given)})" if given else ""),
+                "structured_outputs")
+        if self.json_ is not None and not isinstance(self.json_, (str, dict)):
+            raise RequestValidationError("structured_outputs.json must be a JSON schema (an object or its JSON "
+                                         "text)", "structured_outputs.json")
+        if self.json_object is False:
+            raise RequestValidationError("structured_outputs.json_object must be true when given",
+                                         "structured_outputs.json_object")
+        return self
+
+
 class _SamplingFields(_Base):
     """Sampling fields shared by chat and completions (OpenAI + vLLM extensions)."""
 
@@ -398,16 +455,10 @@ class _SamplingFields(_Base):
     # within the caller's cache group; it never replaces the tenant salt the gateway adds.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     return_token_ids: bool | None = False
-    response_format: dict[str, Any] | None = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _check_response_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        # Structured outputs are not implemented: refuse rather than return unconstrained text with a 200.
-        if v is not None and v.get("type", "text") != "text":
-            raise ValueError(f"response_format type {v.get('type')!r} is not supported by this server; only "
-                             f"'text' is")
-        return v
+    # Structured outputs (the engine masks the logits to a grammar, ``inference.structured``): OpenAI's
+    # ``response_format`` and vLLM's ``structured_outputs`` request extension; not both.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop")
     @classmethod
@@ -448,6 +499,10 @@ class _SamplingFields(_Base):
 
     @model_validator(mode="after")
     def _check_cross(self) -> _SamplingFields:
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise RequestValidationError("Send either response_format or structured_outputs, not both",
+                                         "structured_outputs")
         if self.stream_options is not None and not self.stream:
             if self.stream_options.include_usage or self.stream_options.continuous_usage_stats:
                 raise RequestValidationError("stream_options can only be set when stream is true",
@@ -672,7 +727,8 @@ class GenerateSamplingParams(_Base):
     """``sampling_params`` of ``POST /inference/v1/generate`` (what the render routes return).
 
     Engine fields (``inference.protocol.engine.SamplingParams``) with the same ranges as the OpenAI fields,
-    plus the frontend-applied ``n``, ``stop``, ``include_stop_str_in_output`` and ``skip_special_tokens``.
+    plus the frontend-applied ``n``, ``stop``, ``include_stop_str_in_output`` and ``skip_special_tokens``, and
+    vLLM's ``structured_outputs`` (as on chat; what the render routes return for a constrained request).
     ``max_tokens`` omitted → the room left in the context.
     """
 
@@ -695,6 +751,7 @@ class GenerateSamplingParams(_Base):
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool | None = False
     skip_special_tokens: bool | None = True
+    structured_outputs: StructuredOutputs | None = None
 
     # the same validators as the sampling fields' (the classmethods' functions, re-registered here)
     _check_stop = field_validator("stop")(_SamplingFields._check_stop.__func__)  # type: ignore[attr-defined]

@@ -43,13 +43,14 @@ class CompletionsConsumer(GatewayConsumer):
             await hold_before_render(self, scope, ctx, model, n=n, exact=ids_prompt,
                                      size=len(req.prompt) if ids_prompt else len(req.prompt.encode()),
                                      max_tokens=req.requested_max_tokens[0])
+            structured = await inputs.structured_constraint(req)
             tokenizer = await rendering.load_tokenizer(model)
             rendering.check_prompt_chars(model, tokenizer, 0 if ids_prompt else len(req.prompt), "prompt")
             prompt_ids, prompt_text = await rendering.prompt_ids_for(model, req)
             processed = inputs.process(
                 req, model, tokenizer, external_id=pre.external_id, prompt_token_ids=prompt_ids,
                 prompt_param="prompt", client_id=link().client_id, arrival_time=arrival, logprobs=req.logprobs,
-                cache_salt=inputs.cache_salt_for(ctx, req.cache_salt),
+                cache_salt=inputs.cache_salt_for(ctx, req.cache_salt), structured=structured,
                 prompt_logprobs=req.logprobs if req.echo else None)
             echo_text = ""
             if req.echo:

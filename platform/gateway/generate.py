@@ -102,6 +102,7 @@ class GenerateConsumer(GatewayConsumer):
                 model = await preamble.resolve_model(ctx, req.model)
                 await hold_before_render(self, scope, ctx, model, n=n, size=len(req.token_ids), exact=True,
                                          max_tokens=sp.max_tokens)
+                structured = await inputs.structured_constraint(_ParamsView(sp), param_prefix="sampling_params.")
                 tokenizer = await rendering.load_tokenizer(model)
                 defaults = GenerationDefaults(eos_token_ids=tuple(sp.eos_token_ids) if sp.eos_token_ids is not None
                                               else generation_defaults(model.model_dir).eos_token_ids)
@@ -109,7 +110,7 @@ class GenerateConsumer(GatewayConsumer):
                     _ParamsView(sp), model, tokenizer, external_id=external_id,
                     prompt_token_ids=list(req.token_ids), prompt_param="token_ids", client_id=link().client_id,
                     arrival_time=arrival, logprobs=sp.logprobs, cache_salt=inputs.cache_salt_for(ctx),
-                    defaults=defaults, param_prefix="sampling_params.")
+                    defaults=defaults, param_prefix="sampling_params.", structured=structured)
                 members = [msgpack.packb([model.served_model_name, r.request_id]) for r in processed.requests]
                 await self._map_for_abort(key, processed, members)
                 run = await admit_and_start(scope, model, tokenizer, processed, stop=sp.stop or [],

@@ -14,6 +14,7 @@ no engine) serves them. Where rendering runs: ``gateway.pipeline.rendering``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from typing import Any
 
@@ -31,10 +32,25 @@ def sampling_params_dict(processed: ProcessedInput, req: ChatCompletionRequest |
     ``skip_special_tokens``): the ``sampling_params`` of a ``GenerateRequest``."""
     params = dataclasses.asdict(processed.requests[0].sampling_params)
     params["logit_bias"] = {str(k): v for k, v in params["logit_bias"].items()}
+    # the engine's flattened constraint in vLLM's shape (``SamplingParams.structured_outputs``)
+    kind, spec = params.pop("structured_kind"), params.pop("structured_spec")
+    params.pop("structured_after_token_ids")
+    if kind is not None:
+        params["structured_outputs"] = structured_outputs_dict(kind, spec)
     params.update(n=req.n or 1, stop=list(req.stop or []),
                   include_stop_str_in_output=bool(req.include_stop_str_in_output),
                   skip_special_tokens=req.skip_special_tokens is not False)
     return params
+
+
+def structured_outputs_dict(kind: str, spec: str) -> dict[str, Any]:
+    """vLLM's ``structured_outputs`` for the engine's ``(structured_kind, structured_spec)``: what
+    ``/inference/v1/generate`` takes back."""
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "choice":
+        return {"choice": json.loads(spec)}
+    return {kind: spec}
 
 
 def _tokens_in_request(processed: ProcessedInput, req: ChatCompletionRequest | CompletionRequest,
@@ -72,9 +88,10 @@ class CompletionRenderConsumer(GatewayConsumer):
             tokenizer = await rendering.load_tokenizer(model)
             rendering.check_prompt_chars(model, tokenizer, len(req.prompt) if isinstance(req.prompt, str) else 0,
                                          "prompt")
+            structured = await inputs.structured_constraint(req)
             prompt_ids, _ = await rendering.prompt_ids_for(model, req)
             processed = inputs.process(
                 req, model, tokenizer, external_id="cmpl-" + base_id, prompt_token_ids=prompt_ids,
                 prompt_param="prompt", client_id="", arrival_time=time.time(), logprobs=req.logprobs,
-                cache_salt=inputs.cache_salt_for(ctx, req.cache_salt))
+                cache_salt=inputs.cache_salt_for(ctx, req.cache_salt), structured=structured)
             await self.send_json(200, [_tokens_in_request(processed, req, model, processed.external_id + "-0")])

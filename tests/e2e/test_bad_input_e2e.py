@@ -220,7 +220,7 @@ def test_prompt_that_cannot_fit_is_refused_before_rendering(live, model_name):
 def test_unsupported_features_are_refused_not_ignored(live, model_name):
     assert_envelope(post(live, "/v1/chat/completions", {"model": model_name, "messages": MSGS,
                                                         "response_format": {"type": "json_schema"}}), 400,
-                    param="response_format")
+                    param="response_format.json_schema")
     assert post(live, "/v1/chat/completions", {"model": model_name, "messages": MSGS, "max_tokens": 1,
                                                "response_format": {"type": "text"}}).status_code == 200
     assert_envelope(post(live, "/v1/completions", {"model": model_name, "prompt": "a", "suffix": "b"}), 400,

@@ -49,10 +49,12 @@ async def admit_and_start(scope: RequestScope, model: ModelSnapshot, tokenizer: 
 async def render_chat_input(ctx: AuthContext, model: ModelSnapshot, req: ChatCompletionRequest, *, external_id: str,
                             client_id: str, arrival_time: float) -> tuple[LoadedTokenizer, dict[str, Any],
                                                                           ProcessedInput]:
-    """Steps 5-6 of a chat request: load the tokenizer, bound the prompt characters, render the messages (with
-    their images) and process the result (with the request's output parsing, ``processed.chat_output``, and the
-    ``tool_choice`` constraint). Returns ``(tokenizer, rendered, processed)``; ``rendered`` is the
+    """Steps 5-6 of a chat request: validate its structured-output constraint (400), load the tokenizer, bound
+    the prompt characters, render the messages (with their images) and process the result (with the request's
+    output parsing, ``processed.chat_output``, and the ``tool_choice`` constraint). Returns
+    ``(tokenizer, rendered, processed)``; ``rendered`` is the
     render task's dict (``prompt_token_ids``, media keys). Raises ``ApiError`` (400 naming the field, 503)."""
+    structured = await inputs.structured_constraint(req)
     tokenizer = await rendering.load_tokenizer(model)
     rendering.check_prompt_chars(model, tokenizer, rendering.message_chars(req.messages), "messages")
     salt = inputs.cache_salt_for(ctx, req.cache_salt)
@@ -62,6 +64,6 @@ async def render_chat_input(ctx: AuthContext, model: ModelSnapshot, req: ChatCom
     processed = inputs.process(
         req, model, tokenizer, external_id=external_id, prompt_token_ids=prompt_ids,
         prompt_param="messages", client_id=client_id, arrival_time=arrival_time,
-        logprobs=(req.top_logprobs or 0) if req.logprobs else None, cache_salt=salt,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None, cache_salt=salt, structured=structured,
         chat_output=inputs.chat_output_spec(req, model, tokenizer, prompt_ids))
     return tokenizer, rendered, processed

@@ -1,10 +1,13 @@
 """Step 6 (DESIGN.md §2 step 6): input processing. The prompt ids and the validated request become ``n``
 ``EngineCoreRequest`` s (``inference.input_processor.process_inputs``: lengths vs ``max_model_len``, ids in the
-vocabulary, sampling parameters, seeds ``seed + i``), with the caller's prefix-cache salt."""
+vocabulary, sampling parameters, seeds ``seed + i``), with the caller's prefix-cache salt and its validated
+structured-output constraint (``structured_constraint``, before the render)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+from dataclasses import replace
 
 from typing import Any
 
@@ -21,7 +24,8 @@ from inference.input_processor import (
 from inference.chat_output import ChatOutputSpec, resolve_parser_name
 from inference.protocol.openai import RequestValidationError
 from inference.renderer.tokenizer_cache import LoadedTokenizer
-from inference.tool_parsers.forced import tool_choice_constraint
+from inference.tool_parsers.forced import ToolChoiceConstraint, tool_choice_constraint
+from inference.structured import Constraint, resolve
 
 
 def cache_salt_for(ctx: AuthContext, request_salt: str | None = None) -> str:
@@ -50,20 +54,49 @@ def eos_ids_of(tokenizer: LoadedTokenizer) -> list[int]:
     return [eos] if isinstance(eos, int) else []
 
 
+async def structured_constraint(req: Any, param_prefix: str = "") -> Constraint | None:
+    """The request's structured-output constraint (``response_format`` / ``structured_outputs``), validated by
+    llguidance in a worker thread (``inference.structured.resolve``: serialising and validating a schema takes
+    up to milliseconds; results are cached by hash, so a repeated schema costs a lookup). ``None`` without one.
+    ``ApiError`` 400 naming the field (``response_format.json_schema.schema``, ``structured_outputs.regex``, ...)
+    for a constraint the library refuses or one over a cap (``param_prefix`` before it, see ``api_error_from``)."""
+    if constraint_of_fields_absent(req):
+        return None
+    try:
+        return await asyncio.to_thread(resolve, req)
+    except RequestValidationError as exc:
+        raise api_error_from(exc, param_prefix=param_prefix) from None
+
+
+def constraint_of_fields_absent(req: Any) -> bool:
+    """True when ``req`` asks for no constraint (no ``structured_outputs``; ``response_format`` absent or text):
+    the common case skips the thread hop."""
+    rf = getattr(req, "response_format", None)
+    return getattr(req, "structured_outputs", None) is None and (rf is None or rf.type == "text")
+
+
 def process(req: Any, model: ModelSnapshot, tokenizer: LoadedTokenizer, *, external_id: str, prompt_token_ids: list[int],
             prompt_param: str, client_id: str, arrival_time: float | None, logprobs: int | None, cache_salt: str,
             defaults: GenerationDefaults | None = None, param_prefix: str = "",
-            prompt_logprobs: int | None = None, chat_output: ChatOutputSpec | None = None) -> ProcessedInput:
+            prompt_logprobs: int | None = None, structured: Constraint | None = None,
+            chat_output: ChatOutputSpec | None = None) -> ProcessedInput:
     """``process_inputs`` for ``req`` on ``model`` (its ``generation_config.json`` defaults unless ``defaults``
     is given); ``ApiError`` 400 naming the field (``param_prefix`` before it, see ``api_error_from``).
-    ``chat_output`` (a chat request's output parsing) adds the ``tool_choice`` constraint (required/named) and
-    is kept on the result for the response."""
+    ``structured``: the constraint ``structured_constraint`` validated (a request that asks for one and comes
+    without it is refused here rather than sent unvalidated). ``chat_output`` (a chat request's output parsing)
+    adds the ``tool_choice`` constraint (required/named), makes a thinking model's constraint start after its
+    reasoning, and is kept on the result for the response."""
+    if structured is None and not constraint_of_fields_absent(req):
+        raise RuntimeError("a request with a structured-output constraint reached input processing unvalidated "
+                           "(await structured_constraint first)")
     try:
-        constraint = None
+        constraint: Constraint | ToolChoiceConstraint | None = structured
         if chat_output is not None:
             reasoning = chat_output.reasoning()
-            constraint = tool_choice_constraint(
-                req, reasoning_end_ids=reasoning.end_token_ids if reasoning is not None else [])
+            end_ids = list(reasoning.end_token_ids) if reasoning is not None else []
+            constraint = tool_choice_constraint(req, reasoning_end_ids=end_ids)
+            if constraint is None and structured is not None:  # response_format / structured_outputs
+                constraint = replace(structured, after_token_ids=tuple(end_ids))
         processed = process_inputs(
             req, external_id=external_id, prompt_token_ids=prompt_token_ids, prompt_param=prompt_param,
             max_model_len=model.max_model_len, vocab_size=vocab_size_of(tokenizer, model),
