@@ -16,6 +16,7 @@ per-step token mask (issue 16; the request side and the grammar text: ``inferenc
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import threading
 from collections import OrderedDict
@@ -47,8 +48,30 @@ def load_tokenizer(model_dir: str | Path, eos_token_ids: list[int]) -> tuple[llg
     if not path.is_file():
         raise StructuredSpecError(f"cannot be applied: the model directory has no tokenizer.json ({path})")
     data = path.read_bytes()
-    tok = llguidance.LLTokenizer(data.decode("utf-8"), eos_token=list(eos_token_ids) or None)
+    text = data.decode("utf-8")
+    base = llguidance.LLTokenizer(text, eos_token=list(eos_token_ids) or None)
+    special = sorted(int(t["id"]) for t in json.loads(text).get("added_tokens", []) if t.get("special"))
+    tok = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TextAddedTokens(base, special, eos_token_ids)),
+                                 eos_token=list(eos_token_ids) or None)
     return tok, hashlib.sha256(data).hexdigest()
+
+
+class _TextAddedTokens:
+    """The token table llguidance builds on (its ``TokenizerWrapper`` protocol), from ``base`` (the tokenizer.json
+    one) with one change: an added token that is not ``special`` (Qwen3's ``<think>``, ``<tool_call>``) is the
+    text it decodes to, as the detokenizer shows it, instead of a special token. llguidance marks every added
+    token special, yet its forced-bytes path offered ``<think>`` (151667) for a grammar's ``<think>`` text and
+    its parser then refused it (the request failed); a real model writes these markers as those single tokens."""
+
+    def __init__(self, base: llguidance.LLTokenizer, special_ids: list[int], eos_token_ids: list[int]):
+        self._base = base
+        self.tokens = [base.decode_bytes([i]) for i in range(base.vocab_size)]
+        self.special_token_ids = special_ids
+        self.eos_token_id = eos_token_ids[0] if eos_token_ids else base.eos_token
+        self.bos_token_id = None
+
+    def __call__(self, data: bytes) -> list[int]:
+        return self._base.tokenize_bytes(data)
 
 
 class GrammarCompiler:

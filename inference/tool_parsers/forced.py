@@ -39,11 +39,13 @@ def forced_tool_name(tool_choice: Any) -> str | None:
 
 def tool_choice_schema(tools: list[Any], tool_choice: Any, parallel_tool_calls: bool) -> dict[str, Any] | None:
     """The JSON schema that forces ``tool_choice`` (module docstring), ``None`` for ``"auto"``/``"none"``/absent.
+    Unlike vLLM's, a call object admits no keys beyond ``name`` and ``parameters`` (JSON Schema allows extra keys by
+    default: a model could then write an endless made-up key, which no client reads as a call).
     ``tools``: the request's validated ``ChatTool`` s (``check_tools`` already ensured a named tool exists)."""
     if tool_choice == "required":
         items = [{"properties": {"name": {"type": "string", "enum": [t.function.name]},
                                  "parameters": _parameters(t)},
-                  "required": ["name", "parameters"]} for t in tools]
+                  "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
         if not parallel_tool_calls:
             schema["maxItems"] = 1

@@ -94,6 +94,18 @@ def test_mask_walks_only_valid_outputs(compiler, tok):
         jsonschema.validate(json.loads(_walk(compiler, masker, tok, "json", json.dumps(SCHEMA), pick=pick)), SCHEMA)
 
 
+def test_markup_tokens_that_are_text_walk_as_text(compiler, tok):
+    """Qwen3's ``<think>`` / ``<tool_call>`` are added tokens that are not special: a grammar's text may be written
+    with them (one token each, as a real model writes them), and the matcher accepts what the mask offered
+    (llguidance alone marks them special, offered ``<think>`` for the text and then refused it)."""
+    masker = GrammarMasker(compiler)
+    for pick in (0, -1):
+        assert _walk(compiler, masker, tok, "regex", "<think>\nab</think>", pick=pick) == "<think>\nab</think>"
+        assert _walk(compiler, masker, tok, "regex", "x<tool_call>y", pick=pick) == "x<tool_call>y"
+    special = compiler.tokenizer.is_special_token
+    assert special(EOS_IDS[0]) and not special(tok.token_to_id("<think>"))
+
+
 def test_after_token_ids_leave_the_start_unconstrained(compiler):
     masker = GrammarMasker(compiler)
     g = SequenceGrammar(compiler.compile("choice", '["x"]'), [151668], frozenset(EOS_IDS))

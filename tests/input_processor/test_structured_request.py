@@ -45,7 +45,7 @@ def test_accepted_forms_map_to_sampling_params(body, kind, spec, schema):
     req = validate_request(schema, {"model": "m", "messages": MSGS, "prompt": "x", **body})
     constraint = structured.resolve(req)
     out = process_inputs(req, external_id="x", prompt_token_ids=[1, 2], prompt_param="prompt", max_model_len=64,
-                         vocab_size=1000, defaults=GenerationDefaults(), client_id="c", structured=constraint)
+                         vocab_size=1000, defaults=GenerationDefaults(), client_id="c", constraint=constraint)
     sp = out.requests[0].sampling_params
     assert (sp.structured_kind, sp.structured_spec) == (kind, spec)
 
@@ -108,7 +108,7 @@ def test_constraint_survives_the_wire_single_and_grouped():
     req = chat(n=3, seed=5, structured_outputs={"choice": ["a", "b"]})
     processed = process_inputs(req, external_id="x", prompt_token_ids=[1, 2, 3], prompt_param="messages",
                                max_model_len=64, vocab_size=1000, defaults=GenerationDefaults(), client_id="c",
-                               structured=structured.resolve(req))
+                               constraint=structured.resolve(req))
     for r in processed.requests:
         r.sampling_params.structured_after_token_ids = [7, 8]  # (shared by the children, as a reasoning parser sets)
     entries = pack_requests(processed.requests)
