@@ -4,12 +4,18 @@ A CPU engine that takes every core (torch's default) leaves the api process only
 engines on two cores a 503 took ~0.5 s. So serve gives each CPU engine ``engine_threads`` torch intra-op threads,
 the cores left after the frontend's share split evenly among the engines (vLLM's CPU guide likewise reserves
 cores for the serving frontend), and starts every engine at a lower CPU priority (``nice``), so that when the
-cores are oversubscribed anyway (more engines than cores) the api's event loop is scheduled first.
+cores are oversubscribed anyway (more engines than cores) the api's event loop is scheduled first. Background
+work (usage writes, beat, image preprocessing) runs at ``BACKGROUND_NICE`` too; the api processes, the render
+worker (on every request's path) and Redis keep the default priority.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# niceness of the processes whose work may lag under load without a client waiting on it: the usage writer, beat,
+# and image preprocessing (the mm worker: image chats wait on it, text never does)
+BACKGROUND_NICE = 10
 
 
 @dataclass(frozen=True)

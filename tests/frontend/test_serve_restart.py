@@ -1,8 +1,8 @@
 """``manage.py serve`` brings a killed api process back (issue 17): ``kill -9`` of the api while it streams; the
 stream's client sees its connection closed, serve starts a new api on the same port that serves within a bound,
 every other process keeps running (same pids), the dead api's admission reservation is reaped, the engine aborts
-its generation, and its key-limit concurrency slot expires. Also checks the default layout serve chose for the
-engine (torch threads from ops/layout.py, nice 10)."""
+its generation, and its key-limit concurrency slot expires. Also checks the default layout serve chose (torch threads
+from ops/layout.py; engines and background workers at nice 10, the api, render worker and Redis not)."""
 
 from __future__ import annotations
 
@@ -72,6 +72,10 @@ def test_serve_restarts_a_killed_api_on_its_port_and_nothing_else_stops(tmp_path
         assert f"--num-threads {want} " in cmdline(engine) + " ", cmdline(engine)
         assert _nice(engine) == min(19, os.nice(0) + 10)
         assert _nice(api) == os.nice(0)
+        # background work niced too; the render worker (every request's path) and Redis are not
+        for pid, cmd in others.items():
+            background = any(m in cmd for m in ("-Q usage", "-Q mm", "config beat"))
+            assert _nice(pid) == (min(19, os.nice(0) + 10) if background or "inference.engine" in cmd else os.nice(0)), cmd
         assert any(ln.startswith(f"engines: 1, each at nice 10; CPU engines {want} torch thread") for ln in banner)
 
         limited = _limited_key(env)

@@ -14,7 +14,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from ops.bootstrap import demo_bootstrap, embedded_redis_config_write, private_tree, redacted_url
-from ops.layout import EngineLayout, engine_layout
+from ops.layout import BACKGROUND_NICE, EngineLayout, engine_layout
 from ops.supervisor import (RestartPolicy, Supervisor, http_ok, parse_cpu_list, python, redis_ping,
                             unix_socket_accepts, wait_until)
 from inference.protocol.engine import replicas_index_key
@@ -129,14 +129,14 @@ class Command(BaseCommand):
         # holds one of the render slots that every request's template and tokenization wait for
         sup.start("worker-usage", [py, "-m", "celery", "-A", "config", "worker", "-Q", "usage", "-c", "1",
                                    "--pool", "prefork", "-n", "usage@%h", "--without-gossip", "--without-mingle",
-                                   "-l", "WARNING"], cpus=back_cpus)
+                                   "-l", "WARNING"], cpus=back_cpus, nice=BACKGROUND_NICE)
         # images are preprocessed on their own queue, one at a time per worker, so text never waits on them
         # niced: image preprocessing yields the CPU to text requests sharing this machine
-        sup.start("worker-mm", ["nice", "-n", "10", py, "-m", "celery", "-A", "config", "worker", "-Q", "mm", "-c", "1",
+        sup.start("worker-mm", [py, "-m", "celery", "-A", "config", "worker", "-Q", "mm", "-c", "1",
                                 "--pool", "prefork", "-n", "mm@%h", "--without-gossip", "--without-mingle",
-                                "-l", "WARNING"], cpus=back_cpus)
+                                "-l", "WARNING"], cpus=back_cpus, nice=BACKGROUND_NICE)
         sup.start("beat", [py, "-m", "celery", "-A", "config", "beat", "-l", "WARNING",
-                           "--schedule", str(var_dir / "celerybeat-schedule")], cpus=back_cpus)
+                           "--schedule", str(var_dir / "celerybeat-schedule")], cpus=back_cpus, nice=BACKGROUND_NICE)
         models = [] if opts["no_engine"] else [m for m in served_models_enabled() if m.task in ("generate", "embed")]
         layout = _engine_layout(opts, models, front_cpus, back_cpus)
         if models:
