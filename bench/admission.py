@@ -216,7 +216,10 @@ def serve_layout(args) -> int:
             print("\n".join(_engines(proc.pid)))
             base = f"http://127.0.0.1:{port}"
             asyncio.run(bursts(base, key, 1, args.streams, args.max_tokens))  # warm-up, not counted
+            load_before = os.getloadavg()[0]
             results = asyncio.run(bursts(base, key, args.bursts, args.streams, args.max_tokens))
+            print(f"machine load (1 min average, all users): {load_before:.1f} before the bursts, "
+                  f"{os.getloadavg()[0]:.1f} after")
         finally:
             stop_serve(proc)
     refused = [lat for burst in results for status, lat in burst if status == 503]
