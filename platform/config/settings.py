@@ -64,6 +64,12 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
 ``ADMISSION_REPUBLISH_S``   seconds between beat's republishing of every model's admission limits to Redis
                             (admission/apps.py), so a flushed Redis recovers by itself. Default 10.
 ``PORT``                    default ``--port`` of ``manage.py serve``. Default 8000.
+``SERVE_ENGINE_THREADS``    default ``--engine-threads`` of ``manage.py serve``: torch threads per CPU engine;
+                            0 = automatic, the cores left after ``SERVE_FRONTEND_RESERVED_CORES`` split evenly
+                            among the CPU engines, at least 1 (ops/layout.py). Default 0.
+``SERVE_ENGINE_NICE``       default ``--engine-nice``: niceness serve starts engines with (0..19). Default 10.
+``SERVE_FRONTEND_RESERVED_CORES``  default ``--frontend-reserved-cores``: cores the automatic engine threads leave
+                            to the api processes, workers and Redis (at most all but one). Default 1.
 ``OPERATOR_PASSWORD``       password of the ``operator`` account ``manage.py serve --demo`` creates (ops/bootstrap.py).
                             Default: random (stored in ``var/operator_password``).
 ``MAX_API_KEYS_PER_TENANT``  most active (not revoked, not expired) API keys a tenant may hold; creating or
@@ -363,6 +369,9 @@ LIMITS_SETTLED_MARKER_TTL_S = float(_env_first("LIMITS_SETTLED_MARKER_TTL_S", de
 ADMISSION_REPUBLISH_S = float(_env_first("ADMISSION_REPUBLISH_S", default="10"))
 OPERATOR_PASSWORD = _env_first("OPERATOR_PASSWORD")
 SERVE_PORT = int(_env_first("PORT", default="8000"))
+SERVE_ENGINE_THREADS = int(_env_first("SERVE_ENGINE_THREADS", default="0"))
+SERVE_ENGINE_NICE = int(_env_first("SERVE_ENGINE_NICE", default="10"))
+SERVE_FRONTEND_RESERVED_CORES = int(_env_first("SERVE_FRONTEND_RESERVED_CORES", default="1"))
 
 # --- TLS deployments, cookies, login throttling, admin second factor, body size --------------
 SESSION_COOKIE_HTTPONLY = True

@@ -1,9 +1,10 @@
 """Start, watch and stop the platform's processes on one machine (DESIGN.md §1).
 
 ``Supervisor`` launches children (embedded Redis, Celery worker and beat, engine replicas, uvicorn) in
-their own process groups, waits for each to become ready, and on Ctrl-C / SIGTERM stops them in reverse
-order (SIGTERM, then SIGKILL after a grace period). If any child exits on its own, everything stops with
-an error, so a half-running platform is never left behind.
+their own process groups, each optionally pinned to CPUs and at a lower CPU priority, restarts one in its
+place on request, and on Ctrl-C / SIGTERM stops them in reverse order (SIGTERM, then SIGKILL after a grace
+period). Which children are restarted and how often is the caller's policy (``RestartPolicy``; ``manage.py
+serve`` restarts every child but Redis, and stops everything when one keeps crashing).
 """
 
 from __future__ import annotations
@@ -19,6 +20,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+GROUP_EXIT_WAIT_S = 5.0  # how long a restart waits for the old process group to be gone
+
+
+def group_wait_gone(pgid: int, timeout_s: float) -> bool:
+    """Wait until no process is left in process group ``pgid`` (polling every 20 ms); False after ``timeout_s``
+    (e.g. a member that is a zombie nobody reaps)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+
+
 @dataclass
 class Child:
     """One supervised process."""
@@ -29,6 +49,20 @@ class Child:
     log_path: Path | None = None
     env_extra: dict[str, str] = field(default_factory=dict)
     cpus: frozenset[int] | None = None
+    nice: int = 0
+
+
+def _child_setup(cpus: frozenset[int] | None, nice: int):
+    """The ``preexec_fn`` that pins the child to ``cpus`` and lowers its priority by ``nice``, or ``None``."""
+    if not cpus and not nice:
+        return None
+
+    def setup() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        if nice:
+            os.nice(nice)
+    return setup
 
 
 @dataclass
@@ -57,18 +91,21 @@ class Supervisor:
     children: list[Child] = field(default_factory=list)
 
     def start(self, name: str, argv: list[str], *, stdout_to_console: bool = False,
-              env_extra: dict[str, str] | None = None, cpus: frozenset[int] | None = None) -> Child:
+              env_extra: dict[str, str] | None = None, cpus: frozenset[int] | None = None,
+              nice: int = 0) -> Child:
         """Start ``argv`` as child ``name``; output goes to ``log_dir/<name>.log`` (or the console).
         ``env_extra``: variables added to ``env`` for this child only. ``cpus``: CPU numbers the child (and every
-        thread and process it starts) may run on, set before it executes anything (``sched_setaffinity``)."""
+        thread and process it starts) may run on, set before it executes anything (``sched_setaffinity``).
+        ``nice``: niceness added to the child's (``os.nice``, inherited by its threads and processes; 0..19)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         child = Child(name=name, argv=argv, log_path=self.log_dir / f"{name}.log", env_extra=dict(env_extra or {}),
-                      cpus=cpus)
+                      cpus=cpus, nice=nice)
         out = None if stdout_to_console else open(child.log_path, "ab")
-        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         child.proc = subprocess.Popen(argv, env={**self.env, **child.env_extra}, stdout=out,
                                       stderr=subprocess.STDOUT if out else None, stdin=subprocess.DEVNULL,
-                                      start_new_session=True, preexec_fn=pin)
+                                      start_new_session=True, preexec_fn=_child_setup(cpus, nice))
+        if out is not None:
+            out.close()  # the child holds its own copy
         self.children.append(child)
         return child
 
@@ -81,10 +118,14 @@ class Supervisor:
 
     def restart(self, child: Child) -> Child:
         """Start ``child``'s command again in its place (same name, same log file), after killing what is left of
-        the old one's process group (workers its leader started outlive a leader killed with SIGKILL)."""
+        the old one's process group (workers its leader started outlive a leader killed with SIGKILL) and waiting,
+        at most ``GROUP_EXIT_WAIT_S``, for them to be gone: an api's uvicorn workers hold its listening socket, and
+        the new api could not bind the port while they do."""
         self.kill_group(child)
+        if child.proc is not None:
+            group_wait_gone(child.proc.pid, GROUP_EXIT_WAIT_S)
         self.children.remove(child)
-        return self.start(child.name, child.argv, env_extra=child.env_extra, cpus=child.cpus)
+        return self.start(child.name, child.argv, env_extra=child.env_extra, cpus=child.cpus, nice=child.nice)
 
     @staticmethod
     def kill_group(child: Child) -> None:

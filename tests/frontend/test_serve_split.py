@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import httpx
@@ -22,19 +21,10 @@ from ops.supervisor import parse_cpu_list
 from tests.live_platform import REPO, ensure_demo_assets, free_port, wait_until
 from tests.multimodal.imgs import data_url, image_bytes
 from tests.support.redis import delete_prefix
-from tests.support.serve import banner_key, serve_banner, stop_serve
+from tests.support.serve import banner_key, child_pids, cmdline, serve_banner, serve_env, serve_redis_url, stop_serve
 
 IMAGE_BODY = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": [
     {"type": "image_url", "image_url": {"url": data_url(image_bytes(seed=3))}}]}]}
-
-
-def _serve_env(tmp: Path) -> dict:
-    env = dict(os.environ, LLMP_VAR_DIR=str(tmp), LINK_PREFIX=f"sv{uuid.uuid4().hex[:8]}", LOG_LEVEL="WARNING",
-               PYTHONPATH=os.pathsep.join([str(REPO / "platform"), str(REPO)]))
-    env.pop("DATABASE_URL", None)  # SQLite in tmp: the README's default
-    if not env.get("REDIS_URL"):
-        env["EMBEDDED_REDIS_PORT"] = str(free_port())
-    return env
 
 
 def _cpus(pid: int) -> frozenset[int]:
@@ -42,31 +32,19 @@ def _cpus(pid: int) -> frozenset[int]:
     return parse_cpu_list(re.search(r"Cpus_allowed_list:\s*(\S+)", text).group(1))
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
 def _descendants(pid: int) -> list[int]:
     found, todo = [], [pid]
     while todo:
-        kids = _children(todo.pop())
+        kids = child_pids(todo.pop())
         found += kids
         todo += kids
     return found
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except FileNotFoundError:
-        return ""
-
-
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--frontend-cores needs at least two usable CPUs")
 def test_serve_pins_the_front_api_and_hands_images_to_the_multimodal_api(tmp_path):
     ensure_demo_assets()
-    env = _serve_env(tmp_path)
+    env = serve_env(tmp_path)
     port = free_port()
     front_core = min(os.sched_getaffinity(0))
     proc = subprocess.Popen([sys.executable, str(REPO / "manage.py"), "serve", "--demo", "--no-engine", "--port",
@@ -74,10 +52,8 @@ def test_serve_pins_the_front_api_and_hands_images_to_the_multimodal_api(tmp_pat
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         key = banner_key(serve_banner(proc.stdout, 180))
-        # the banner hides the embedded Redis's password: it is in var/redis_password
-        redis_url = env.get("REDIS_URL") or (f"redis://:{(tmp_path / 'redis_password').read_text().strip()}"
-                                             f"@127.0.0.1:{env['EMBEDDED_REDIS_PORT']}/0")
-        procs = {pid: _cmdline(pid) for pid in _descendants(proc.pid)}
+        redis_url = serve_redis_url(env, tmp_path)
+        procs = {pid: cmdline(pid) for pid in _descendants(proc.pid)}
         fronts = [p for p, c in procs.items() if "uvicorn" in c and "--port" in c]
         mm_apis = [p for p, c in procs.items() if "ops.mm_api" in c]
         assert fronts and mm_apis, procs
@@ -119,21 +95,21 @@ def test_serve_pins_the_front_api_and_hands_images_to_the_multimodal_api(tmp_pat
                 return counts().get("forwarded", 0) == before + 1
 
             wait_until(handed_over_again, 60, "the restarted multimodal api")
-            new_mm = [p for p in _descendants(proc.pid) if "ops.mm_api" in _cmdline(p)]
+            new_mm = [p for p in _descendants(proc.pid) if "ops.mm_api" in cmdline(p)]
             assert new_mm and new_mm[0] != mm_apis[0] and _cpus(new_mm[0]) == back
 
             # a multimodal api that keeps crashing uses up its restart budget (5 a minute): serve sets it aside
             # and goes on, the front serving image requests itself; text is never affected
             sock = Path(env["LLMP_VAR_DIR"]) / "run" / "mm-api.sock"
             for _ in range(5):
-                wait_until(lambda: [p for p in _descendants(proc.pid) if "ops.mm_api" in _cmdline(p)]
+                wait_until(lambda: [p for p in _descendants(proc.pid) if "ops.mm_api" in cmdline(p)]
                            and sock.exists(), 60, "a multimodal api")
-                pid = next(p for p in _descendants(proc.pid) if "ops.mm_api" in _cmdline(p))
+                pid = next(p for p in _descendants(proc.pid) if "ops.mm_api" in cmdline(p))
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
                 wait_until(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), 10, "the multimodal api to be reaped")
             time.sleep(1.5)
             assert proc.poll() is None, "serve stopped"
-            assert not [p for p in _descendants(proc.pid) if "ops.mm_api" in _cmdline(p)]
+            assert not [p for p in _descendants(proc.pid) if "ops.mm_api" in cmdline(p)]
             resp = http.post("/v1/chat/completions", json=IMAGE_BODY)
             assert resp.status_code == 400 and resp.json()["error"]["code"] == "images_not_supported", resp.text
             tok = http.post("/tokenize", json={"model": "tiny-qwen3", "prompt": "hello"})
@@ -149,7 +125,7 @@ def test_serve_pins_the_front_api_and_hands_images_to_the_multimodal_api(tmp_pat
                                            (",".join(map(str, sorted(os.sched_getaffinity(0)))), "leaves no CPU")])
 def test_serve_refuses_a_bad_frontend_cores_value(tmp_path, value, message):
     out = subprocess.run([sys.executable, str(REPO / "manage.py"), "serve", "--no-engine", "--frontend-cores", value],
-                         env=_serve_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=60)
+                         env=serve_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and message in out.stderr, out.stderr
     assert not (tmp_path / "log").exists()  # refused before any process started
 

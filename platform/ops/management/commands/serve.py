@@ -14,6 +14,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from ops.bootstrap import demo_bootstrap, embedded_redis_config_write, private_tree, redacted_url
+from ops.layout import BACKGROUND_NICE, EngineLayout, engine_layout
 from ops.supervisor import (RestartPolicy, Supervisor, http_ok, parse_cpu_list, python, redis_ping,
                             unix_socket_accepts, wait_until)
 from inference.protocol.engine import replicas_index_key
@@ -51,6 +52,16 @@ class Command(BaseCommand):
                             help="CPU list (e.g. 0 or 0-1) for the front api processes alone; every other process "
                                  "(engines, workers, Redis, the multimodal api) runs on the remaining cores. "
                                  "Default: no pinning")
+        parser.add_argument("--engine-threads", type=int, default=settings.SERVE_ENGINE_THREADS,
+                            help="torch threads per CPU engine; 0 (default, SERVE_ENGINE_THREADS): the cores left "
+                                 "after --frontend-reserved-cores split evenly among the CPU engines, at least 1")
+        parser.add_argument("--engine-nice", type=int, default=settings.SERVE_ENGINE_NICE,
+                            help="niceness (0..19) the engines run at, so that the api's event loop is scheduled "
+                                 "first when the cores are busy (default 10, SERVE_ENGINE_NICE)")
+        parser.add_argument("--frontend-reserved-cores", type=int, default=settings.SERVE_FRONTEND_RESERVED_CORES,
+                            help="cores the automatic --engine-threads leaves to the api processes, workers and "
+                                 "Redis (default 1, SERVE_FRONTEND_RESERVED_CORES; 0 with --frontend-cores, whose "
+                                 "cores are the frontend's already)")
         parser.add_argument("--render-concurrency", type=int, default=2, help="Celery prefork children")
         parser.add_argument("--no-engine", action="store_true", help="render-only deployment (no engines)")
         parser.add_argument("--demo", action="store_true",
@@ -89,6 +100,7 @@ class Command(BaseCommand):
 
     def _run(self, sup: Supervisor, env: dict, var_dir: Path, opts: dict, stop: dict) -> None:
         front_cpus, back_cpus = _core_split(opts["frontend_cores"])
+        _engine_layout(opts, [], front_cpus, back_cpus)  # bad layout options: refused before anything starts
         redis_url = settings.REDIS_URL
         if settings.REDIS_EMBEDDED:
             # options, password included, in a 0600 file: a command line is world-readable (ps, /proc/PID/cmdline)
@@ -118,22 +130,27 @@ class Command(BaseCommand):
         # holds one of the render slots that every request's template and tokenization wait for
         sup.start("worker-usage", [py, "-m", "celery", "-A", "config", "worker", "-Q", "usage", "-c", "1",
                                    "--pool", "prefork", "-n", "usage@%h", "--without-gossip", "--without-mingle",
-                                   "-l", "WARNING"], cpus=back_cpus)
+                                   "-l", "WARNING"], cpus=back_cpus, nice=BACKGROUND_NICE)
         # images are preprocessed on their own queue, one at a time per worker, so text never waits on them
         # niced: image preprocessing yields the CPU to text requests sharing this machine
-        sup.start("worker-mm", ["nice", "-n", "10", py, "-m", "celery", "-A", "config", "worker", "-Q", "mm", "-c", "1",
+        sup.start("worker-mm", [py, "-m", "celery", "-A", "config", "worker", "-Q", "mm", "-c", "1",
                                 "--pool", "prefork", "-n", "mm@%h", "--without-gossip", "--without-mingle",
-                                "-l", "WARNING"], cpus=back_cpus)
+                                "-l", "WARNING"], cpus=back_cpus, nice=BACKGROUND_NICE)
         sup.start("beat", [py, "-m", "celery", "-A", "config", "beat", "-l", "WARNING",
-                           "--schedule", str(var_dir / "celerybeat-schedule")], cpus=back_cpus)
+                           "--schedule", str(var_dir / "celerybeat-schedule")], cpus=back_cpus, nice=BACKGROUND_NICE)
         models = [] if opts["no_engine"] else [m for m in served_models_enabled() if m.task in ("generate", "embed")]
+        layout = _engine_layout(opts, models, front_cpus, back_cpus)
+        if models:
+            self.stdout.write(f"engines: {len(models)}, each at nice {layout.nice}; CPU engines "
+                              f"{layout.threads} torch thread(s) each")
         for m in models:
             # the engine reads REDIS_URL from its environment (a --redis-url would show the password in ps)
+            threads = ["--num-threads", str(layout.threads)] if m.device == "cpu" else []
             sup.start(f"engine-{m.served_model_name}", [
                 py, "-m", "inference.engine", "--model", m.served_model_name, "--model-dir", m.model_dir,
                 "--device", m.device, "--dtype", m.dtype if m.dtype != "auto" else "float32",
                 "--max-num-seqs", str(m.max_num_seqs), "--max-model-len", str(m.max_model_len),
-                "--link-prefix", settings.LINK_PREFIX, "--task", m.task], cpus=back_cpus)
+                "--link-prefix", settings.LINK_PREFIX, "--task", m.task, *threads], cpus=back_cpus, nice=layout.nice)
         front_env, mm_socket = {}, None
         if opts["mm_api_workers"] > 0:
             mm_socket = _mm_socket_path(var_dir)
@@ -159,15 +176,19 @@ class Command(BaseCommand):
         while not stop["flag"]:
             dead = sup.dead_child()
             if dead is not None:
-                # Engines and workers are restartable: requests they held fail with a clear error (the api
-                # notices a dead replica by its heartbeat) and new ones are served once it is back. Redis and
-                # the api process are not: without them nothing can be served, so everything stops. While the
-                # multimodal api is down, the front api serves image chats itself (gateway/handoff.py), so one
-                # that keeps crashing is set aside and tried again after the restart window, not fatal.
+                # Engines, workers and the api processes are restartable. Requests an engine held fail with a
+                # clear error (the api notices a dead replica by its heartbeat); the clients of a dead api see
+                # their connection closed, its admission reservations are reaped once its lease lapses (≈ 6 s,
+                # inference/admission.py), its key-limit concurrency leases expire (tenancy/limits.py) and the
+                # engines abort its requests when its liveness key lapses (DESIGN.md §6); new requests are
+                # served once it is back on its port. Redis is not: without it nothing can be served (and an
+                # embedded one lost its data), so everything stops. While the multimodal api is down, the front
+                # api serves image chats itself (gateway/handoff.py), so one that keeps crashing is set aside
+                # and tried again after the restart window, not fatal.
                 code = dead.proc.returncode
                 if dead.name == "api-mm" and mm_socket and os.path.exists(mm_socket):
                     os.unlink(mm_socket)  # a killed launcher leaves its socket file
-                if dead.name in ("redis", "api"):
+                if dead.name == "redis":
                     raise RuntimeError(f"{dead.name} exited with code {code}; see {dead.log_path}")
                 if not policy.allow(dead.name, time.monotonic()):
                     if dead.name != "api-mm":
@@ -243,6 +264,20 @@ def _core_split(frontend_cores: str) -> tuple[frozenset[int] | None, frozenset[i
     if not back:
         raise CommandError(f"--frontend-cores {frontend_cores} leaves no CPU for the engines and workers")
     return front, back
+
+
+def _engine_layout(opts: dict, models: list, front_cpus: frozenset[int] | None,
+                   back_cpus: frozenset[int] | None) -> EngineLayout:
+    """Torch threads per CPU engine and the engines' niceness (ops/layout.py) from serve's options: the engines'
+    cores are ``back_cpus`` with ``--frontend-cores`` (nothing more reserved then), else every usable CPU less
+    ``--frontend-reserved-cores``. Raises ``CommandError`` on out-of-range values."""
+    cores = len(back_cpus) if back_cpus else len(os.sched_getaffinity(0))
+    reserved = 0 if front_cpus else opts["frontend_reserved_cores"]
+    try:
+        return engine_layout(cores=cores, cpu_engines=sum(1 for m in models if m.device == "cpu"),
+                             reserved=reserved, threads=opts["engine_threads"], nice=opts["engine_nice"])
+    except ValueError as exc:
+        raise CommandError(str(exc)) from exc
 
 
 def _mm_socket_path(var_dir: Path) -> str:
