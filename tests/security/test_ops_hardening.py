@@ -23,7 +23,8 @@ import openai
 import pytest
 import redis
 
-from tests.frontend.test_serve_split import _cmdline, _descendants
+from tests.frontend.test_serve_split import _descendants
+from tests.support.serve import cmdline as _cmdline
 from tests.live_platform import REPO, ensure_demo_assets, free_port
 from tests.support.serve import banner_key, serve_banner, stop_serve
 
