@@ -34,7 +34,7 @@ KEY_RANGE_SUMS = ("requests", "prompt_tokens", "completion_tokens", "status_429"
 ADVANCED_AT_EVERY = timedelta(seconds=10)
 # A window not checked for this long means the advance is not running: readers fall back to the live query.
 KEY_RANGES_MAX_AGE = timedelta(seconds=60)
-_UPSERT_ROWS = 100  # rows per INSERT (8 parameters each; SQLite's limit is 999 or 32766 per statement)
+_UPSERT_ROWS = 500  # rows per INSERT at most (9 parameters each), fewer where the backend caps parameters
 
 
 def _qn(name: str) -> str:
@@ -90,9 +90,10 @@ def key_ranges_add(deltas: dict[tuple, dict[str, Any]]) -> None:
             row[i] += d[f]
     items = sorted(acc.items())
     width = 3 + len(KEY_RANGE_SUMS)
+    per = max(1, min(_UPSERT_ROWS, (connection.features.max_query_params or 10**6) // width))
     with connection.cursor() as cur:
-        for i in range(0, len(items), _UPSERT_ROWS):
-            chunk = items[i:i + _UPSERT_ROWS]
+        for i in range(0, len(items), per):
+            chunk = items[i:i + per]
             values = ", ".join(["(" + ", ".join(["%s"] * width) + ")"] * len(chunk))
             params = [v for (name, key_id), row in chunk for v in (name, key_id, *row)]
             cur.execute(_upsert_sql(f"VALUES {values}"), params)
