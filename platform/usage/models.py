@@ -137,3 +137,48 @@ class UsageTotal(UsageFigures):
 
     def __str__(self) -> str:
         return f"{self.granularity} {self.bucket_start:%Y-%m-%d %H:%M} all keys {self.served_model_name}"
+
+
+class UsageKeyRange(models.Model):
+    """One key's usage over one dashboard range (``hour``/``day``/``30d``, ``usage.buckets.RANGES``): the sum of its
+    ``UsageRollup`` rows of that range's granularity with ``bucket_start >= UsageKeyRangeWindow.start``, all models.
+
+    Kept by ``usage.key_ranges``: the rollup writers add to it in their transaction, the advance (every flush
+    task) subtracts the buckets that left the window. Only keys with traffic have a row (a row falling to 0
+    requests is deleted). ``api_key_id``/``tenant_id`` are plain ids, as in ``UsageRollup``. The operator's key
+    table pages these in index order (``keyrange_rank_idx``, ``keyrange_tenant_rank_idx``): no sum per request.
+    """
+
+    range_name = models.CharField(max_length=8)
+    api_key_id = models.BigIntegerField()
+    tenant_id = models.BigIntegerField(default=0)
+    requests = models.BigIntegerField(default=0)
+    prompt_tokens = models.BigIntegerField(default=0)
+    completion_tokens = models.BigIntegerField(default=0)
+    status_429 = models.BigIntegerField(default=0)
+    status_503 = models.BigIntegerField(default=0)
+    errors = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["range_name", "api_key_id"], name="usage_keyrange_unique")]
+        indexes = [
+            models.Index(fields=["range_name", "-requests", "api_key_id"], name="keyrange_rank_idx"),
+            models.Index(fields=["range_name", "tenant_id", "-requests", "api_key_id"],
+                         name="keyrange_tenant_rank_idx"),
+        ]
+        verbose_name = "usage per key and range"
+
+    def __str__(self) -> str:
+        return f"{self.range_name} key={self.api_key_id} requests={self.requests}"
+
+
+class UsageKeyRangeWindow(models.Model):
+    """Where ``UsageKeyRange`` rows of one range start: ``start`` (a bucket start of the range's granularity) and
+    when the advance last checked it (``advanced_at``). No row: that range's totals are not built yet."""
+
+    range_name = models.CharField(max_length=8, primary_key=True)
+    start = models.DateTimeField(null=True, blank=True)
+    advanced_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.range_name} from {self.start}"

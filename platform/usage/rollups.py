@@ -14,30 +14,18 @@ however late it arrives (a record flushed late lands in its own, older bucket).
 from __future__ import annotations
 
 from collections import defaultdict
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from django.db import IntegrityError, connection, transaction
 
+from .buckets import bucket_floor
 from .histogram import bucket_of, hist_add, hist_new
+from .key_ranges import key_ranges_add
 from .models import GRANULARITIES, UsageRecord, UsageRollup, UsageTotal
 
 _SUM_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "status_429", "status_503",
                "errors", "aborted", "ttft_count", "ttft_sum_ms", "e2e_sum_ms")
-
-
-def bucket_floor(when: datetime, granularity: str) -> datetime:
-    """Start of the minute/hour/day (UTC) containing the aware datetime ``when``."""
-    if granularity == "minute":
-        return when.replace(second=0, microsecond=0)
-    if granularity == "hour":
-        return when.replace(minute=0, second=0, microsecond=0)
-    if granularity == "day":
-        return when.replace(hour=0, minute=0, second=0, microsecond=0)
-    raise ValueError(f"unknown granularity {granularity!r}")
-
-
-GRANULARITY_STEP = {"minute": timedelta(minutes=1), "hour": timedelta(hours=1), "day": timedelta(days=1)}
 
 
 def _new_delta() -> dict[str, Any]:
@@ -146,10 +134,11 @@ _TOTAL_KEY = ("granularity", "bucket_start", "served_model_name")
 
 
 def _apply(deltas: dict[tuple, dict[str, Any]]) -> None:
-    """Add ``deltas`` to their ``UsageRollup`` rows and their sums to the ``UsageTotal`` rows (caller holds a
-    transaction)."""
+    """Add ``deltas`` to their ``UsageRollup`` rows, their sums to the ``UsageTotal`` rows and to the per-key range
+    totals (``usage.key_ranges``); caller holds a transaction."""
     _apply_rows(UsageRollup, _ROLLUP_KEY, deltas)
     _apply_rows(UsageTotal, _TOTAL_KEY, _totals(deltas))
+    key_ranges_add(deltas)
 
 
 def usage_rollup_rows(rows) -> None:

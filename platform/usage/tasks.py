@@ -8,6 +8,7 @@ import redis
 from celery import shared_task
 from django.conf import settings
 
+from .key_ranges import usage_key_ranges_advance
 from .live import usage_live_notify
 from .rollups import usage_rollup_all
 from .services import usage_events_flush
@@ -30,7 +31,9 @@ def flush_usage_events(max_batch: int = FLUSH_BATCH, max_rounds: int = 20) -> in
 
     Scheduled by beat every second; returns the number of stream entries handled. When it wrote records
     it also rolls them up at once (``usage.rollups``), so dashboards lag the traffic by about a second
-    even where beat has no ``usage.rollup_usage`` entry.
+    even where beat has no ``usage.rollup_usage`` entry. Every run, with or without events, then moves the
+    per-key range totals to the current windows (``usage.key_ranges.usage_key_ranges_advance``; one read per
+    range unless a bucket boundary passed), which bounds their staleness by this task's period (D-155).
     """
     total = 0
     for _round in range(max_rounds):
@@ -40,6 +43,8 @@ def flush_usage_events(max_batch: int = FLUSH_BATCH, max_rounds: int = 20) -> in
             break
     if total:
         usage_rollup_all()
+    usage_key_ranges_advance()
+    if total:
         _notify_dashboards()
     return total
 
@@ -51,6 +56,7 @@ def rollup_usage(max_records: int = 5000, max_rounds: int = 20) -> int:
     For beat (queue ``usage``); returns the number of records added.
     """
     added = usage_rollup_all(max_records=max_records, max_rounds=max_rounds)
+    usage_key_ranges_advance()
     if added:
         _notify_dashboards()
     return added

@@ -137,7 +137,7 @@ def operator_payload(*, range_name: str, tenant_id: int | None, api_key_id: int 
                         api_key_ids=[api_key_id] if api_key_id else None, served_model_name=model or None)
     data["range"] = range_name
     data["keys"] = usage_key_table(granularity=gran, start=start, end=end, served_model_name=model or None,
-                                   tenant_id=tenant_id, q=q, page=page)
+                                   tenant_id=tenant_id, q=q, page=page, range_name=range_name)
     return data
 
 

@@ -9,6 +9,8 @@ records, built in seconds on SQLite or PostgreSQL, with their rollups.
   their TTFT and e2e latency from a few fixed values (``TTFT_MS``, ``E2E_MS``), so the buckets are known.
   ``tests/usage/test_dashboard_scale.py`` checks on a small build that these rows equal what ``usage_rollup_all``
   makes of the same records.
+- Per-key range totals (``UsageKeyRange``): rebuilt from those rollups (``usage.key_ranges``), as the first
+  advance of a running platform does.
 
 Traffic: key ``HEAVY`` (0..99, in creation order) sends ``(HEAVY - i) * HEAVY_STEP`` records, so the top keys and
 their order are known; the rest is spread evenly over every other key (about 7.5 each at full size, never as many
@@ -27,7 +29,8 @@ from django.db.models.functions import Cast, Concat, Trunc
 
 from tenancy.models import ApiKey, Tenant
 from usage.histogram import EDGES, bucket_of
-from usage.models import GRANULARITIES, UsageRecord, UsageRollup, UsageTotal
+from usage.key_ranges import usage_key_ranges_rebuild
+from usage.models import GRANULARITIES, UsageKeyRange, UsageRecord, UsageRollup, UsageTotal
 from usage.record_insert import UsageRow, usage_rows_insert
 
 HEAVY = 100
@@ -162,8 +165,9 @@ def build_usage_at_scale(*, keys: int = 100_000, tenants: int = 1_000, records: 
     t0 = time.perf_counter()
     with transaction.atomic():
         rollups_from_records()
+    usage_key_ranges_rebuild()
     with connection.cursor() as cur:  # planner statistics, as autovacuum / a periodic ANALYZE would have them
-        for model in (ApiKey, Tenant, UsageRecord, UsageRollup, UsageTotal):
+        for model in (ApiKey, Tenant, UsageRecord, UsageRollup, UsageTotal, UsageKeyRange):
             cur.execute(f"ANALYZE {connection.ops.quote_name(model._meta.db_table)}")
     seconds["rollups"] = time.perf_counter() - t0
     return ScaleData(tenant_ids=tenant_ids, key_ids=key_ids, records=records, now=now, seconds=seconds)

@@ -125,7 +125,10 @@ def test_operator_dashboard_with_many_keys_and_records(django_user_model):
     assert one_tenant["keys"]["count"] == 100 and one_tenant["totals"]["requests"] == sum(n for _, n in expected)
     assert get(range="30d", q="no such key")["keys"] == {"count": 0, "page": 1, "pages": 1,
                                                          "page_size": KEY_PAGE_SIZE, "q": "no such key",
-                                                         "results": []}
+                                                         "source": "totals", "results": []}
+    # every answer above ranked from the per-key range totals; a model filter from the live query
+    assert {first["keys"]["source"], by_tenant["source"], one_tenant["keys"]["source"]} == {"totals"}
+    assert model["keys"]["source"] == "live"
 
     # the page: the same first page in its json_script, a key menu of that page only
     page = client.get("/admin/usage/usagerollup/", {"range": "30d", "q": "scale-tenant-00007", "page": "2"})
