@@ -6,6 +6,7 @@ from django.core.validators import RegexValidator
 from django.utils import timezone
 from rest_framework import serializers
 
+from inference.protocol.openai import SERVED_MODEL_NAME_RE
 from tenancy.models import BUDGET_PERIOD_CHOICES, ApiKey
 from tenancy.services import API_KEY_NAME_MAX_LEN, API_KEY_NAME_RULE, SCOPES_TENANT
 
@@ -71,9 +72,12 @@ class ApiKeyWriteSerializer(serializers.Serializer):
     name = StrictCharField(max_length=API_KEY_NAME_MAX_LEN, trim_whitespace=False, help_text=API_KEY_NAME_RULE,
                            validators=[RegexValidator(API_KEY_NAME_PATTERN, message=f"must be {API_KEY_NAME_RULE}")])
     scopes = serializers.ListField(child=serializers.ChoiceField(choices=SCOPES_TENANT), required=False,
-                                   allow_empty=False, help_text="default ['inference']; operator scopes refused")
-    allowed_models = serializers.ListField(child=StrictCharField(min_length=1, max_length=128), required=False,
-                                           help_text="served model names; empty = every model")
+                                   allow_empty=False, min_length=1, help_text="default ['inference']; operator scopes refused")
+    allowed_models = serializers.ListField(
+        child=StrictCharField(max_length=128, trim_whitespace=False, validators=[
+            RegexValidator(SERVED_MODEL_NAME_RE, message="must be a served model name (letters, digits and . _ : / -, "
+                                                         "starting with a letter or digit)")]),
+        required=False, help_text="served model names; empty = every model")
     expires_at = serializers.DateTimeField(required=False, allow_null=True)
     # max_value: the columns' range on every database (PositiveIntegerField is a 32-bit integer on PostgreSQL);
     # a larger value answers 400 instead of failing in the database (500).

@@ -39,7 +39,7 @@ _FIGURES = {name: serializers.FloatField(allow_null=True) for name in (
     "requests", "prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens", "status_429", "status_503",
     "errors", "aborted", "error_rate", "ttft_p50_ms", "ttft_p95_ms", "ttft_mean_ms", "e2e_p50_ms", "e2e_p95_ms",
     "e2e_mean_ms")}
-_POINT = inline_serializer("UsagePoint", {"t": serializers.DateTimeField(), **_FIGURES})
+_POINT = inline_serializer("UsagePoint", {"t": serializers.DateTimeField(), **_FIGURES}, many=True)
 _TOTALS = inline_serializer("UsageTotals", dict(_FIGURES))
 _SERIES = inline_serializer("UsageSeries", {
     "granularity": serializers.ChoiceField(choices=GRANULARITIES), "start": serializers.DateTimeField(),
