@@ -30,7 +30,7 @@ class AuditPagination(CursorPagination):
 
     def get_page_size(self, request):
         raw = request.query_params.get(self.page_size_query_param)
-        if raw is None or raw == "":
+        if raw is None:
             return self.page_size
         if not (raw.isascii() and raw.isdigit() and 1 <= int(raw) <= self.max_page_size):
             raise exceptions.ValidationError({"limit": f"must be an integer from 1 to {self.max_page_size}"})
@@ -53,7 +53,7 @@ class KeyAuditView(TenantAPIView, generics.ListAPIView):
 
     def _api_key_id(self) -> int | None:
         raw = self.request.query_params.get("api_key_id")
-        if not raw:
+        if raw is None:
             return None
         if not (raw.isascii() and raw.isdigit() and 0 < int(raw) < 2**63):
             raise exceptions.ValidationError({"api_key_id": "must be a positive integer id"})

@@ -77,24 +77,35 @@ def _bounded_start(start, end, granularity: str):
     return max(start, earliest)
 
 
+def _present(params, name: str) -> str | None:
+    """Query parameter ``name``: ``None`` when absent; 400 when sent empty (``?end=`` is no date-time, no enum
+    member, no id: an empty value is refused rather than read as absent, as the schema says)."""
+    value = params.get(name)
+    if value == "":
+        raise exceptions.ValidationError({name: "must not be empty (leave the parameter out for its default)"})
+    return value
+
+
 def series_params(params) -> dict:
     """Parse the query parameters above into ``usage_series`` keyword arguments (400 on bad input)."""
-    granularity = params.get("granularity") or "hour"
-    if params.get("range"):
+    granularity = _present(params, "granularity") or "hour"
+    range_name = _present(params, "range")
+    end_text, start_text = _present(params, "end"), _present(params, "start")
+    if range_name is not None:
         try:
-            start, end, granularity = usage_range(params["range"])
+            start, end, granularity = usage_range(range_name)
         except ValueError as exc:
             raise exceptions.ValidationError({"range": str(exc)}) from exc
     else:
         if granularity not in GRANULARITIES:
             raise exceptions.ValidationError({"granularity": f"must be one of {list(GRANULARITIES)}"})
-        end = _when(params["end"], "end") if params.get("end") else timezone.now()
-        start = _when(params["start"], "start") if params.get("start") else end - timedelta(days=1)
+        end = _when(end_text, "end") if end_text is not None else timezone.now()
+        start = _when(start_text, "start") if start_text is not None else end - timedelta(days=1)
         start = _bounded_start(start, end, granularity)
-    group_by = params.get("group_by") or None
+    group_by = _present(params, "group_by")
     if group_by not in (None, "key", "model"):
         raise exceptions.ValidationError({"group_by": "must be key or model"})
-    model = params.get("model") or None
+    model = params.get("model") or None  # empty: every model
     if model is not None and (len(model) > 256 or "\x00" in model):
         raise exceptions.ValidationError({"model": "must be at most 256 characters without NUL"})
     return {"granularity": granularity, "start": start, "end": end, "served_model_name": model,
@@ -131,7 +142,7 @@ class UsageView(TenantAPIView):
         tenant = self.principal.tenant
         key_ids = None
         raw_key = request.query_params.get("api_key_id")
-        if raw_key:
+        if raw_key is not None:
             if not (raw_key.isascii() and raw_key.isdigit() and 0 < int(raw_key) < 2**63):
                 raise exceptions.ValidationError({"api_key_id": "must be a positive integer id"})
             if not ApiKey.objects.filter(pk=int(raw_key), tenant=tenant).exists():
