@@ -7,6 +7,8 @@ Bad values answer 400 in the OpenAI error envelope naming the parameter; ids too
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 from django.test import Client
 
@@ -55,6 +57,18 @@ def _error(response, status: int, param: str | None):
 def test_usage_api_bad_query_is_400(owner, query, param):
     client, _, _ = owner
     _error(client.get(f"/api/v1/usage?{query}"), 400, param)
+
+
+@pytest.mark.parametrize("query,status,param", [
+    ("limit=0", 400, "limit"), ("limit=201", 400, "limit"), ("limit=abc", 400, "limit"), ("limit=", 400, "limit"),
+    ("api_key_id=", 400, "api_key_id"), ("granularity=", 400, "granularity"), ("end=", 400, "end"),
+    # a cursor whose position is no entry id (base64 of "p=abc"): DRF would pass the text to the id filter (500)
+    (f"cursor={base64.b64encode(b'p=abc').decode()}", 404, None),
+])
+def test_empty_or_out_of_range_query_values_are_refused(owner, query, status, param):
+    client, _, _ = owner
+    path = "/api/v1/usage" if query.split("=")[0] in ("granularity", "end") else "/api/v1/audit"
+    _error(client.get(f"{path}?{query}"), status, param)
 
 
 def test_usage_api_still_answers_good_queries(owner):

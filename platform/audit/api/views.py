@@ -36,6 +36,15 @@ class AuditPagination(CursorPagination):
             raise exceptions.ValidationError({"limit": f"must be an integer from 1 to {self.max_page_size}"})
         return int(raw)
 
+    def decode_cursor(self, request):
+        """DRF's cursor, its position held to an entry id (DRF takes any text there, which the id filter would
+        then fail on: a 500 for a made-up cursor)."""
+        cursor = super().decode_cursor(request)
+        if cursor is not None and cursor.position is not None and not (
+                str(cursor.position).isascii() and str(cursor.position).isdigit() and int(cursor.position) < 2**63):
+            raise exceptions.NotFound(self.invalid_cursor_message)
+        return cursor
+
     def get_schema_operation_parameters(self, view):
         params = super().get_schema_operation_parameters(view)
         for param in params:
