@@ -108,9 +108,10 @@ class KeyDetailView(KeyAPIView):
     @api_doc(request=ApiKeyWriteSerializer, responses=ApiKeySerializer, errors=(400, 404, 410, 415),
              summary="Change an API key (410 once revoked)")
     def patch(self, request, pk: int):
-        api_key = self._live_key(pk)
+        self._key(pk)  # an unknown key: 404 first; then a malformed body: 400 whatever the key's state
         ser = ApiKeyWriteSerializer(data=request.data, partial=True)
         ser.is_valid(raise_exception=True)
+        api_key = self._live_key(pk)
         api_key_update(api_key=api_key, actor=self.actor(), **ser.validated_data)
         return Response(ApiKeySerializer(api_key).data)
 
