@@ -24,8 +24,8 @@ import httpx
 from tests.live_platform import DEMO_MODEL, REPO
 
 SEED = "17"
-REST_BUDGET_S = 35
-OPENAI_BUDGET_S = 45
+REST_BUDGET_S = 30
+OPENAI_BUDGET_S = 40
 
 
 def _schemathesis(live, location: str, key: str, budget_s: int, *args: str, env_extra: dict[str, str],
