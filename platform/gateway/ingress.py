@@ -38,8 +38,9 @@ KEYED_PATHS = frozenset({
     "/v1/models", "/metrics",
 })
 
-# Every gateway route (gateway/routing.py): the keyed ones, ``/health`` and ``/v1/models/{model}``.
-ROUTE_PATHS = KEYED_PATHS | {"/health"}
+# Every gateway route (gateway/routing.py): the keyed ones, the public ``/health`` and ``/v1/openapi.json``
+# (gateway/openapi.py), and ``/v1/models/{model}``.
+ROUTE_PATHS = KEYED_PATHS | {"/health", "/v1/openapi.json"}
 _MODEL_PATH = re.compile(r"/v1/models/[^/]+")
 MAX_REQUEST_BODY_BYTES = settings.MAX_REQUEST_BODY_BYTES
 

@@ -11,6 +11,7 @@ from gateway.generate import AbortRequestsConsumer, GenerateConsumer
 from gateway.health import HealthConsumer, NotFoundConsumer
 from gateway.metrics import MetricsConsumer
 from gateway.models_api import ModelsConsumer
+from gateway.openapi import OPENAPI_PATH, OpenApiConsumer
 from gateway.render import ChatRenderConsumer, CompletionRenderConsumer
 from gateway.tokenize import DetokenizeConsumer, TokenizeConsumer
 
@@ -27,6 +28,7 @@ http_urlpatterns = [
     path("v1/completions", CompletionsConsumer.as_asgi()),
     path("v1/embeddings", EmbeddingsConsumer.as_asgi()),
     path("v1/models", ModelsConsumer.as_asgi()),
+    path(OPENAPI_PATH.lstrip("/"), OpenApiConsumer.as_asgi()),  # public (D-176)
     re_path(r"^v1/models/(?P<model>[^/]+)$", ModelsConsumer.as_asgi()),
     re_path(r"", NotFoundConsumer.as_asgi()),  # anything else under GATEWAY_PREFIXES: JSON 404
 ]

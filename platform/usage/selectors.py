@@ -80,13 +80,12 @@ def usage_series(*, granularity: str, start: datetime, end: datetime, tenant_id:
     """Usage over ``[start, end)`` per ``granularity`` bucket: ``{"granularity", "start", "end", "points":
     [{"t": iso, ...figures}], "totals": {...figures}, "groups": {...}}``.
 
-    ``start`` is floored to the granularity; at most ``MAX_POINTS`` buckets (``ValueError`` beyond).
+    ``start`` is floored to the granularity; at most ``MAX_POINTS`` buckets (``ValueError`` beyond); ``end`` not
+    after ``start``: no points, zero totals.
     ``group_by`` ``"key"`` or ``"model"`` adds per-group totals under ``groups``.
     """
     start = bucket_floor(start, granularity)
     step = GRANULARITY_STEP[granularity]
-    if end <= start:
-        raise ValueError("end must be after start")
     if (end - start) / step > MAX_POINTS:
         raise ValueError(f"range too long for granularity {granularity} (more than {MAX_POINTS} points)")
     if tenant_id is None and api_key_ids is None and group_by != "key":

@@ -83,6 +83,13 @@ def _count(value: Any, upper: int = _INT_MAX) -> int:
     return max(0, min(int(value or 0), upper))
 
 
+def _text(value: Any, max_len: int) -> str:
+    """``value`` as column text: at most ``max_len`` characters, each U+0000 replaced by U+FFFD (PostgreSQL's
+    ``text``/``varchar`` cannot hold NUL: one such value would fail its whole batch's INSERT, every time the
+    batch is claimed again; D-175). Applied on every backend, so SQLite and PostgreSQL store the same text."""
+    return str(value or "").replace("\x00", "\ufffd")[:max_len]
+
+
 def _ms(value: Any) -> float | None:
     if value is None:
         return None
@@ -94,13 +101,14 @@ def usage_row_from_event(event: dict[str, Any]) -> UsageRow:
     """``UsageRow`` from one decoded event (schema in ``usage.events``); counts clamped to their columns.
 
     A ``request_id`` longer than 255 characters is stored as ``sha256:<hex>`` (deterministic, so
-    idempotency holds). Raises ``ValueError``/``TypeError`` for an event that cannot be a record.
+    idempotency holds); U+0000 in any text column is stored as U+FFFD (``_text``). Raises ``ValueError``/``TypeError`` for an event that cannot be a record.
     """
     request_id = event.get("request_id")
     if not isinstance(request_id, str) or not request_id:
         raise ValueError("missing request_id")
     if len(request_id) > _REQUEST_ID_MAX:
-        request_id = "sha256:" + hashlib.sha256(request_id.encode()).hexdigest()
+        request_id = "sha256:" + hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()
+    request_id = _text(request_id, _REQUEST_ID_MAX)
     finished_at = _dt(event.get("finished_at")) or datetime.now(tz=dt_timezone.utc)
     created_at = _dt(event.get("created_at")) or finished_at
     tenant_id = event.get("tenant_id")
@@ -109,13 +117,13 @@ def usage_row_from_event(event: dict[str, Any]) -> UsageRow:
         request_id=request_id,
         tenant_id=int(tenant_id) if tenant_id is not None else None,
         api_key_id=int(api_key_id) if api_key_id is not None else None,
-        served_model_name=str(event.get("served_model_name") or "")[:128],
-        endpoint=str(event.get("endpoint") or "")[:64],
+        served_model_name=_text(event.get("served_model_name"), 128),
+        endpoint=_text(event.get("endpoint"), 64),
         prompt_tokens=_count(event.get("prompt_tokens")),
         completion_tokens=_count(event.get("completion_tokens")),
         cached_tokens=_count(event.get("cached_tokens")),
         status_code=_count(event.get("status_code", 200), _SMALLINT_MAX),
-        finish_reason=str(event.get("finish_reason") or "")[:16],
+        finish_reason=_text(event.get("finish_reason"), 16),
         ttft_ms=_ms(event.get("ttft_ms")),
         e2e_latency_ms=_ms(event.get("e2e_latency_ms")) or 0.0,
         n=_count(event.get("n", 1), _SMALLINT_MAX),

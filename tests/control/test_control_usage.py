@@ -149,3 +149,18 @@ def test_flush_rolls_up_new_rows_once_and_matches_the_catch_up_rollup(redis_clie
     UsageRecord.objects.update(rolled_up=False)
     assert usage_rollup_all() == 50
     assert sorted(UsageRollup.objects.filter(api_key_id=api_key.pk).values_list(*fields)) == by_flush
+
+
+def test_nul_in_text_fields_never_breaks_the_batch(redis_client):
+    # PostgreSQL text cannot hold U+0000: one such value would fail the whole batch's INSERT on every retry. Stored
+    # as U+FFFD on every backend (D-175); the batch's other records are written with it.
+    usage_event_emit_sync(redis_client, _event("before-1"))
+    usage_event_emit_sync(redis_client, _event("nul\x00id", served_model_name="m\x00odel", endpoint="chat\x00",
+                                               finish_reason="st\x00p"))
+    usage_event_emit_sync(redis_client, _event("after-1"))
+    assert usage_events_flush(redis_client=redis_client) == 3
+    assert set(UsageRecord.objects.values_list("request_id", flat=True)) == {"before-1", "nul\ufffdid", "after-1"}
+    record = UsageRecord.objects.get(request_id="nul\ufffdid")
+    assert (record.served_model_name, record.endpoint, record.finish_reason) == ("m\ufffdodel", "chat\ufffd",
+                                                                                 "st\ufffdp")
+    assert redis_client.xpending(usage_stream_key(), USAGE_GROUP)["pending"] == 0

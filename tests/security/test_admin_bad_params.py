@@ -7,11 +7,14 @@ Bad values answer 400 in the OpenAI error envelope naming the parameter; ids too
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 from django.test import Client
 
 from tenancy.models import Tenant
 from tenancy.services import api_key_create
+from usage.selectors import MAX_POINTS
 
 pytestmark = pytest.mark.django_db
 
@@ -42,8 +45,6 @@ def _error(response, status: int, param: str | None):
     ("start=2026-13-45T99:00", "start"),
     ("end=2026-02-30T10:00:00Z", "end"),
     ("start=2026-01-01T25:61", "start"),
-    ("end=0001-01-01T00:00:00Z", "end"),
-    ("start=9999-12-31T23:59:00Z&end=9999-12-31T23:59:59Z&granularity=minute", "end"),
     ("granularity=week", "granularity"),
     ("range=year", "range"),
     ("group_by=tenant", "group_by"),
@@ -58,12 +59,33 @@ def test_usage_api_bad_query_is_400(owner, query, param):
     _error(client.get(f"/api/v1/usage?{query}"), 400, param)
 
 
+@pytest.mark.parametrize("query,status,param", [
+    ("limit=0", 400, "limit"), ("limit=201", 400, "limit"), ("limit=abc", 400, "limit"), ("limit=", 400, "limit"),
+    ("api_key_id=", 400, "api_key_id"), ("granularity=", 400, "granularity"), ("end=", 400, "end"),
+    # a cursor whose position is no entry id (base64 of "p=abc"): DRF would pass the text to the id filter (500)
+    (f"cursor={base64.b64encode(b'p=abc').decode()}", 404, None),
+])
+def test_empty_or_out_of_range_query_values_are_refused(owner, query, status, param):
+    client, _, _ = owner
+    path = "/api/v1/usage" if query.split("=")[0] in ("granularity", "end") else "/api/v1/audit"
+    _error(client.get(f"{path}?{query}"), status, param)
+
+
 def test_usage_api_still_answers_good_queries(owner):
     client, _, api_key = owner
+    # every schema-valid date-time is answered (D-178): years past the bounds are taken as the bounds, an empty
+    # range has no points, a long one is cut to its last MAX_POINTS buckets
     for query in ("", "range=day", "start=2026-01-01T00:00&end=2026-01-02T00:00&granularity=hour",
-                  f"api_key_id={api_key.pk}&group_by=key"):
+                  f"api_key_id={api_key.pk}&group_by=key", "end=0001-01-01T00:00:00Z",
+                  "start=9999-12-31T23:59:00Z&end=9999-12-31T23:59:59Z&granularity=minute",
+                  "start=0001-01-01T00:00:00Z&end=9999-12-31T23:59:59Z&granularity=minute",
+                  "start=2026-01-02T00:00:00Z&end=2026-01-01T00:00:00Z"):
         r = client.get(f"/api/v1/usage?{query}")
         assert r.status_code == 200, (query, r.content[:300])
+    cut = client.get("/api/v1/usage?start=0001-01-01T00:00:00Z&end=2026-01-01T00:00:00Z&granularity=minute").json()
+    assert len(cut["points"]) == MAX_POINTS - 1 and cut["end"] == "2026-01-01T00:00:00Z"
+    assert cut["points"][-1]["t"] == "2025-12-31T23:59:00Z"
+    assert client.get("/api/v1/usage?start=2026-01-02T00:00:00Z&end=2026-01-01T00:00:00Z").json()["points"] == []
     r = client.get(f"/api/v1/usage?tenant={HUGE}")  # no such tenant of this user
     assert r.status_code == 403
 

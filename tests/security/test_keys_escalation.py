@@ -150,7 +150,7 @@ def test_rotation_grace_period_cannot_be_undone_or_extended(tenant):
         _refused(client.patch(f"/api/v1/keys/{old['id']}", {"expires_at": None}, format="json"), 403, "expires_at")
         _refused(client.patch(f"/api/v1/keys/{old['id']}", {"expires_at": _iso(timedelta(days=1))}, format="json"),
                  403, "expires_at")
-        _refused(client.post(f"/api/v1/keys/{old['id']}/rotate", {"grace_period_s": 600}, format="json"), 400, None)
+        _refused(client.post(f"/api/v1/keys/{old['id']}/rotate", {"grace_period_s": 600}, format="json"), 409, None)  # already rotated: a conflict (D-178)
     assert ApiKey.objects.get(pk=old["id"]).expires_at == grace_end
     earlier = c.patch(f"/api/v1/keys/{old['id']}", {"expires_at": _iso(timedelta(minutes=1))}, format="json")
     assert earlier.status_code == 200 and ApiKey.objects.get(pk=old["id"]).expires_at < grace_end

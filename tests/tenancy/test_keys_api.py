@@ -90,7 +90,14 @@ def test_revoke_update_and_tenant_isolation(tenant, admin_key):
     r = c.delete(f"/api/v1/keys/{created['id']}")
     assert r.status_code == 200 and r.json()["status"] == "revoked"
     assert api_key_authenticate(created["key"]) is None
-    assert c.patch(f"/api/v1/keys/{created['id']}", {"name": "z"}, format="json").status_code == 400
+    # revoked, not deleted: listed as such, but reading, changing or rotating it answers 410 (D-178)
+    assert c.delete(f"/api/v1/keys/{created['id']}").json()["revoked_at"] == r.json()["revoked_at"]  # idempotent
+    listed = {k["id"]: k["status"] for k in c.get("/api/v1/keys").json()}
+    assert listed[created["id"]] == "revoked"
+    for gone in (c.get(f"/api/v1/keys/{created['id']}"),
+                 c.patch(f"/api/v1/keys/{created['id']}", {"name": "z"}, format="json"),
+                 c.post(f"/api/v1/keys/{created['id']}/rotate", {}, format="json")):
+        assert gone.status_code == 410 and gone.json()["error"]["code"] == "key_revoked", gone.content
 
 
 def test_bad_scope_is_a_plain_400_naming_the_item(tenant, admin_key):

@@ -8,7 +8,6 @@ The tenant comes from the credential, never from a parameter, so a tenant never 
 
 from __future__ import annotations
 
-from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter
 from rest_framework import exceptions, generics
 from rest_framework.pagination import CursorPagination
@@ -21,12 +20,37 @@ from .serializers import AuditEntrySerializer
 
 
 class AuditPagination(CursorPagination):
-    """Newest first by entry id (stable while new entries arrive)."""
+    """Newest first by entry id (stable while new entries arrive). ``limit`` must be an integer 1-200 (400
+    otherwise: DRF would quietly use the default for ``limit=abc``); an unknown ``cursor`` answers 404."""
 
     ordering = "-id"
     page_size = 50
     page_size_query_param = "limit"
     max_page_size = 200
+
+    def get_page_size(self, request):
+        raw = request.query_params.get(self.page_size_query_param)
+        if raw is None:
+            return self.page_size
+        if not (raw.isascii() and raw.isdigit() and 1 <= int(raw) <= self.max_page_size):
+            raise exceptions.ValidationError({"limit": f"must be an integer from 1 to {self.max_page_size}"})
+        return int(raw)
+
+    def decode_cursor(self, request):
+        """DRF's cursor, its position held to an entry id (DRF takes any text there, which the id filter would
+        then fail on: a 500 for a made-up cursor)."""
+        cursor = super().decode_cursor(request)
+        if cursor is not None and cursor.position is not None and not (
+                str(cursor.position).isascii() and str(cursor.position).isdigit() and int(cursor.position) < 2**63):
+            raise exceptions.NotFound(self.invalid_cursor_message)
+        return cursor
+
+    def get_schema_operation_parameters(self, view):
+        params = super().get_schema_operation_parameters(view)
+        for param in params:
+            if param["name"] == self.page_size_query_param:
+                param["schema"] = {"type": "integer", "minimum": 1, "maximum": self.max_page_size}
+        return params
 
 
 class KeyAuditView(TenantAPIView, generics.ListAPIView):
@@ -38,7 +62,7 @@ class KeyAuditView(TenantAPIView, generics.ListAPIView):
 
     def _api_key_id(self) -> int | None:
         raw = self.request.query_params.get("api_key_id")
-        if not raw:
+        if raw is None:
             return None
         if not (raw.isascii() and raw.isdigit() and 0 < int(raw) < 2**63):
             raise exceptions.ValidationError({"api_key_id": "must be a positive integer id"})
@@ -62,8 +86,9 @@ class KeyAuditView(TenantAPIView, generics.ListAPIView):
                                          .values_list("pk", flat=True))}
         return self.get_paginated_response(AuditEntrySerializer(page, many=True, context=context).data)
 
-    @api_doc(summary="Audit log of the tenant's API keys (newest first)",
-             parameters=[OpenApiParameter("api_key_id", OpenApiTypes.INT,
+    @api_doc(summary="Audit log of the tenant's API keys (newest first)", errors=(400, 404),
+             responses={200: AuditEntrySerializer(many=True)},
+             parameters=[OpenApiParameter("api_key_id", {"type": "integer", "minimum": 1, "maximum": 2**63 - 1},
                                           description="only this key's entries (one of the tenant's key ids)")])
     def get(self, request, *args, **kwargs):
         return self.list(request, *args, **kwargs)

@@ -8,11 +8,14 @@ owning several tenants picks one with ``?tenant=<id>`` (default: the lowest id).
 
 from __future__ import annotations
 
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from drf_spectacular.openapi import AutoSchema
-from drf_spectacular.utils import extend_schema
-from rest_framework import exceptions, status
+from drf_spectacular.utils import OpenApiResponse, extend_schema, inline_serializer
+from rest_framework import exceptions, serializers, status
 from rest_framework.authentication import SessionAuthentication
+from rest_framework.parsers import JSONParser
 from rest_framework.permissions import BasePermission
+from rest_framework.renderers import JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView, exception_handler
 
@@ -24,7 +27,8 @@ from tenancy.models import Tenant
 
 _ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-    405: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
+    405: "invalid_request_error", 406: "invalid_request_error", 409: "invalid_request_error",
+    410: "not_found_error", 415: "invalid_request_error", 429: "rate_limit_error",
 }
 
 
@@ -74,10 +78,13 @@ def envelope_exception_handler(exc, context):
 
 
 class KeyRuleDenied(exceptions.APIException):
-    """A ``tenancy.services.KeyRuleError`` as a DRF error: its status (400 or 403), message, ``param``, ``code``."""
+    """A ``tenancy.services.KeyRuleError`` as a DRF error: its status (400 or 403; 410 for a revoked key, 409 for
+    one already rotated: the request is well formed, the key's state refuses it), message, ``param``, ``code``."""
+
+    STATUS_BY_CODE = {"revoked": 410, "already_rotated": 409}
 
     def __init__(self, error):
-        self.status_code = error.status
+        self.status_code = self.STATUS_BY_CODE.get(error.code, error.status)
         self.param = error.param
         super().__init__(detail=str(error), code=error.code or ("permission_denied" if error.status == 403
                                                                 else "invalid"))
@@ -138,6 +145,10 @@ class TenantAPIView(APIView):
 
     authentication_classes = [ApiKeyAuthentication, SessionAuthentication]
     permission_classes = [HasTenantScope]
+    # JSON only, as the schema says: a form-encoded body carries every value as text, which the strict fields
+    # (``tenancy.api.serializers``) refuse; it is answered 415.
+    parser_classes = [JSONParser]
+    renderer_classes = [JSONRenderer]
     required_scope: str | None = None
     schema = AutoSchema()
 
@@ -170,15 +181,64 @@ class TenantAPIView(APIView):
         return self.request.tenant_principal
 
 
-def api_doc(**kwargs):
+class ApiKeyAuthenticationScheme(OpenApiAuthenticationExtension):
+    """The schema's ``bearerAuth``: ``Authorization: Bearer sk-...`` (``tenancy.authentication.ApiKeyAuthentication``)."""
+
+    target_class = "tenancy.authentication.ApiKeyAuthentication"
+    name = "bearerAuth"
+
+    def get_security_definition(self, auto_schema):
+        return {"type": "http", "scheme": "bearer", "description": "an API key holding the route's scope"}
+
+
+ERROR_ENVELOPE = inline_serializer("Error", {"error": inline_serializer("ErrorDetail", {
+    "message": serializers.CharField(), "type": serializers.CharField(),
+    "param": serializers.CharField(allow_null=True), "code": serializers.CharField(allow_null=True)})})
+
+# What each error status means on this API (every one answered in ``ERROR_ENVELOPE``).
+ERROR_MEANINGS = {
+    400: "invalid request: a field or parameter out of its rule (``param`` names it), or a body that is not JSON",
+    401: "no credentials, or an unknown, revoked or expired API key",
+    403: "the credential lacks the route's scope, or the key may not do this to that key (tenancy rules)",
+    404: "no such key of this tenant (or no such page cursor)",
+    405: "method not allowed",
+    406: "only application/json is answered",
+    409: "the key was already rotated: rotate its successor",
+    410: "the key is revoked: it stays listed (``status: revoked``) and in the audit log, and cannot be read, "
+         "changed or rotated",
+    415: "the body must be application/json",
+}
+
+
+def api_doc(*, errors: tuple[int, ...] = (), **kwargs):
     """``drf_spectacular.utils.extend_schema`` for a view method, built on drf-spectacular's ``AutoSchema``
-    whatever ``REST_FRAMEWORK["DEFAULT_SCHEMA_CLASS"]`` says."""
+    whatever ``REST_FRAMEWORK["DEFAULT_SCHEMA_CLASS"]`` says. ``errors``: the error statuses the method can
+    answer besides 401, 403, 405 and 406 (which every route can), each documented with ``ERROR_ENVELOPE``."""
+    responses = kwargs.pop("responses", None)
+    if responses is not None and not isinstance(responses, dict):
+        responses = {200: responses}
+    responses = dict(responses or {})
+    for code in sorted({401, 403, 405, 406, *errors}):
+        responses.setdefault(code, OpenApiResponse(ERROR_ENVELOPE, description=ERROR_MEANINGS[code]))
+    kwargs["responses"] = responses
 
     def decorator(method):
         method.kwargs = {"schema": AutoSchema}
         return extend_schema(**kwargs)(method)
 
     return decorator
+
+
+class KeyGone(exceptions.APIException):
+    """410: the key is revoked (``param`` ``id``, code ``key_revoked``); ``revoked_at`` in the message."""
+
+    status_code = 410
+    default_code = "key_revoked"
+
+    def __init__(self, revoked_at):
+        self.param = "id"
+        super().__init__(detail=f"This API key was revoked at {revoked_at.isoformat()}; it stays listed with "
+                                "status 'revoked' in GET /api/v1/keys and in GET /api/v1/audit.")
 
 
 def created(data) -> Response:

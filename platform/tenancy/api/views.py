@@ -5,11 +5,13 @@
 ``POST   /api/v1/keys``                    create; the response's ``key`` is the secret, shown once
 ``GET    /api/v1/keys/{id}``               one key
 ``PATCH  /api/v1/keys/{id}``               change name, scopes, allowed models, expiry, limits
-``DELETE /api/v1/keys/{id}``               revoke (also ``POST /api/v1/keys/{id}/revoke``)
+``DELETE /api/v1/keys/{id}``               revoke (also ``POST /api/v1/keys/{id}/revoke``); 200 with the key
+                                          (``status: revoked``), again 200 when repeated
 ``POST   /api/v1/keys/{id}/rotate``        new secret; the old one works ``grace_period_s`` more seconds
 =========================================  ==========================================================
 
-Every change is in force in every api process at once (``tenancy.invalidation`` announces it on Redis Pub/Sub and
+A revoked key is not deleted: it stays in the list (``status: revoked``) and in the audit log, but reading, changing
+or rotating it answers 410 ``key_revoked`` (D-178). Every change is in force in every api process at once (``tenancy.invalidation`` announces it on Redis Pub/Sub and
 ``gateway.auth`` drops its cached lookup; at most 1 s if the announcement is lost) and is recorded in the audit log
 (``GET /api/v1/audit``, ``audit``).
 The rules on who may change which key live in ``tenancy.services`` (``KeyActor``): a key never creates, changes
@@ -32,7 +34,7 @@ from tenancy.services import (
     api_key_update,
 )
 
-from .base import KeyRuleDenied, TenantAPIView, api_doc, created
+from .base import KeyGone, KeyRuleDenied, TenantAPIView, api_doc, created
 from .serializers import ApiKeyCreatedSerializer, ApiKeySerializer, ApiKeyWriteSerializer, RotateSerializer
 
 
@@ -73,8 +75,8 @@ class KeyListView(KeyAPIView):
         keys = ApiKey.objects.filter(tenant=self.principal.tenant).select_related("tenant").order_by("-created_at")
         return Response(ApiKeySerializer(keys, many=True).data)
 
-    @api_doc(request=ApiKeyWriteSerializer, responses={201: ApiKeyCreatedSerializer},
-                   summary="Create an API key (its secret is in the response, once)")
+    @api_doc(request=ApiKeyWriteSerializer, responses={201: ApiKeyCreatedSerializer}, errors=(400, 415),
+             summary="Create an API key (its secret is in the response, once)")
     def post(self, request):
         ser = ApiKeyWriteSerializer(data=request.data)
         ser.is_valid(raise_exception=True)
@@ -92,21 +94,32 @@ class KeyDetailView(KeyAPIView):
     def _key(self, pk: int) -> ApiKey:
         return get_object_or_404(ApiKey.objects.select_related("tenant"), pk=pk, tenant=self.principal.tenant)
 
-    @api_doc(responses=ApiKeySerializer, summary="Show one API key")
-    def get(self, request, pk: int):
-        return Response(ApiKeySerializer(self._key(pk)).data)
-
-    @api_doc(request=ApiKeyWriteSerializer, responses=ApiKeySerializer, summary="Change an API key")
-    def patch(self, request, pk: int):
+    def _live_key(self, pk: int) -> ApiKey:
+        """``_key``, or 410 ``KeyGone`` when it is revoked."""
         api_key = self._key(pk)
         if api_key.revoked_at is not None:
-            raise exceptions.ValidationError({"non_field_errors": ["a revoked key cannot be changed"]})
+            raise KeyGone(api_key.revoked_at)
+        return api_key
+
+    @api_doc(responses=ApiKeySerializer, errors=(404, 410), summary="Show one API key (410 once revoked)")
+    def get(self, request, pk: int):
+        return Response(ApiKeySerializer(self._live_key(pk)).data)
+
+    @api_doc(request=ApiKeyWriteSerializer, responses=ApiKeySerializer, errors=(400, 404, 410, 415),
+             summary="Change an API key (410 once revoked)")
+    def patch(self, request, pk: int):
+        self._key(pk)  # an unknown key: 404 first; then a malformed body: 400 whatever the key's state
         ser = ApiKeyWriteSerializer(data=request.data, partial=True)
         ser.is_valid(raise_exception=True)
+        api_key = self._live_key(pk)
         api_key_update(api_key=api_key, actor=self.actor(), **ser.validated_data)
         return Response(ApiKeySerializer(api_key).data)
 
-    @api_doc(request=None, responses=ApiKeySerializer, summary="Revoke an API key")
+    @api_doc(request=None, responses=ApiKeySerializer, errors=(404,),
+             summary="Revoke an API key: 200 with the key, status 'revoked' (idempotent)",
+             description="Revoking, not deleting: the key stays in GET /api/v1/keys with status 'revoked' and in the "
+                         "audit log; GET, PATCH and rotate of it answer 410 from then on. A repeated revoke answers "
+                         "200 with the same revoked_at.")
     def delete(self, request, pk: int):
         return Response(ApiKeySerializer(api_key_revoke(api_key=self._key(pk), actor=self.actor())).data)
 
@@ -116,7 +129,8 @@ class KeyRevokeView(KeyDetailView):
 
     http_method_names = ["post", "options"]
 
-    @api_doc(request=None, responses=ApiKeySerializer, summary="Revoke an API key")
+    @api_doc(request=None, responses=ApiKeySerializer, errors=(404,),
+             summary="Revoke an API key: same as DELETE /api/v1/keys/{id}")
     def post(self, request, pk: int):
         return Response(ApiKeySerializer(api_key_revoke(api_key=self._key(pk), actor=self.actor())).data)
 
@@ -126,11 +140,11 @@ class KeyRotateView(KeyDetailView):
 
     http_method_names = ["post", "options"]
 
-    @api_doc(request=RotateSerializer, responses={201: ApiKeyCreatedSerializer},
-                   summary="Rotate an API key (optional grace period for the old secret)")
+    @api_doc(request=RotateSerializer, responses={201: ApiKeyCreatedSerializer}, errors=(400, 404, 409, 410, 415),
+             summary="Rotate an API key (optional grace period for the old secret)")
     def post(self, request, pk: int):
         ser = RotateSerializer(data=request.data)
         ser.is_valid(raise_exception=True)
-        new, plaintext = api_key_rotate(api_key=self._key(pk), grace_s=ser.validated_data["grace_period_s"],
+        new, plaintext = api_key_rotate(api_key=self._live_key(pk), grace_s=ser.validated_data["grace_period_s"],
                                         actor=self.actor())
         return created(_created_payload(new, plaintext))

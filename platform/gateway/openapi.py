@@ -1,0 +1,265 @@
+"""``GET /v1/openapi.json``: an OpenAPI 3.1 description of the OpenAI-compatible routes this gateway serves.
+
+Request bodies are the gateway's own pydantic models (``inference.protocol.openai``, ``inference.embeddings``)
+through pydantic's ``models_json_schema``, so the description cannot drift from what is validated; what JSON
+Schema cannot say (token ids in the model's vocabulary, chat-template rules, cross-field rules) is still
+answered 400 at run time. Responses are written here as the endpoints answer them; every error is the OpenAI
+envelope (``inference.protocol.errors.error_dict``) with one of the statuses the gateway can answer (``ApiError``:
+400, 401, 403, 404, 405, 408, 413, 429, 500, 503). Served without a key (DECISIONS D-176): it describes the
+public surface only, no tenant's data and no model names, as vLLM's own ``/openapi.json`` is public.
+``tests/e2e/test_schemathesis_e2e.py`` runs schemathesis against it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from functools import lru_cache
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from gateway.http import GatewayConsumer
+from inference.embeddings import EmbeddingRequest
+from inference.protocol.openai import (
+    SERVED_MODEL_NAME_RE,
+    AbortRequestsRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
+
+OPENAPI_PATH = "/v1/openapi.json"
+_REF = "#/components/schemas/"
+
+# The request models, by component name; ``model`` is required on every one but the abort route's (the gateway
+# answers 400 "'model' is required" without it: ``gateway.pipeline.preamble.resolve_model``).
+_REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    ChatCompletionRequest, CompletionRequest, EmbeddingRequest, TokenizeCompletionRequest, TokenizeChatRequest,
+    DetokenizeRequest, GenerateRequest, AbortRequestsRequest)
+
+_STR = {"type": "string"}
+_INT = {"type": "integer"}
+_NULLABLE_STR = {"type": ["string", "null"]}
+_USAGE = {"type": "object", "required": ["prompt_tokens", "total_tokens"], "properties": {
+    "prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT,
+    "prompt_tokens_details": {"type": ["object", "null"]}, "completion_tokens_details": {"type": ["object", "null"]},
+}}
+_TOKEN_IDS = {"type": "array", "items": _INT}
+
+# Response components, as the endpoints write them (gateway/chat.py, completions.py, embeddings.py, ...).
+_RESPONSES: dict[str, dict[str, Any]] = {
+    "Error": {
+        "type": "object", "required": ["error"], "additionalProperties": False,
+        "description": "The OpenAI error envelope: every non-2xx answer of every route.",
+        "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"], "additionalProperties": False,
+            "properties": {"message": _STR, "type": _STR, "param": _NULLABLE_STR, "code": _NULLABLE_STR}}},
+    },
+    "Usage": _USAGE,
+    "ChatCompletion": {
+        "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": _STR, "object": {"const": "chat.completion"}, "created": _INT, "model": _STR,
+            "system_fingerprint": _NULLABLE_STR, "usage": {"$ref": _REF + "Usage"},
+            "prompt_token_ids": {**_TOKEN_IDS, "type": ["array", "null"]},
+            "choices": {"type": "array", "items": {
+                "type": "object", "required": ["index", "message", "finish_reason"],
+                "properties": {
+                    "index": _INT, "finish_reason": _NULLABLE_STR, "logprobs": {"type": ["object", "null"]},
+                    "stop_reason": {"type": ["string", "integer", "null"]}, "token_ids": _TOKEN_IDS,
+                    "message": {"type": "object", "required": ["role"], "properties": {
+                        "role": {"const": "assistant"}, "content": _NULLABLE_STR, "reasoning": _NULLABLE_STR,
+                        "reasoning_content": _NULLABLE_STR, "tool_calls": {"type": "array"}}}}}},
+        },
+    },
+    "Completion": {
+        "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": _STR, "object": {"const": "text_completion"}, "created": _INT, "model": _STR,
+            "system_fingerprint": _NULLABLE_STR, "usage": {"$ref": _REF + "Usage"},
+            "prompt_token_ids": {"type": ["array", "null"]},
+            "choices": {"type": "array", "items": {
+                "type": "object", "required": ["index", "text", "finish_reason"],
+                "properties": {"index": _INT, "text": _STR, "finish_reason": _NULLABLE_STR,
+                               "logprobs": {"type": ["object", "null"]},
+                               "stop_reason": {"type": ["string", "integer", "null"]}, "token_ids": _TOKEN_IDS}}},
+        },
+    },
+    "EmbeddingList": {
+        "type": "object", "required": ["object", "data", "model", "usage"],
+        "properties": {
+            "object": {"const": "list"}, "model": _STR, "id": _STR, "created": _INT, "usage": {"$ref": _REF + "Usage"},
+            "data": {"type": "array", "items": {
+                "type": "object", "required": ["object", "index", "embedding"],
+                "properties": {"object": {"const": "embedding"}, "index": _INT,
+                               "embedding": {"oneOf": [{"type": "array", "items": {"type": "number"}},
+                                                       {"type": "string", "description": "base64 of float32s"}]}}}},
+        },
+    },
+    "Model": {
+        "type": "object", "required": ["id", "object", "created", "owned_by"],
+        "properties": {"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR, "root": _STR,
+                       "parent": _NULLABLE_STR, "max_model_len": _INT},
+    },
+    "ModelList": {
+        "type": "object", "required": ["object", "data"],
+        "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {"$ref": _REF + "Model"}}},
+    },
+    "TokenizeResponse": {
+        "type": "object", "required": ["count", "max_model_len", "tokens"],
+        "properties": {"count": _INT, "max_model_len": _INT, "tokens": _TOKEN_IDS,
+                       "token_strs": {"type": ["array", "null"], "items": _NULLABLE_STR}},
+    },
+    "DetokenizeResponse": {"type": "object", "required": ["prompt"], "properties": {"prompt": _STR}},
+    "TokensInRequest": {
+        "type": "object", "required": ["request_id", "token_ids", "sampling_params", "model", "stream"],
+        "description": "A rendered request, ready for POST /inference/v1/generate.",
+        "properties": {"request_id": _STR, "token_ids": _TOKEN_IDS, "sampling_params": {"type": "object"},
+                       "model": _STR, "stream": {"type": "boolean"}},
+    },
+    "GenerateResponse": {
+        "type": "object", "required": ["request_id", "model", "created", "choices"],
+        "properties": {
+            "request_id": _STR, "model": _STR, "created": _INT, "usage": {"$ref": _REF + "Usage"},
+            "choices": {"type": "array", "items": {
+                "type": "object", "required": ["index", "token_ids", "finish_reason"],
+                "properties": {"index": _INT, "token_ids": _TOKEN_IDS, "finish_reason": _NULLABLE_STR,
+                               "stop_reason": {"type": ["string", "integer", "null"]},
+                               "logprobs": {"type": ["object", "array", "null"]}}}},
+        },
+    },
+    "AbortResponse": {"type": "object", "description": "Always empty.", "maxProperties": 0},
+}
+
+# The errors each kind of route can answer (besides 2xx), with what they mean there.
+_ERRORS_COMMON = {
+    "401": "no, unknown, revoked or expired API key (``WWW-Authenticate: Bearer``)",
+    "403": "the key lacks the ``inference`` scope, or may not use this model",
+    "405": "another method (``Allow`` names the one served)",
+    "429": "the key's request, token, concurrency or budget limit (``Retry-After``)",
+    "500": "a defect (logged; the message never carries details)",
+}
+_ERRORS_BODY = {
+    "400": "invalid JSON, a field out of its range, a rule of the model (context length, vocabulary, template)",
+    "404": "no such served model",
+    "408": "the body did not arrive in time",
+    "413": "the body is over the size cap",
+    "503": "no capacity now (admission, engine or worker unavailable; ``Retry-After``)",
+}
+_SSE = {"text/event-stream": {"schema": {
+    "type": "string", "description": "``data: <chunk JSON>`` events, then ``data: [DONE]``; an error after the "
+                                     "stream started is one ``data: <error envelope>`` event."}}}
+
+
+def _json(ref: str) -> dict[str, Any]:
+    return {"application/json": {"schema": {"$ref": _REF + ref}}}
+
+
+def _operation(summary: str, ok: str, *, request: str | None = None, stream: bool = False,
+               request_schema: dict[str, Any] | None = None, errors: dict[str, str] | None = None,
+               public: bool = False, description: str = "") -> dict[str, Any]:
+    """One operation: 200 with ``ok`` (and SSE when ``stream``), the error statuses, bearer auth."""
+    content = _json(ok)
+    if stream:
+        content = {**content, **_SSE}
+    responses: dict[str, Any] = {"200": {"description": "OK", "content": content}}
+    for status, why in sorted((errors if errors is not None else {**_ERRORS_COMMON, **_ERRORS_BODY}).items()):
+        responses[status] = {"description": why, "content": _json("Error")}
+    op: dict[str, Any] = {"summary": summary, "responses": responses}
+    if description:
+        op["description"] = description
+    if request or request_schema:
+        op["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": request_schema or {"$ref": _REF + str(request)}}}}
+    if public:
+        op["security"] = []
+    return op
+
+
+def _require_model(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` (a request component) with ``model`` required and held to the served-name pattern."""
+    out = copy.deepcopy(schema)
+    props = out.get("properties", {})
+    if "model" in props:
+        props["model"] = {"type": "string", "pattern": SERVED_MODEL_NAME_RE, "maxLength": 128,
+                          "description": "a served model name (GET /v1/models)"}
+        out["required"] = sorted({*out.get("required", []), "model"})
+    return out
+
+
+@lru_cache(maxsize=1)
+def openapi_document() -> dict[str, Any]:
+    """The OpenAPI 3.1 document (a dict, built once per process)."""
+    _keys, defs = models_json_schema([(m, "validation") for m in _REQUEST_MODELS], ref_template=_REF + "{model}")
+    components: dict[str, Any] = dict(defs.get("$defs", {}))
+    for model in _REQUEST_MODELS:
+        if model is not AbortRequestsRequest:
+            components[model.__name__] = _require_model(components[model.__name__])
+    components.update(_RESPONSES)
+    tokenize_body = {"oneOf": [{"$ref": _REF + "TokenizeCompletionRequest"},
+                               {"$ref": _REF + "TokenizeChatRequest"}]}
+    models_errors = {k: v for k, v in _ERRORS_COMMON.items() if k != "403"}
+    render = _operation("Render a completion request into tokens-in requests, one per prompt (vLLM)",
+                        "TokensInRequest", request="CompletionRequest")
+    render["responses"]["200"]["content"] = {"application/json": {"schema": {
+        "type": "array", "items": {"$ref": _REF + "TokensInRequest"}}}}
+    paths = {
+        "/v1/chat/completions": {"post": _operation(
+            "Chat completion (OpenAI)", "ChatCompletion", request="ChatCompletionRequest", stream=True)},
+        "/v1/completions": {"post": _operation(
+            "Text completion (OpenAI)", "Completion", request="CompletionRequest", stream=True)},
+        "/v1/embeddings": {"post": _operation("Embeddings (OpenAI)", "EmbeddingList", request="EmbeddingRequest")},
+        "/v1/models": {"get": _operation("The models this key may use", "ModelList", errors=models_errors)},
+        "/v1/models/{model}": {"get": {
+            **_operation("One model", "Model", errors={**models_errors, "404": "no such model for this key"}),
+            "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]}},
+        "/tokenize": {"post": _operation(
+            "Tokenize a prompt or a chat (vLLM)", "TokenizeResponse", request_schema=tokenize_body,
+            description="A body with ``messages`` is a chat (its template applied), else ``prompt`` is tokenized; "
+                        "both at once: 400.")},
+        "/detokenize": {"post": _operation("Token ids to text (vLLM)", "DetokenizeResponse",
+                                           request="DetokenizeRequest")},
+        "/v1/chat/completions/render": {"post": _operation(
+            "Render a chat request into a tokens-in request (vLLM)", "TokensInRequest",
+            request="ChatCompletionRequest")},
+        "/v1/completions/render": {"post": render},
+        "/inference/v1/generate": {"post": _operation(
+            "Generate from token ids (vLLM)", "GenerateResponse", request="GenerateRequest", stream=True)},
+        "/inference/v1/abort_requests": {"post": _operation(
+            "Abort the caller's generate requests by request id (vLLM)", "AbortResponse",
+            request="AbortRequestsRequest", errors={**_ERRORS_COMMON, **{k: v for k, v in _ERRORS_BODY.items()
+                                                                          if k != "404"}})},
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "OpenAI-compatible inference API", "version": "1",
+                 "description": "The OpenAI and vLLM routes of this platform's gateway. Every error is "
+                                "``{\"error\": {message, type, param, code}}``."},
+        "paths": paths,
+        "components": {"schemas": components, "securitySchemes": {
+            "bearerAuth": {"type": "http", "scheme": "bearer", "description": "an API key (sk-...)"}}},
+        "security": [{"bearerAuth": []}],
+    }
+
+
+@lru_cache(maxsize=1)
+def openapi_bytes() -> bytes:
+    """``openapi_document()`` as compact JSON bytes."""
+    return json.dumps(openapi_document(), separators=(",", ":")).encode()
+
+
+class OpenApiConsumer(GatewayConsumer):
+    """``GET /v1/openapi.json``: the document above, without a key (D-176)."""
+
+    methods = ("GET",)
+
+    async def handle_request(self, body: bytes) -> None:
+        payload = openapi_bytes()
+        await self.send_headers(status=200, headers=[(b"content-type", b"application/json"),
+                                                     (b"content-length", str(len(payload)).encode())])
+        await self.send_body(payload)
