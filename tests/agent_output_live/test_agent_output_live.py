@@ -151,7 +151,7 @@ def test_markup_without_tools_or_with_tool_choice_none_is_content(forced):
 @pytest.mark.usefixtures("forced")
 @pytest.mark.parametrize("stream", [False, True])
 def test_tool_choice_required_gives_valid_calls(client, stream):
-    for seed in range(5):
+    for seed in range(3):
         kw = dict(model=MODEL, messages=MSGS, tools=[WEATHER, TIME], tool_choice="required", max_tokens=200,
                   temperature=1.0, seed=seed)
         if stream:

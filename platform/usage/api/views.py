@@ -32,7 +32,7 @@ from rest_framework.response import Response
 from tenancy.api.base import TenantAPIView, api_doc
 from tenancy.models import ApiKey
 from usage.models import GRANULARITIES
-from usage.rollups import GRANULARITY_STEP
+from usage.buckets import GRANULARITY_STEP
 from usage.selectors import MAX_POINTS, RANGES, usage_range, usage_series
 
 _FIGURES = {name: serializers.FloatField(allow_null=True) for name in (
