@@ -65,6 +65,9 @@ def _last_logits(out: Any) -> torch.Tensor:
     return logits[:, -1, :].float()
 
 
+_LARGE_LOGIT = 1e30  # stands in for +inf after the penalties: finite even divided by the smallest temperature
+
+
 class RequestError(ValueError):
     """A request that cannot run (bad token id, too long, bad parameter); fails only that request."""
 
@@ -528,6 +531,10 @@ class ModelRunner:
                 out_ids = torch.tensor(s.output_token_ids, device=self.device)
                 uniq, counts = torch.unique(out_ids, return_counts=True)
                 row[uniq] -= sp.frequency_penalty * counts.to(row.dtype) + sp.presence_penalty
+        # a penalty at the edge of its range (repetition_penalty 5e-324 is 0 in float32: x / 0 = inf) must not
+        # turn the row into NaN probabilities, whose inverse-CDF pick is past the vocabulary: +inf becomes a large
+        # finite logit (those tokens share the mass), NaN a disallowed one
+        torch.nan_to_num_(logits, nan=float("-inf"), posinf=_LARGE_LOGIT)
 
         temps = [s.params.temperature for s in seqs]
         chosen = torch.argmax(logits, dim=-1)

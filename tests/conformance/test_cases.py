@@ -366,6 +366,11 @@ def test_c31_duplicate_request_ids(http, live):
 
 
 # ------------------------------------------------------------------------------------------------ C32
+# the documented public list (README's route table): liveness, and the OpenAPI description of the routes (no model
+# names or tenant data; vLLM serves its /openapi.json without a key too)
+PUBLIC_PATTERNS = ("health", "v1/openapi.json", "")
+
+
 def _gateway_routes():
     from gateway.routing import http_urlpatterns
 
@@ -373,7 +378,7 @@ def _gateway_routes():
     for p in http_urlpatterns:
         pattern = str(p.pattern)
         cls = p.callback.consumer_class if hasattr(p.callback, "consumer_class") else None
-        if pattern in ("health", "") or cls is None or cls.__name__ == "NotFoundConsumer":
+        if pattern in PUBLIC_PATTERNS or cls is None or cls.__name__ == "NotFoundConsumer":
             continue
         path = "/" + pattern.replace("^", "").replace("$", "").replace("(?P<model>[^/]+)", M)
         for method in cls.methods:
