@@ -9,8 +9,11 @@ per-step token mask (issue 16; the request side and the grammar text: ``inferenc
   grammar is shared), so the ``n`` children of a request advance independently. With ``after_token_ids`` it is
   inactive (unconstrained output) until one of those ids was sampled.
 * ``GrammarMask``: the disallowed tokens of one step, a bool tensor ``[B, vocab]`` (llguidance's bitmask, bit i
-  of 32-bit word w = token 32 w + i, unpacked); the runner masks the logits with it before sampling (``ModelRunner.sample``). Ids at or above the
-  tokenizer's vocabulary (embedding padding) are never allowed; once a grammar is complete only EOS is.
+  of 32-bit word w = token 32 w + i, inverted and unpacked); the runner masks the logits with it before sampling
+  (``ModelRunner.sample``). Ids at or above the tokenizer's vocabulary (embedding padding) are never allowed; once
+  a grammar is complete only EOS is.
+* ``GrammarMasker``: builds a step's mask; ``submit`` builds it in its own thread while the forward runs (the
+  engine's ``_mask_ahead``; vLLM overlaps its bitmask the same way).
 """
 
 from __future__ import annotations
@@ -198,50 +201,99 @@ class SequenceGrammar:
 @dataclass
 class GrammarMask:
     """The token mask of one step's logits: ``disallowed`` (bool ``[B, vocab]``, True = masked; all False on the rows
-    no grammar constrains) and ``row_list``, the constrained rows."""
+    no grammar constrains) and ``row_list``, the constrained rows (ascending)."""
 
     disallowed: torch.Tensor
     row_list: list[int]
 
     def apply(self, logits: torch.Tensor) -> None:
-        """Set the disallowed logits to ``-inf``, in place (``logits``: float ``[B, vocab]``): one full-batch
-        ``masked_fill`` (gathering the constrained rows and scattering them back cost ~10x more on CPU)."""
-        logits.masked_fill_(self.disallowed, float("-inf"))
+        """Set the disallowed logits to ``-inf``, in place (``logits``: float ``[B, vocab]``). The constrained rows
+        are few and far between or a run (a batch admits its rows in order): a run is masked as one slice, the
+        rest with one full-batch ``masked_fill`` (gathering the constrained rows and scattering them back cost
+        ~10x more on CPU)."""
+        lo, hi = self.row_list[0], self.row_list[-1] + 1
+        if hi - lo == len(self.row_list):
+            logits[lo:hi].masked_fill_(self.disallowed[lo:hi], float("-inf"))
+        else:
+            logits.masked_fill_(self.disallowed, float("-inf"))
 
 
 class GrammarMasker:
     """Builds each step's ``GrammarMask`` for the constrained rows with llguidance's parallel mask computation
-    (``LLExecutor``: threads outside the GIL); the bitmask is unpacked with numpy (``unpackbits``, ~0.1 ms for
-    16 rows of 151,680 bits; a torch table lookup took 2-20 ms)."""
+    (``LLExecutor``: threads outside the GIL), into one reused int32 bitmask (bit i of 32-bit word w = token
+    32 w + i, 1 = allowed). EOS and vocabulary fix-ups are made on the packed words; the bitmask is then inverted
+    and unpacked with numpy (``unpackbits``, straight into the bool mask's bytes; a torch table lookup took 2-20 ms,
+    llguidance's own ``apply_token_bitmask_inplace`` (torch.compile) 207 ms on CPU).
+
+    ``submit`` computes a mask in the masker's own thread, so that the engine overlaps it with the forward that
+    produces the logits it masks (as vLLM does): valid because the mask depends only on the matchers' state, which
+    nothing changes between the previous step's ``advance`` and this step's sampling."""
 
     def __init__(self, compiler: GrammarCompiler, threads: int = COMPILE_THREADS):
         self.compiler = compiler
         self.executor = llguidance.LLExecutor(max(1, threads))
+        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        self._lock = threading.Lock()  # guards the reused bitmask (``mask`` from the loop and from ``submit``)
+        self._bitmask = torch.empty((0, 0), dtype=torch.int32)
+
+    def submit(self, grammars: list[tuple[int, SequenceGrammar]], batch: int, width: int,
+               device: torch.device) -> Future[GrammarMask | None]:
+        """``mask`` computed in the masker's thread (one at a time, in order). The caller must not advance these
+        grammars before the future is done."""
+        return self._ahead.submit(self.mask, grammars, batch, width, device)
+
+    def shutdown(self) -> None:
+        """Stop the mask thread (after the mask it is computing)."""
+        self._ahead.shutdown(wait=True, cancel_futures=True)
 
     def mask(self, grammars: list[tuple[int, SequenceGrammar]], batch: int, width: int,
              device: torch.device) -> GrammarMask | None:
-        """The mask of ``grammars`` (row index, the row's grammar) for logits ``[batch, width]``, or None when none
-        constrains this step. Ids at or above the tokenizer's vocabulary are masked; a complete grammar allows
-        exactly its EOS ids; an accepting one adds them to what it allows (the request's EOS ids may differ from
-        the tokenizer's)."""
+        """The mask of ``grammars`` (row index ascending, the row's grammar) for logits ``[batch, width]``, or None
+        when none constrains this step. Ids at or above the tokenizer's vocabulary are masked; a complete grammar
+        allows exactly its EOS ids; an accepting one adds them to what it allows (the request's EOS ids may differ
+        from the tokenizer's)."""
         rows = [(i, g) for i, g in grammars if g.constraining]
         if not rows:
             return None
-        tok = self.compiler.tokenizer
-        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), tok.vocab_size)
-        matchers = [(g.matcher, j) for j, (_i, g) in enumerate(rows) if g.matcher is not None]
-        llguidance.torch.fill_next_token_bitmask_par(self.executor, matchers, bitmask)
-        n = min(width, tok.vocab_size)
-        flags = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=n, bitorder="little")
+        vocab = self.compiler.tokenizer.vocab_size
+        words = (vocab + 31) // 32
+        bits = min(width, 32 * words)  # columns the bitmask covers; any beyond are masked
+        late: list[tuple[int, list[int]]] = []  # rows whose EOS ids lie past the bitmask (allowed afterwards)
+        with self._lock:
+            bitmask = self._bitmask_for(len(rows), words)
+            llguidance.torch.fill_next_token_bitmask_par(
+                self.executor, [(g.matcher, j) for j, (_i, g) in enumerate(rows) if g.matcher is not None], bitmask)
+            packed = bitmask.numpy().view(np.uint32)
+            if vocab % 32:
+                packed[:, words - 1] &= np.uint32((1 << (vocab % 32)) - 1)  # ids past the tokenizer: never
+            for j, (i, g) in enumerate(rows):
+                complete = g.complete
+                if complete or g.accepting():
+                    ids = [t for t in g.eos_ids if 0 <= t < width]
+                    if complete:
+                        packed[j] = 0
+                    for t in ids:
+                        if t < bits:
+                            packed[j, t >> 5] |= np.uint32(1 << (t & 31))
+                    if any(t >= bits for t in ids):
+                        late.append((i, [t for t in ids if t >= bits]))
+            np.invert(packed, out=packed)  # 1 = disallowed
+            flags = np.unpackbits(packed.view(np.uint8), axis=1, count=bits, bitorder="little").view(np.bool_)
         row_list = [i for i, _g in rows]
-        disallowed = np.zeros((batch, width), dtype=np.bool_)
-        disallowed[row_list, n:] = True
-        disallowed[row_list, :n] = flags == 0
-        for i, g in rows:
-            ids = [t for t in g.eos_ids if 0 <= t < width]
-            if g.complete:
-                disallowed[i] = True
-                disallowed[i, ids] = False
-            elif g.accepting():
-                disallowed[i, ids] = False
+        if len(rows) == batch and bits == width:
+            disallowed = flags
+        else:
+            disallowed = np.zeros((batch, width), dtype=np.bool_)
+            lo, hi = row_list[0], row_list[-1] + 1
+            sel: slice | list[int] = slice(lo, hi) if hi - lo == len(row_list) else row_list
+            disallowed[sel, :bits] = flags
+            disallowed[sel, bits:] = True
+        for i, ids in late:
+            disallowed[i, ids] = False
         return GrammarMask(disallowed=torch.from_numpy(disallowed).to(device), row_list=row_list)
+
+    def _bitmask_for(self, rows: int, words: int) -> torch.Tensor:
+        """The reused bitmask's first ``rows`` rows (grown as needed), contiguous ``[rows, words]`` int32."""
+        if self._bitmask.shape[0] < rows or self._bitmask.shape[1] != words:
+            self._bitmask = torch.empty((max(rows, self._bitmask.shape[0]), words), dtype=torch.int32)
+        return self._bitmask[:rows]
