@@ -94,19 +94,19 @@ def main() -> int:
         b, width = logits.shape
         rows = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.constraining]
         bitmask = llguidance.torch.allocate_token_bitmask(len(rows), tok.vocab_size)
-        t0 = clock("mask: allocate int32 bitmask", t0)
+        t0 = clock("old mask: allocate int32 bitmask", t0)
         llguidance.torch.fill_next_token_bitmask_par(masker.executor, [(g.matcher, j) for j, (_i, g) in
                                                                        enumerate(rows)], bitmask)
-        t0 = clock("mask: llguidance fill_next_token_bitmask_par", t0)
+        t0 = clock("old mask: llguidance fill_next_token_bitmask_par", t0)
         n = min(width, tok.vocab_size)
         flags = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=n, bitorder="little")
-        t0 = clock("mask: np.unpackbits", t0)
+        t0 = clock("old mask: np.unpackbits", t0)
         row_list = [i for i, _g in rows]
         disallowed = np.zeros((b, width), dtype=np.bool_)
-        t0 = clock("mask: np.zeros bool [B, vocab]", t0)
+        t0 = clock("old mask: np.zeros bool [B, vocab]", t0)
         disallowed[row_list, n:] = True
         disallowed[row_list, :n] = flags == 0
-        t0 = clock("mask: flags == 0 into the rows", t0)
+        t0 = clock("old mask: flags == 0 into the rows", t0)
         for i, g in rows:
             ids = [x for x in g.eos_ids if 0 <= x < width]
             if g.complete:
@@ -114,15 +114,15 @@ def main() -> int:
                 disallowed[i, ids] = False
             elif g.accepting():
                 disallowed[i, ids] = False
-        t0 = clock("mask: complete/accepting EOS fix-ups", t0)
+        t0 = clock("old mask: complete/accepting EOS fix-ups", t0)
         dis_t = torch.from_numpy(disallowed).to(logits.device)
-        t0 = clock("mask: torch.from_numpy", t0)
+        t0 = clock("old mask: torch.from_numpy", t0)
         plain = logits.clone()
         t0 = time.perf_counter()
         runner.sample(plain, seqs)
         t0 = clock("sample unmasked (reference)", t0)
         logits.masked_fill_(dis_t, float("-inf"))
-        t0 = clock("apply: masked_fill_", t0)
+        t0 = clock("old apply: masked_fill_", t0)
         toks, _ = runner.sample(logits, seqs)
         t0 = clock("sample after the mask", t0)
         for s, tk in zip(seqs, toks):
@@ -130,8 +130,11 @@ def main() -> int:
             assert s.grammar is not None and not s.grammar.advance(tk)
         t0 = clock("consume_token (advance, all rows)", t0)
         t0 = time.perf_counter()
-        masker.mask([(i, s.grammar) for i, s in enumerate(seqs)], b, width, logits.device)
-        clock("GrammarMasker.mask as a whole (again, same state)", t0)
+        gm = masker.mask([(i, s.grammar) for i, s in enumerate(seqs)], b, width, logits.device)
+        t0 = clock("new: GrammarMasker.mask (next state)", t0)
+        assert gm is not None
+        gm.apply(plain)
+        clock("new: GrammarMask.apply (add the bias)", t0)
 
     # forward alone vs forward while the next mask is computed in a thread
     def fill() -> None:
@@ -163,4 +166,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with torch.inference_mode():
+        sys.exit(main())

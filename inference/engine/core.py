@@ -379,7 +379,7 @@ class EngineCore:
         """Sample one token per row of ``logits`` ``[len(seqs), vocab]`` under the grammar mask (``ahead``'s, computed
         while the forward ran, or computed now), advance the grammars and emit the tokens."""
         mask = ahead.result() if ahead is not None else None
-        if mask is not None and tuple(mask.disallowed.shape) != tuple(logits.shape):
+        if mask is not None and tuple(mask.bias.shape) != tuple(logits.shape):
             mask = None  # computed for another width (not expected: the runner's head is its vocabulary)
         if mask is None:
             constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
