@@ -157,6 +157,44 @@ def main() -> int:
         th.join()
         clock("overlap: forward + mask fill in a thread", t0)
 
+    # whole steps, interleaved so that the machine's load weighs on each kind alike: unconstrained (forward +
+    # sample), the old constrained step (mask built after the forward: bool mask, masked_fill_) and the new one
+    # (mask built in the masker's thread during the forward, bias added)
+    def old_mask(b: int, width: int) -> torch.Tensor:
+        bm = llguidance.torch.allocate_token_bitmask(len(seqs), tok.vocab_size)
+        llguidance.torch.fill_next_token_bitmask_par(masker.executor, [(s.grammar.matcher, j) for j, s in
+                                                                       enumerate(seqs) if s.grammar], bm)
+        n = min(width, tok.vocab_size)
+        flags = np.unpackbits(bm.numpy().view(np.uint8), axis=1, count=n, bitorder="little")
+        dis = np.zeros((b, width), dtype=np.bool_)
+        dis[:, n:] = True
+        dis[:, :n] = flags == 0
+        return torch.from_numpy(dis)
+
+    for k in range(3 * args.steps):
+        kind = ("step: unconstrained", "step: old constrained", "step: new constrained")[k % 3]
+        last, pos = [s.output_token_ids[-1] for s in seqs], [s.num_computed for s in seqs]
+        t0 = time.perf_counter()
+        rows = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
+        ahead = masker.submit(rows, len(seqs), runner.vocab_size, runner.device) if k % 3 == 2 else None
+        logits = runner.decode(last, pos)
+        if k % 3 == 1:
+            logits.masked_fill_(old_mask(*logits.shape), float("-inf"))
+        elif ahead is not None:
+            gm = ahead.result()
+            assert gm is not None
+            gm.apply(logits)
+        toks, _ = runner.sample(logits, seqs)
+        if k % 3:
+            for s, tk in zip(seqs, toks):
+                s.output_token_ids.append(tk)
+                assert s.grammar is not None and not s.grammar.advance(tk)
+        clock(kind, t0)
+    u, o, nw = (statistics.median(t[f"step: {x}"]) for x in ("unconstrained", "old constrained",
+                                                               "new constrained"))
+    print(f"step p50 ms: unconstrained {u:.2f}, old constrained {o:.2f} ({u / o:.3f}x), "
+          f"new constrained {nw:.2f} ({u / nw:.3f}x)")
+    masker.shutdown()
     print(f"batch {args.n}, {args.steps} steps, torch threads {torch.get_num_threads()}, "
           f"load {os.getloadavg()[0]:.2f}; per step, ms: mean / p50 / max")
     for name, xs in t.items():
