@@ -55,7 +55,7 @@ from inference.protocol.engine import (
 from inference.redis_timeouts import blocking_socket_timeout
 
 from .runner import ModelRunner, RequestError, Sequence, make_rng, now
-from .structured import GrammarCompiler, GrammarMasker, SequenceGrammar
+from .structured import GrammarCompiler, GrammarMask, GrammarMasker, SequenceGrammar
 
 if TYPE_CHECKING:
     import torch
@@ -365,9 +365,26 @@ class EngineCore:
         if n >= sp.max_tokens or len(seq.request.prompt_token_ids) + n >= self.runner.max_model_len:
             seq.finish_reason = FINISH_LENGTH
 
-    def _apply(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
-        mask = self.masker.mask(constrained, logits.shape[0], logits.shape[1], logits.device) if constrained else None
+    def _mask_ahead(self, seqs: list[Sequence]) -> concurrent.futures.Future[GrammarMask | None] | None:
+        """Start computing the grammar mask of ``seqs`` (the rows of the forward about to run) in the masker's
+        thread, so that it overlaps the forward (vLLM computes its bitmask while the model runs); None when no row
+        is constrained. The matchers' state is that of the mask: nothing advances them until ``_apply``."""
+        constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.constraining]
+        if not constrained:
+            return None
+        return self.masker.submit(constrained, len(seqs), self.runner.vocab_size, self.runner.device)
+
+    def _apply(self, seqs: list[Sequence], logits: torch.Tensor,
+               ahead: concurrent.futures.Future[GrammarMask | None] | None = None) -> None:
+        """Sample one token per row of ``logits`` ``[len(seqs), vocab]`` under the grammar mask (``ahead``'s, computed
+        while the forward ran, or computed now), advance the grammars and emit the tokens."""
+        mask = ahead.result() if ahead is not None else None
+        if mask is not None and tuple(mask.bias.shape) != tuple(logits.shape):
+            mask = None  # computed for another width (not expected: the runner's head is its vocabulary)
+        if mask is None:
+            constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
+            mask = (self.masker.mask(constrained, logits.shape[0], logits.shape[1], logits.device)
+                    if constrained else None)
         tokens, lps = self.runner.sample(logits, seqs, mask)
         ts = now()
         for i, (seq, tok) in enumerate(zip(seqs, tokens)):
@@ -405,9 +422,11 @@ class EngineCore:
         """Prefill ``group`` in one runner call, add it to the batch and sample its first tokens; a failed
         forward fails only this group."""
         t0 = time.perf_counter()
+        ahead = self._mask_ahead(group)
         try:
             logits = self.runner.prefill(group)
         except Exception as exc:  # fail this group only
+            _settle(ahead)
             log.exception("prefill failed")
             # the runner merges only after a successful forward, so the batch is intact
             for s in group:
@@ -418,7 +437,7 @@ class EngineCore:
         ntok = sum(len(s.request.prompt_token_ids) - s.num_cached_tokens for s in group)
         self.stats.prefill_tokens_per_s = self._ema(self.stats.prefill_tokens_per_s, ntok / max(dt, 1e-9))
         try:
-            self._apply(group, logits)
+            self._apply(group, logits, ahead)
         except Exception as exc:
             log.exception("sampling failed")
             self._fail_all_running(f"sampling failed: {exc}")
@@ -429,14 +448,16 @@ class EngineCore:
         # 1. decode the sequences already in the batch
         if decode_seqs:
             t0 = time.perf_counter()
+            ahead = self._mask_ahead(decode_seqs)
             try:
                 logits = self.runner.decode(
                     [s.output_token_ids[-1] for s in decode_seqs],
                     [s.num_computed for s in decode_seqs])
                 for s in decode_seqs:
                     s.num_computed += 1
-                self._apply(decode_seqs, logits)
+                self._apply(decode_seqs, logits, ahead)
             except Exception as exc:
+                _settle(ahead)
                 log.exception("decode step failed")
                 self._fail_all_running(f"engine step failed: {exc}")
                 decode_seqs = []
@@ -519,6 +540,8 @@ class EngineCore:
         finally:
             self.stop_event.set()
             hb.join(timeout=2)
+            if self._masker is not None:
+                self._masker.shutdown()
             if self._grammars is not None:
                 self._grammars.shutdown()
             for s in list(self.waiting) + self.running:
@@ -533,6 +556,13 @@ class EngineCore:
             except redis.RedisError as exc:
                 log.warning("cleanup failed: %s", exc)
             log.info("engine %s stopped", self.engine_id)
+
+
+def _settle(ahead: concurrent.futures.Future[GrammarMask | None] | None) -> None:
+    """Wait for a mask computed ahead that a failed step will not use (its matchers stay as they were; a later
+    step's advance must not race it), dropping its result or error."""
+    if ahead is not None:
+        concurrent.futures.wait([ahead])
 
 
 def install_signal_handlers(core: EngineCore) -> None:

@@ -9,8 +9,11 @@ per-step token mask (issue 16; the request side and the grammar text: ``inferenc
   grammar is shared), so the ``n`` children of a request advance independently. With ``after_token_ids`` it is
   inactive (unconstrained output) until one of those ids was sampled.
 * ``GrammarMask``: the disallowed tokens of one step, a bool tensor ``[B, vocab]`` (llguidance's bitmask, bit i
-  of 32-bit word w = token 32 w + i, unpacked); the runner masks the logits with it before sampling (``ModelRunner.sample``). Ids at or above the
-  tokenizer's vocabulary (embedding padding) are never allowed; once a grammar is complete only EOS is.
+  of 32-bit word w = token 32 w + i, inverted and unpacked); the runner masks the logits with it before sampling
+  (``ModelRunner.sample``). Ids at or above the tokenizer's vocabulary (embedding padding) are never allowed; once
+  a grammar is complete only EOS is.
+* ``GrammarMasker``: builds a step's mask; ``submit`` builds it in its own thread while the forward runs (the
+  engine's ``_mask_ahead``; vLLM overlaps its bitmask the same way).
 """
 
 from __future__ import annotations
@@ -195,53 +198,125 @@ class SequenceGrammar:
         return False
 
 
+# a disallowed token's additive bias (-inf) as float32 bits: 0xFF800000 * (0 or 1) is the bias of one unpacked bit
+_NEG_INF_BITS = np.uint32(0xFF800000)
+# masks built while the previous one is still held (the engine uses one at a time; a second guards a caller's slip)
+_BUFFERS = 2
+
+
 @dataclass
 class GrammarMask:
-    """The token mask of one step's logits: ``disallowed`` (bool ``[B, vocab]``, True = masked; all False on the rows
-    no grammar constrains) and ``row_list``, the constrained rows."""
+    """The token mask of one step's logits: ``bias`` (float32 ``[B, vocab]``, ``-inf`` on a disallowed token, ``0`` on
+    an allowed one and on every token of the rows no grammar constrains) and ``row_list``, the constrained rows
+    (ascending). ``bias`` lives in the masker's reused buffers: valid until the masker's next mask but one."""
 
-    disallowed: torch.Tensor
+    bias: torch.Tensor
     row_list: list[int]
 
+    @property
+    def disallowed(self) -> torch.Tensor:
+        """bool ``[B, vocab]``, True = masked (a new tensor)."""
+        return torch.isinf(self.bias)
+
     def apply(self, logits: torch.Tensor) -> None:
-        """Set the disallowed logits to ``-inf``, in place (``logits``: float ``[B, vocab]``): one full-batch
-        ``masked_fill`` (gathering the constrained rows and scattering them back cost ~10x more on CPU)."""
-        logits.masked_fill_(self.disallowed, float("-inf"))
+        """Set the disallowed logits to ``-inf``, in place (``logits``: float ``[B, vocab]``), by adding ``bias``: the
+        same logits for every finite one (``x + 0 = x``, ``x + -inf = -inf``; a ``-0.0`` becomes ``+0.0``), ~5x
+        cheaper on CPU than ``masked_fill_`` with a bool mask (measured 0.2 vs 1.8 ms for 16 × 151,680). A run of
+        constrained rows (a batch admits its rows in order) is added as one slice, other layouts over the batch."""
+        lo, hi = self.row_list[0], self.row_list[-1] + 1
+        if hi - lo == len(self.row_list):
+            logits[lo:hi].add_(self.bias[lo:hi])
+        else:
+            logits.add_(self.bias)
 
 
 class GrammarMasker:
     """Builds each step's ``GrammarMask`` for the constrained rows with llguidance's parallel mask computation
-    (``LLExecutor``: threads outside the GIL); the bitmask is unpacked with numpy (``unpackbits``, ~0.1 ms for
-    16 rows of 151,680 bits; a torch table lookup took 2-20 ms)."""
+    (``LLExecutor``: threads outside the GIL), into one reused int32 bitmask (bit i of 32-bit word w = token
+    32 w + i, 1 = allowed). EOS and vocabulary fix-ups are made on the packed words; the bitmask is then inverted,
+    unpacked with numpy (``unpackbits``, ~0.1 ms for 16 rows of 151,680 bits; a torch table lookup took 2-20 ms,
+    llguidance's own ``apply_token_bitmask_inplace`` (torch.compile) 207 ms on CPU) and turned into the additive
+    bias in a reused float32 buffer (one ``multiply`` per row, no allocation).
+
+    ``submit`` computes a mask in the masker's own thread, so that the engine overlaps it with the forward that
+    produces the logits it masks (as vLLM does): valid because the mask depends only on the matchers' state, which
+    nothing changes between the previous step's ``advance`` and this step's sampling."""
 
     def __init__(self, compiler: GrammarCompiler, threads: int = COMPILE_THREADS):
         self.compiler = compiler
         self.executor = llguidance.LLExecutor(max(1, threads))
+        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        self._lock = threading.Lock()  # guards the reused buffers (``mask`` from the loop and from ``submit``)
+        self._bitmask = torch.empty((0, 0), dtype=torch.int32)
+        self._bias = [torch.empty((0, 0)) for _ in range(_BUFFERS)]
+        self._turn = 0
+
+    def submit(self, grammars: list[tuple[int, SequenceGrammar]], batch: int, width: int,
+               device: torch.device) -> Future[GrammarMask | None]:
+        """``mask`` computed in the masker's thread (one at a time, in order). The caller must not advance these
+        grammars before the future is done."""
+        return self._ahead.submit(self.mask, grammars, batch, width, device)
+
+    def shutdown(self) -> None:
+        """Stop the mask thread (after the mask it is computing)."""
+        self._ahead.shutdown(wait=True, cancel_futures=True)
 
     def mask(self, grammars: list[tuple[int, SequenceGrammar]], batch: int, width: int,
              device: torch.device) -> GrammarMask | None:
-        """The mask of ``grammars`` (row index, the row's grammar) for logits ``[batch, width]``, or None when none
-        constrains this step. Ids at or above the tokenizer's vocabulary are masked; a complete grammar allows
-        exactly its EOS ids; an accepting one adds them to what it allows (the request's EOS ids may differ from
-        the tokenizer's)."""
+        """The mask of ``grammars`` (row index ascending, the row's grammar) for logits ``[batch, width]``, or None
+        when none constrains this step. Ids at or above the tokenizer's vocabulary are masked; a complete grammar
+        allows exactly its EOS ids; an accepting one adds them to what it allows (the request's EOS ids may differ
+        from the tokenizer's)."""
         rows = [(i, g) for i, g in grammars if g.constraining]
         if not rows:
             return None
-        tok = self.compiler.tokenizer
-        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), tok.vocab_size)
-        matchers = [(g.matcher, j) for j, (_i, g) in enumerate(rows) if g.matcher is not None]
-        llguidance.torch.fill_next_token_bitmask_par(self.executor, matchers, bitmask)
-        n = min(width, tok.vocab_size)
-        flags = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=n, bitorder="little")
-        row_list = [i for i, _g in rows]
-        disallowed = np.zeros((batch, width), dtype=np.bool_)
-        disallowed[row_list, n:] = True
-        disallowed[row_list, :n] = flags == 0
-        for i, g in rows:
-            ids = [t for t in g.eos_ids if 0 <= t < width]
-            if g.complete:
-                disallowed[i] = True
-                disallowed[i, ids] = False
-            elif g.accepting():
-                disallowed[i, ids] = False
-        return GrammarMask(disallowed=torch.from_numpy(disallowed).to(device), row_list=row_list)
+        vocab = self.compiler.tokenizer.vocab_size
+        words = (vocab + 31) // 32
+        bits = min(width, 32 * words)  # columns the bitmask covers; any beyond are masked
+        with self._lock:
+            bitmask = self._bitmask_for(len(rows), words)
+            llguidance.torch.fill_next_token_bitmask_par(
+                self.executor, [(g.matcher, j) for j, (_i, g) in enumerate(rows) if g.matcher is not None], bitmask)
+            packed = bitmask.numpy().view(np.uint32)
+            if vocab % 32:
+                packed[:, words - 1] &= np.uint32((1 << (vocab % 32)) - 1)  # ids past the tokenizer: never
+            late: list[tuple[int, list[int]]] = []  # rows whose EOS ids lie past the bitmask (allowed below)
+            for j, (_i, g) in enumerate(rows):
+                complete = g.complete
+                if complete or g.accepting():
+                    ids = [t for t in g.eos_ids if 0 <= t < width]
+                    if complete:
+                        packed[j] = 0
+                    for t in ids:
+                        if t < bits:
+                            packed[j, t >> 5] |= np.uint32(1 << (t & 31))
+                    if any(t >= bits for t in ids):
+                        late.append((j, [t for t in ids if t >= bits]))
+            np.invert(packed, out=packed)  # 1 = disallowed
+            flags = np.unpackbits(packed.view(np.uint8), axis=1, count=bits, bitorder="little")
+            bias_t = self._bias_for(batch, width)
+            bias = bias_t.numpy().view(np.uint32)
+            row_list = [i for i, _g in rows]
+            for i in sorted(set(range(batch)).difference(row_list)):
+                bias[i] = 0
+            for j, i in enumerate(row_list):
+                np.multiply(flags[j], _NEG_INF_BITS, out=bias[i, :bits])
+                bias[i, bits:] = _NEG_INF_BITS
+            for j, ids in late:
+                bias[row_list[j], ids] = 0
+        return GrammarMask(bias=bias_t.to(device), row_list=row_list)
+
+    def _bitmask_for(self, rows: int, words: int) -> torch.Tensor:
+        """The reused bitmask's first ``rows`` rows (grown as needed), contiguous ``[rows, words]`` int32."""
+        if self._bitmask.shape[0] < rows or self._bitmask.shape[1] != words:
+            self._bitmask = torch.empty((max(rows, self._bitmask.shape[0]), words), dtype=torch.int32)
+        return self._bitmask[:rows]
+
+    def _bias_for(self, batch: int, width: int) -> torch.Tensor:
+        """The next of the reused bias buffers, its first ``batch`` rows (grown as needed) ``[batch, width]``."""
+        self._turn = (self._turn + 1) % _BUFFERS
+        buf = self._bias[self._turn]
+        if buf.shape[0] < batch or buf.shape[1] != width:
+            buf = torch.empty((max(batch, buf.shape[0]), width))
+            self._bias[self._turn] = buf
+        return buf[:batch]

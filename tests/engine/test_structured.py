@@ -5,16 +5,29 @@ real Redis)."""
 from __future__ import annotations
 
 import json
+import random
 import re
 import time
+import uuid
 
 import jsonschema
+import llguidance
+import llguidance.numpy
+import numpy as np
 import pytest
 import torch
 from tokenizers import Tokenizer
 
+from inference.engine.core import EngineCore
+from inference.engine.runner import ModelRunner
 from inference.engine.structured import GrammarCompiler, GrammarMasker, SequenceGrammar
-from inference.protocol.engine import FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
+from inference.protocol.engine import (
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineCoreRequest,
+    SamplingParams,
+)
 from inference.structured import StructuredSpecError
 
 EOS_IDS = [151645, 151643]
@@ -118,6 +131,141 @@ def test_after_token_ids_leave_the_start_unconstrained(compiler):
     m = masker.mask([(1, g)], 2, 151936, torch.device("cpu"))
     assert m is not None and m.row_list == [1] and not m.disallowed[0].any()  # row 0 is not constrained
     assert 1 <= (~m.disallowed[1]).sum().item() < 100
+
+
+def _reference_disallowed(compiler, rows, batch, width):
+    """The mask as its definition says, one row at a time (llguidance's own single-matcher fill and numpy
+    ``apply_token_bitmask_inplace``): True = masked."""
+    vocab = compiler.tokenizer.vocab_size
+    want = np.zeros((batch, width), dtype=np.bool_)
+    for i, g in rows:
+        bm = llguidance.numpy.allocate_token_bitmask(1, vocab)
+        g.matcher.unsafe_compute_mask_ptr(bm.ctypes.data, bm.nbytes)
+        logits = np.zeros((1, width), dtype=np.float32)
+        llguidance.numpy.apply_token_bitmask_inplace(logits, bm)
+        want[i] = np.isinf(logits[0])
+        want[i, vocab:] = True
+        eos = [t for t in g.eos_ids if t < width]
+        if g.complete:
+            want[i] = True
+        if g.complete or g.accepting():
+            want[i, eos] = False
+    return want
+
+
+@pytest.mark.parametrize("width", [151680, 151936, 151000])
+def test_mask_matches_the_reference_on_mixed_batches(compiler, width):
+    """The packed fast path (reused bitmask, EOS fix-ups on the words, inverted unpack) masks exactly what the
+    row-by-row definition does: constrained rows in a run and scattered, complete and accepting grammars, logits
+    wider and narrower than the tokenizer's vocabulary, and ``submit`` (the engine's ahead-of-forward path)."""
+    masker = GrammarMasker(compiler)
+    specs = [("json", json.dumps(SCHEMA)), ("choice", '["ab", "abc"]'), ("regex", "[0-9]{2,3}")]
+    rng = random.Random(width)
+    grammars = []
+    # the request's EOS ids may differ from the tokenizer's (151645, 151643): one the tokenizer does not end on,
+    # and one of the tokenizer's left out (llguidance allows it; a complete grammar allows only the request's)
+    eos_sets = [frozenset([*EOS_IDS, 151670]), frozenset([151643, 151670])]
+    for n, (kind, spec) in enumerate(specs * 2):
+        g = SequenceGrammar(compiler.compile(kind, spec), [], eos_sets[n // len(specs)])
+        g.future.result(timeout=60)
+        g.start()
+        grammars.append(g)
+    seen = {"complete": 0, "accepting": 0}
+    try:
+        for step in range(40):
+            live = [g for g in grammars if not g.complete]
+            for layout in ("all", "run", "scattered"):
+                n = len(grammars)
+                if layout == "all":
+                    rows = list(enumerate(grammars))
+                    batch = n
+                elif layout == "run":
+                    rows = [(2 + j, g) for j, g in enumerate(grammars)]
+                    batch = n + 3
+                else:
+                    rows = [(2 * j + 1, g) for j, g in enumerate(grammars)]
+                    batch = 2 * n + 1
+                got = masker.submit(rows, batch, width, torch.device("cpu")).result(timeout=60)
+                assert got is not None and got.row_list == [i for i, _g in rows]
+                want = _reference_disallowed(compiler, rows, batch, width)
+                assert np.array_equal(got.disallowed.numpy(), want), (step, layout)
+                logits = torch.zeros((batch, width))
+                got.apply(logits)
+                assert torch.equal(torch.isinf(logits), torch.from_numpy(want))
+            seen["complete"] += sum(g.complete for g in grammars)
+            seen["accepting"] += sum(g.accepting() and not g.complete for g in grammars)
+            if not live:
+                break
+            m = masker.mask(list(enumerate(grammars)), len(grammars), width, torch.device("cpu"))
+            assert m is not None
+            for j, g in enumerate(grammars):
+                if g.complete:
+                    continue
+                allowed = [t for t in (~m.disallowed[j]).nonzero().flatten().tolist() if t not in g.eos_ids]
+                if allowed:
+                    assert not g.advance(rng.choice(allowed))
+    finally:
+        masker.shutdown()
+    assert seen["complete"] and seen["accepting"]  # both fix-ups were exercised
+
+
+class _CheckedCore(EngineCore):
+    """The engine's own step loop, checking at each sampling that the mask computed while the forward ran is the
+    mask of the matchers' state at that moment."""
+
+    checked = 0
+
+    def _apply(self, seqs, logits, ahead=None):
+        if ahead is not None:
+            early = ahead.result()
+            now_ = self.masker.mask([(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None],
+                                    logits.shape[0], logits.shape[1], logits.device)
+            assert (early is None) == (now_ is None)
+            if early is not None:
+                assert early.row_list == now_.row_list
+                assert torch.equal(early.disallowed, now_.disallowed)
+                type(self).checked += 1
+        super()._apply(seqs, logits, ahead)
+
+
+def test_engine_step_masks_for_the_state_it_samples(model_dir, redis_url, tok):
+    """In-process engine steps (prefill and decode, constrained rows among unconstrained ones, a constraint that
+    starts after a token): the mask built ahead, during the forward, is the one of the state sampled from, and
+    every output is valid."""
+    core = _CheckedCore("m", ModelRunner(str(model_dir), max_model_len=512), redis_url,
+                        link_prefix=f"t{uuid.uuid4().hex[:8]}", max_num_seqs=8)
+    spec = json.dumps(SCHEMA)
+    kinds = [dict(structured_kind="json", structured_spec=spec), {},
+             dict(structured_kind="regex", structured_spec="[a-c]{2,4}!"),
+             dict(structured_kind="json", structured_spec=spec), {},
+             dict(structured_kind="choice", structured_spec='["yes", "no"]', structured_after_token_ids=[151668],
+                  logit_bias={151668: 100.0})]
+    for i, kw in enumerate(kinds):
+        sp = SamplingParams(temperature=1.0, seed=i, max_tokens=100, eos_token_ids=EOS_IDS, **kw)
+        core._accept_one(EngineCoreRequest(request_id=f"r{i}", external_req_id=f"r{i}", prompt_token_ids=PROMPT,
+                                           sampling_params=sp, client_id="c", arrival_time=time.time()))
+    try:
+        for _ in range(400):
+            if not core.running and not core.waiting:
+                break
+            core.step()
+            if core.waiting and not core.running:
+                core._wait_for_grammars()
+        outs = [o for o in core._pending["c"] if o.new_token_ids or o.finish_reason]
+    finally:
+        if core._masker is not None:
+            core._masker.shutdown()
+        core.grammars.shutdown()
+    assert not core.running and not core.waiting
+    ids = {f"r{i}": [t for o in outs if o.request_id == f"r{i}" for t in o.new_token_ids] for i in range(len(kinds))}
+    fins = {o.request_id: o for o in outs if o.finish_reason}
+    assert all(f.error is None for f in fins.values()), fins
+    for rid in ("r0", "r3"):
+        assert fins[rid].finish_reason == FINISH_STOP
+        jsonschema.validate(json.loads(text_of(tok, ids[rid])), SCHEMA)
+    assert re.fullmatch(r"[a-c]{2,4}!", text_of(tok, ids["r2"]))
+    assert ids["r5"][0] == 151668 and text_of(tok, ids["r5"][1:]) in ("yes", "no")
+    assert _CheckedCore.checked > 20
 
 
 # ----------------------------------------------------------------------------- the engine process
