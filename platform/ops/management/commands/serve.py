@@ -22,6 +22,12 @@ from inference.protocol.engine import replicas_index_key
 from registry.selectors import served_models_enabled
 
 
+# The render worker hands back a chat it fetched and has not started after this many seconds, so that one killed with
+# kill -9 has its fetched tasks answered late rather than refused after RENDER_WAIT_TIMEOUT_S (config/settings.py
+# CELERY_REDELIVER_AFTER_S; DECISIONS D-182).
+RENDER_REDELIVER_AFTER_S = 6
+
+
 def proxy_header_args() -> list[str]:
     """uvicorn options for proxy headers: ``--forwarded-allow-ips FORWARDED_ALLOW_IPS`` when the operator set
     that setting, else ``--no-proxy-headers`` (uvicorn would otherwise believe ``X-Forwarded-For`` from
@@ -126,7 +132,7 @@ class Command(BaseCommand):
         sup.start("worker", [py, "-m", "celery", "-A", "config", "worker", "-Q", "render",
                              "-c", str(opts["render_concurrency"]), "--pool", "prefork", "-n", "worker@%h",
                              "--without-gossip", "--without-mingle", "-l", "WARNING"],  # INFO would log prompts
-                  cpus=back_cpus)
+                  cpus=back_cpus, env_extra={"CELERY_REDELIVER_AFTER_S": str(RENDER_REDELIVER_AFTER_S)})
         # usage writes on their own worker: a database flush (up to 200 ms measured on SQLite under load) never
         # holds one of the render slots that every request's template and tokenization wait for
         sup.start("worker-usage", [py, "-m", "celery", "-A", "config", "worker", "-Q", "usage", "-c", "1",
@@ -181,7 +187,8 @@ class Command(BaseCommand):
                 # Engines, workers and the api processes are restartable. Requests an engine held fail with a
                 # clear error (the api notices a dead replica by its heartbeat); the clients of a dead api see
                 # their connection closed, its admission reservations are reaped once its lease lapses (≈ 6 s,
-                # inference/admission.py), its key-limit concurrency leases expire (tenancy/limits.py) and the
+                # inference/admission.py; by serve itself below, and by every api from its start), its key-limit
+                # concurrency leases expire (6 s, tenancy/limits.py) and the
                 # engines abort its requests when its liveness key lapses (DESIGN.md §6); new requests are
                 # served once it is back on its port. Redis is not: without it nothing can be served (and an
                 # embedded one lost its data), so everything stops. While the multimodal api is down, the front
