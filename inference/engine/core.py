@@ -214,8 +214,11 @@ class EngineCore:
             msg = EngineCoreOutputs(engine_id=self.engine_id, timestamp=ts, outputs=outs)
             pipe.xadd(outputs_stream(self.prefix, client_id), {"o": msg.to_wire()},
                       maxlen=OUTPUT_MAXLEN, approximate=True)
-        self._pending = {}
+        # kept until Redis took them: when it is down (a restart) the step loop retries, and the outputs of the
+        # steps meanwhile go out together once it is back, so no stream loses its tokens or its end (issue 17's
+        # Redis drill; DECISIONS D-183)
         pipe.execute()
+        self._pending = {}
 
     def _poll(self) -> None:
         """Read new requests and aborts; block briefly only when there is nothing to run."""
