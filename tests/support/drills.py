@@ -34,6 +34,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -111,14 +112,14 @@ def _ping(client: redis.Redis) -> bool:
 
 
 class PrivatePostgres:
-    """A PostgreSQL cluster of its own (``initdb`` in ``dir_`` as the ``postgres`` user, trust auth, loopback on a
-    free port, its socket in ``dir_``): the machine's PostgreSQL is never touched. ``available()`` says whether this
+    """A PostgreSQL cluster of its own (``initdb`` in a new temporary folder as the ``postgres`` user, trust auth,
+    loopback on a free port, its socket in that folder): the machine's PostgreSQL is never touched. ``available()`` says whether this
     machine can make one (the binaries, running as root to switch to ``postgres``). ``restart()``: a fast shutdown
     and start (``pg_ctl restart -m fast``, as a service restart); returns the seconds it took."""
 
-    def __init__(self, dir_: Path):
-        self.dir = dir_
-        self.data = dir_ / "data"
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="llmp-drill-pg-"))  # 0700, then the postgres user's alone
+        self.data = self.dir / "data"
         self.port = free_port()
         self.url = f"postgres://postgres@127.0.0.1:{self.port}/drills"
         self.bin = _pg_bin()
@@ -140,12 +141,7 @@ class PrivatePostgres:
         """``initdb`` (first time), start the server, create the ``drills`` database."""
         assert self.bin is not None
         first = not self.data.exists()
-        self.dir.mkdir(parents=True, exist_ok=True)
         pw = pwd.getpwnam("postgres")
-        for p in (self.dir, *self.dir.parents):  # postgres must reach its folder
-            if p == Path("/"):
-                break
-            os.chmod(p, os.stat(p).st_mode | 0o111)
         os.chown(self.dir, pw.pw_uid, pw.pw_gid)
         if first:
             self._as_postgres(str(self.bin / "initdb"), "-D", str(self.data), "-A", "trust", "-U", "postgres",
@@ -167,11 +163,12 @@ class PrivatePostgres:
         return time.monotonic() - t0
 
     def stop(self) -> None:
-        """An immediate shutdown (best effort)."""
+        """An immediate shutdown and its folder removed (best effort)."""
         try:
             self._pg_ctl("stop", "-m", "immediate", "-w", "-t", "30")
         except (subprocess.SubprocessError, OSError):
             pass
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _pg_bin() -> Path | None:
@@ -264,7 +261,7 @@ def start_drill_platform(tmp: Path, *, postgres: bool = False, serve_args: tuple
     concurrency limit) and ``manage.py serve --mm-api-workers 0``; return once it printed its banner. The caller
     stops it with ``stop_drill_platform``."""
     ensure_demo_assets()
-    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "var").mkdir(parents=True, exist_ok=True)
     priv = PrivateRedis(tmp / "redis")
     priv.start()
     pg = None
@@ -273,7 +270,7 @@ def start_drill_platform(tmp: Path, *, postgres: bool = False, serve_args: tuple
     env.pop("EMBEDDED_REDIS_PORT", None)
     try:
         if postgres:
-            pg = PrivatePostgres(tmp / "pg")
+            pg = PrivatePostgres()
             pg.start()
             env["DATABASE_URL"] = pg.url
         run_manage(env, "migrate", "--no-input", timeout=300)
@@ -446,11 +443,13 @@ def _replaced(plat: DrillPlatform, name: str, killed: int | None) -> bool:
 def run_drill(plat: DrillPlatform, name: str, *, requests: int = 12, spread_s: float = 2.0,
               kill_after_s: float | None = None, max_tokens: int = 48) -> DrillResult:
     """One drill (module docstring): ``requests`` chats over ``spread_s`` seconds, the fault ``kill_after_s`` after
-    the first (default: a render worker at once, so that renders are queued on it; anything else 0.6 s, with
-    streams under way), the state ``SETTLE_S`` later, then a wait (``BACK_WITHIN_S``) until the platform serves
+    the first (default: a render worker after 0.15 s of a 0.3 s spread, so that it dies with renders fetched and not
+    started; anything else 0.6 s, with streams under way), the state ``SETTLE_S`` later, then a wait (``BACK_WITHIN_S``) until the platform serves
     again."""
+    if name == "render-worker" and spread_s == 2.0:
+        spread_s = 0.3  # a backlog on the worker when it dies: tasks it fetched and had not started
     if kill_after_s is None:
-        kill_after_s = 0.05 if name == "render-worker" else 0.6
+        kill_after_s = 0.15 if name == "render-worker" else 0.6
     fault_at: list[float] = []
     killed: dict[str, object] = {}
 
