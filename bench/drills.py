@@ -47,6 +47,10 @@ def main() -> int:
                 res = run_drill(plat, name, requests=args.requests)
                 results.append(res)
                 print(f"{name}: {res.row()}", flush=True)
+                for o in res.outcomes:
+                    if o.kind != "ok":
+                        print(f"    {o.client_id} {'stream' if o.stream else 'plain'} {o.kind} {o.code} "
+                              f"after {o.seconds:.1f} s{' (sent after the fault)' if o.after_fault else ''}")
             usage_check(plat, results)
         finally:
             stop_drill_platform(plat)

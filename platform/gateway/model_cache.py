@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, fields
 from typing import Any
 
-from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async  # closes broken DB connections (a PostgreSQL restart)
 
 from inference.protocol.openai import SERVED_MODEL_NAME_RE
 from registry.selectors import served_model_snapshot
@@ -65,7 +65,7 @@ async def get_model(name: str) -> ModelSnapshot | None:
     if hit is not None and hit[0] > now:
         _cache.move_to_end(name)
         return hit[1]
-    raw = await sync_to_async(served_model_snapshot, thread_sensitive=False)(name)
+    raw = await database_sync_to_async(served_model_snapshot, thread_sensitive=False)(name)
     snap = ModelSnapshot.from_dict(raw) if raw is not None else None
     if snap is not None and not snap.enabled:
         snap = None
