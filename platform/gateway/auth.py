@@ -24,8 +24,9 @@ import time
 
 from channels.db import database_sync_to_async  # closes broken DB connections (a PostgreSQL restart)
 from django.conf import settings
+from django.db import DatabaseError
 
-from gateway.errors import ApiError, forbidden, unauthorized
+from gateway.errors import ApiError, database_unavailable, forbidden, unauthorized
 from gateway.pipeline.clients import redis
 from tenancy.invalidation import KEY_TOPIC, TENANT_TOPIC, auth_invalidation_channel, auth_invalidation_parse
 from tenancy.selectors import AuthContext, AuthRefusal, api_key_check
@@ -231,7 +232,10 @@ async def authenticate(headers: list[tuple[bytes, bytes]]) -> AuthContext:
     result = _cache.get(token, now)
     if result is None:
         generation = _cache.generation
-        result = await database_sync_to_async(api_key_check, thread_sensitive=False)(token)
+        try:
+            result = await database_sync_to_async(api_key_check, thread_sensitive=False)(token)
+        except DatabaseError:
+            raise database_unavailable() from None
         _cache.put(token, result, now + AUTH_CACHE_TTL_S, generation)
     if isinstance(result, AuthRefusal):
         refusal_count(result)
