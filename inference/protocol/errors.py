@@ -53,6 +53,7 @@ class ErrorCode(StrEnum):
     MM_UNAVAILABLE = "mm_unavailable"
     MM_INTERNAL_ERROR = "mm_internal_error"
     DATABASE_UNAVAILABLE = "database_unavailable"
+    SERVICE_UNAVAILABLE = "service_unavailable"
     INTERNAL_ERROR = "internal_error"
 
 

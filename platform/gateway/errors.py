@@ -79,6 +79,13 @@ def database_unavailable() -> ApiError:
                        ErrorCode.DATABASE_UNAVAILABLE)
 
 
+def redis_unavailable() -> ApiError:
+    """503 ``service_unavailable`` (``Retry-After: 1``): the platform's Redis (limits, admission, the engine link)
+    did not answer, e.g. while it restarts; a retry a second later is served."""
+    return unavailable("The platform's shared state is unreachable at the moment. Retry shortly.", 1,
+                       ErrorCode.SERVICE_UNAVAILABLE)
+
+
 def internal_error() -> ApiError:
     """HTTP 500 ``server_error`` (a defect; details go to the log, never to the client)."""
     return ApiError(500, INTERNAL_ERROR_MESSAGE, ErrorType.SERVER, None, ErrorCode.INTERNAL_ERROR)

@@ -16,6 +16,7 @@ from gateway.model_cache import ModelSnapshot
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
 from gateway.pipeline.clients import redis, retry_later
+from gateway.errors import redis_unavailable
 from gateway.pipeline.failures import api_error_from
 from inference.admission import estimate_prompt_tokens
 from inference.cancel_safe import take_or_undo
@@ -59,6 +60,9 @@ async def acquire(consumer: GatewayConsumer, ctx: AuthContext, tokens: int) -> L
                                    lambda taken: settle(taken, 0))
     except RateLimitExceeded as exc:
         raise api_error_from(exc) from None
+    except (RedisConnectionError, RedisTimeoutError):
+        # Redis restarting: a 503 the preamble records like a refusal (its usage event is sent once Redis is back)
+        raise redis_unavailable() from None
     consumer.extra_headers.extend(grant_headers(grant))
     return grant
 
