@@ -208,11 +208,30 @@ def main() -> int:
             print(f"serve ready in {time.monotonic() - t0:.0f} s; {args.minutes} min at {2 * args.capacity} clients "
                   f"(capacity {args.capacity})", flush=True)
             minutes = asyncio.run(drive(plat, args.minutes, 2 * args.capacity))
+            families = key_families(plat)
         finally:
             stop_drill_platform(plat)
     print()
     print(report(minutes))
+    print("Redis keys at the end, by family (digits and hex ids as #): " +
+          ", ".join(f"{k} {v}" for k, v in families[:8]))
     return 0
+
+
+def key_families(plat: DrillPlatform) -> list[tuple[str, int]]:
+    """Redis keys of the platform grouped by shape (runs of hex digits after a ``:`` or ``-`` as ``#``), most
+    numerous first: what Redis memory is made of."""
+    import re
+
+    r = plat.client()
+    try:
+        counts: dict[str, int] = {}
+        for key in r.scan_iter(count=1000):
+            shape = re.sub(r"(?<=[:\-])[0-9a-f]{4,}", "#", key.decode(errors="replace").replace(plat.prefix, "{p}"))
+            counts[shape] = counts.get(shape, 0) + 1
+        return sorted(counts.items(), key=lambda kv: -kv[1])
+    finally:
+        r.close()
 
 
 if __name__ == "__main__":

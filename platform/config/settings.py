@@ -26,7 +26,7 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
                             it: 408, connection closed. Default 120.
 ``REQUEST_BODY_IDLE_TIMEOUT_S``  seconds a gateway request's body may go without a byte. Default 30.
 ``LIMITS_SETTLED_MARKER_TTL_S``  seconds a settled key-limit grant's idempotency marker is kept (tenancy/limits.py;
-                            at least the lease TTL, 30 s). Default 600.
+                            at least the lease TTL, 6 s). Default 120.
 ``MM_TENANT_MAX_CONCURRENT``  image (``mm``) tasks a tenant may have queued or running at once, all api processes
                             together (gateway/pipeline/media.py); one more: 429. 0 = no bound. Default 2.
 ``MM_WAIT_TIMEOUT_S``       seconds the gateway waits for an ``mm`` worker's answer; past it: 503. Default 60.
@@ -379,7 +379,7 @@ AUDITLOG_DISABLE_REMOTE_ADDR = False  # filled from REMOTE_ADDR by audit.context
 MAX_API_KEYS_PER_TENANT = int(_env_first("MAX_API_KEYS_PER_TENANT", default="1000"))
 
 # --- key limits (tenancy.limits), admission (admission.apps), bootstrap and serve (ops) ---------------------
-LIMITS_SETTLED_MARKER_TTL_S = float(_env_first("LIMITS_SETTLED_MARKER_TTL_S", default="600"))
+LIMITS_SETTLED_MARKER_TTL_S = float(_env_first("LIMITS_SETTLED_MARKER_TTL_S", default="120"))
 ADMISSION_REPUBLISH_S = float(_env_first("ADMISSION_REPUBLISH_S", default="10"))
 OPERATOR_PASSWORD = _env_first("OPERATOR_PASSWORD")
 SERVE_PORT = int(_env_first("PORT", default="8000"))
