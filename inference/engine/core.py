@@ -241,6 +241,9 @@ class EngineCore:
         pipe = self.redis.pipeline(transaction=False)
         if accepted_ids:
             pipe.xack(self.req_key, ENGINE_GROUP, *accepted_ids)
+            # an accepted entry is never read again (only pending ones are reclaimed): deleted, so the stream holds
+            # what is queued, not the last 10,000 requests (Redis memory flat under steady load; DECISIONS D-188)
+            pipe.xdel(self.req_key, *accepted_ids)
         pipe.xread({self.ctl_key: self._ctl_last}, count=1000)
         ctl = pipe.execute()[-1]
         for _stream, entries in ctl or []:
