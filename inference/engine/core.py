@@ -214,8 +214,11 @@ class EngineCore:
             msg = EngineCoreOutputs(engine_id=self.engine_id, timestamp=ts, outputs=outs)
             pipe.xadd(outputs_stream(self.prefix, client_id), {"o": msg.to_wire()},
                       maxlen=OUTPUT_MAXLEN, approximate=True)
-        self._pending = {}
+        # kept until Redis took them: when it is down (a restart) the step loop retries, and the outputs of the
+        # steps meanwhile go out together once it is back, so no stream loses its tokens or its end (issue 17's
+        # Redis drill; DECISIONS D-183)
         pipe.execute()
+        self._pending = {}
 
     def _poll(self) -> None:
         """Read new requests and aborts; block briefly only when there is nothing to run."""
@@ -238,6 +241,9 @@ class EngineCore:
         pipe = self.redis.pipeline(transaction=False)
         if accepted_ids:
             pipe.xack(self.req_key, ENGINE_GROUP, *accepted_ids)
+            # an accepted entry is never read again (only pending ones are reclaimed): deleted, so the stream holds
+            # what is queued, not the last 10,000 requests (Redis memory flat under steady load; DECISIONS D-188)
+            pipe.xdel(self.req_key, *accepted_ids)
         pipe.xread({self.ctl_key: self._ctl_last}, count=1000)
         ctl = pipe.execute()[-1]
         for _stream, entries in ctl or []:

@@ -52,6 +52,8 @@ class ErrorCode(StrEnum):
     RENDER_INTERNAL_ERROR = "render_internal_error"
     MM_UNAVAILABLE = "mm_unavailable"
     MM_INTERNAL_ERROR = "mm_internal_error"
+    DATABASE_UNAVAILABLE = "database_unavailable"
+    SERVICE_UNAVAILABLE = "service_unavailable"
     INTERNAL_ERROR = "internal_error"
 
 

@@ -1,6 +1,7 @@
 """ASGI entry point: Channels ``ProtocolTypeRouter``.
 
-WebSockets (live usage dashboards) go to ``usage.routing``. HTTP requests under the gateway prefixes (``/v1/``, ``/health``, ``/tokenize``, ...) go to the gateway's
+WebSockets (live usage dashboards) go to ``usage.routing``; the ASGI lifespan to ``gateway.lifespan`` (the
+admission lease and reaper start with the process). HTTP requests under the gateway prefixes (``/v1/``, ``/health``, ``/tokenize``, ...) go to the gateway's
 Channels consumers; everything else (admin, REST control API, dashboards) goes to Django's ASGI handler.
 """
 
@@ -18,6 +19,7 @@ from django.conf import settings  # noqa: E402
 from config.body_limit import BodyLimitMiddleware  # noqa: E402
 from gateway import handoff, ingress  # noqa: E402
 from gateway.http import MAX_BODY_BYTES  # noqa: E402
+from gateway.lifespan import lifespan  # noqa: E402  (admission lease and reaper from start-up)
 from gateway.routing import GATEWAY_PREFIXES, http_urlpatterns  # noqa: E402
 from usage.routing import websocket_application  # noqa: E402  (live dashboard updates)
 
@@ -44,7 +46,7 @@ async def http_router(scope, receive, send):
     return await _django(scope, receive, send)
 
 
-application = ProtocolTypeRouter({"http": http_router, "websocket": websocket_application})
+application = ProtocolTypeRouter({"http": http_router, "websocket": websocket_application, "lifespan": lifespan})
 
 from config.gc_tuning import freeze_startup_objects  # noqa: E402
 

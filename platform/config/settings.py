@@ -26,7 +26,7 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
                             it: 408, connection closed. Default 120.
 ``REQUEST_BODY_IDLE_TIMEOUT_S``  seconds a gateway request's body may go without a byte. Default 30.
 ``LIMITS_SETTLED_MARKER_TTL_S``  seconds a settled key-limit grant's idempotency marker is kept (tenancy/limits.py;
-                            at least the lease TTL, 30 s). Default 600.
+                            at least the lease TTL, 6 s). Default 120.
 ``MM_TENANT_MAX_CONCURRENT``  image (``mm``) tasks a tenant may have queued or running at once, all api processes
                             together (gateway/pipeline/media.py); one more: 429. 0 = no bound. Default 2.
 ``MM_WAIT_TIMEOUT_S``       seconds the gateway waits for an ``mm`` worker's answer; past it: 503. Default 60.
@@ -39,6 +39,9 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
 ``RENDER_INLINE_MAX_CHARS``  on the ``celery`` route, a template-free prompt of at most this many characters is
                             tokenized in-process; 0 = never. Default 4096.
 ``RENDER_WAIT_TIMEOUT_S``   seconds the gateway waits for a render worker's answer; past it: 503. Default 20.
+``CELERY_REDELIVER_AFTER_S``  seconds after which a Celery worker hands back a task it fetched and did not start
+                            (so a killed worker's tasks go to another); 0 = kombu's 1 h. ``manage.py serve`` sets 6
+                            for its render worker. Default 0.
 ``MULTIMODAL_API_SOCKET``   unix socket of a multimodal api process (uvicorn ``--uds``) that this api process
                             hands image chats to (gateway/handoff.py). Set by ``manage.py serve`` for the front
                             api. Default empty: image chats are served here.
@@ -306,7 +309,18 @@ if CELERY_BROKER_URL.startswith("redis://"):
 CELERY_RESULT_EXPIRES = 3600
 # Queues live under the platform's own prefix, so deployments (or test platforms) sharing one Redis never
 # consume each other's tasks.
-CELERY_BROKER_TRANSPORT_OPTIONS = {"global_keyprefix": f"{LINK_PREFIX}:celery:"}
+CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {"global_keyprefix": f"{LINK_PREFIX}:celery:"}
+# A worker started with CELERY_REDELIVER_AFTER_S > 0 (serve's render worker: 6) hands a task it fetched and did not
+# start within that many seconds back to the queue; one of a worker killed with kill -9 is then served by another
+# (or its replacement) instead of waiting out RENDER_WAIT_TIMEOUT_S (kombu's visibility timeout, 1 h by default).
+# Its unacknowledged index is its own, so it never hands back other queues' tasks (usage flushes, images).
+# DECISIONS D-182.
+CELERY_REDELIVER_AFTER_S = float(_env_first("CELERY_REDELIVER_AFTER_S", default="0") or 0)
+if CELERY_REDELIVER_AFTER_S > 0:
+    CELERY_BROKER_TRANSPORT_OPTIONS.update({
+        "visibility_timeout": CELERY_REDELIVER_AFTER_S, "unacked_key": "unacked_redeliver",
+        "unacked_index_key": "unacked_redeliver_index", "unacked_mutex_key": "unacked_redeliver_mutex",
+        "unacked_restore_interval": 1, "unacked_restore_throttle": 1})
 CELERY_TASK_SERIALIZER = "json"
 CELERY_RESULT_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
@@ -365,7 +379,7 @@ AUDITLOG_DISABLE_REMOTE_ADDR = False  # filled from REMOTE_ADDR by audit.context
 MAX_API_KEYS_PER_TENANT = int(_env_first("MAX_API_KEYS_PER_TENANT", default="1000"))
 
 # --- key limits (tenancy.limits), admission (admission.apps), bootstrap and serve (ops) ---------------------
-LIMITS_SETTLED_MARKER_TTL_S = float(_env_first("LIMITS_SETTLED_MARKER_TTL_S", default="600"))
+LIMITS_SETTLED_MARKER_TTL_S = float(_env_first("LIMITS_SETTLED_MARKER_TTL_S", default="120"))
 ADMISSION_REPUBLISH_S = float(_env_first("ADMISSION_REPUBLISH_S", default="10"))
 OPERATOR_PASSWORD = _env_first("OPERATOR_PASSWORD")
 SERVE_PORT = int(_env_first("PORT", default="8000"))

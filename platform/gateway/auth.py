@@ -7,7 +7,8 @@ entries at once, so a revoked key is refused everywhere within milliseconds (DES
 tests/security/test_revocation_live.py). The 1 s lifetime stays as the fallback: a process clears its whole cache
 whenever it (re)subscribes, since messages sent while it was not listening are lost. A lookup that was running when
 an invalidation arrived is not cached (``_AuthCache.generation``). The ORM lookup runs off the event loop
-(``sync_to_async``).
+(``channels.db.database_sync_to_async``: a connection broken by a PostgreSQL restart is dropped, the next lookup
+connects again).
 
 Refused keys are counted in Redis for ``/metrics`` (``gateway_auth_refusals_total{reason,key_prefix}``): the
 prefix is a label only for an existing key presented with its own secret and refused as revoked, expired or of an
@@ -21,10 +22,11 @@ import asyncio
 import logging
 import time
 
-from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async  # closes broken DB connections (a PostgreSQL restart)
 from django.conf import settings
+from django.db import DatabaseError
 
-from gateway.errors import ApiError, forbidden, unauthorized
+from gateway.errors import ApiError, database_unavailable, forbidden, unauthorized
 from gateway.pipeline.clients import redis
 from tenancy.invalidation import KEY_TOPIC, TENANT_TOPIC, auth_invalidation_channel, auth_invalidation_parse
 from tenancy.selectors import AuthContext, AuthRefusal, api_key_check
@@ -230,7 +232,10 @@ async def authenticate(headers: list[tuple[bytes, bytes]]) -> AuthContext:
     result = _cache.get(token, now)
     if result is None:
         generation = _cache.generation
-        result = await sync_to_async(api_key_check, thread_sensitive=False)(token)
+        try:
+            result = await database_sync_to_async(api_key_check, thread_sensitive=False)(token)
+        except DatabaseError:
+            raise database_unavailable() from None
         _cache.put(token, result, now + AUTH_CACHE_TTL_S, generation)
     if isinstance(result, AuthRefusal):
         refusal_count(result)

@@ -72,6 +72,20 @@ def unavailable(message: str, retry_after_s: int = 1, code: str = ErrorCode.SERV
     return ApiError(503, message, ErrorType.SERVER, None, code, [("retry-after", str(max(1, int(retry_after_s))))])
 
 
+def database_unavailable() -> ApiError:
+    """503 ``database_unavailable`` (``Retry-After: 1``): a lookup the request needs (its key, its model) could not
+    reach the database (a PostgreSQL restart); the next request connects again (``channels.db``)."""
+    return unavailable("The platform's database is unreachable at the moment. Retry shortly.", 1,
+                       ErrorCode.DATABASE_UNAVAILABLE)
+
+
+def redis_unavailable() -> ApiError:
+    """503 ``service_unavailable`` (``Retry-After: 1``): the platform's Redis (limits, admission, the engine link)
+    did not answer, e.g. while it restarts; a retry a second later is served."""
+    return unavailable("The platform's shared state is unreachable at the moment. Retry shortly.", 1,
+                       ErrorCode.SERVICE_UNAVAILABLE)
+
+
 def internal_error() -> ApiError:
     """HTTP 500 ``server_error`` (a defect; details go to the log, never to the client)."""
     return ApiError(500, INTERNAL_ERROR_MESSAGE, ErrorType.SERVER, None, ErrorCode.INTERNAL_ERROR)

@@ -21,8 +21,9 @@ from channels.exceptions import StopConsumer
 from channels.consumer import get_handler_name
 from channels.generic.http import AsyncHttpConsumer
 from django.conf import settings
+from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
-from gateway.errors import ApiError, ErrorCode, ErrorType, error_body, internal_error
+from gateway.errors import ApiError, ErrorCode, ErrorType, error_body, internal_error, redis_unavailable
 from inference.protocol.openai import parse_json_body
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,12 @@ class GatewayConsumer(AsyncHttpConsumer):
                 await self.send_sse_error(err)
             else:
                 await self.send_error(err)
+        except (RedisConnectionError, RedisTimeoutError) as exc:  # Redis restarting: retryable, not a defect
+            log.warning("Redis unreachable on %s: %s", self.scope.get("path"), exc)
+            if self._started:
+                await self.send_sse_error(redis_unavailable())
+            else:
+                await self.send_error(redis_unavailable())
         except Exception:  # a 500 is a defect, but the client still gets an envelope
             log.exception("unhandled error on %s", self.scope.get("path"))
             internal = internal_error()

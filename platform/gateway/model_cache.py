@@ -15,7 +15,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, fields
 from typing import Any
 
-from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async  # closes broken DB connections (a PostgreSQL restart)
+from django.db import DatabaseError
+
+from gateway.errors import database_unavailable
 
 from inference.protocol.openai import SERVED_MODEL_NAME_RE
 from registry.selectors import served_model_snapshot
@@ -57,7 +60,8 @@ _cache: OrderedDict[str, tuple[float, ModelSnapshot | None]] = OrderedDict()
 
 
 async def get_model(name: str) -> ModelSnapshot | None:
-    """Snapshot of the enabled served model ``name`` or ``None`` (unknown, disabled or not a valid name)."""
+    """Snapshot of the enabled served model ``name`` or ``None`` (unknown, disabled or not a valid name). Raises
+    ``ApiError`` 503 ``database_unavailable`` when the lookup cannot reach the database."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         return None
     now = time.monotonic()
@@ -65,7 +69,10 @@ async def get_model(name: str) -> ModelSnapshot | None:
     if hit is not None and hit[0] > now:
         _cache.move_to_end(name)
         return hit[1]
-    raw = await sync_to_async(served_model_snapshot, thread_sensitive=False)(name)
+    try:
+        raw = await database_sync_to_async(served_model_snapshot, thread_sensitive=False)(name)
+    except DatabaseError:
+        raise database_unavailable() from None
     snap = ModelSnapshot.from_dict(raw) if raw is not None else None
     if snap is not None and not snap.enabled:
         snap = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async  # closes broken DB connections (a PostgreSQL restart)
 
 from gateway import auth
 from gateway.errors import ErrorCode, not_found
@@ -32,7 +32,7 @@ class ModelsConsumer(GatewayConsumer):
             await self._answer(ctx)
 
     async def _answer(self, ctx: AuthContext) -> None:
-        models = await sync_to_async(lambda: list(served_models_enabled()), thread_sensitive=False)()
+        models = await database_sync_to_async(lambda: list(served_models_enabled()), thread_sensitive=False)()
         cards = [_model_card(m) for m in models
                  if not ctx.allowed_models or m.served_model_name in ctx.allowed_models]
         wanted = self.scope["url_route"]["kwargs"].get("model")

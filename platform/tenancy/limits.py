@@ -37,7 +37,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
-LEASE_TTL_S = 30.0
+# A concurrency lease lives this long without a renewal (seconds); a live grant renews it every third of it
+# (``_keepalive``), so a process that died frees its slots within ``LEASE_TTL_S`` of its last renewal: inside the
+# 10 s the fault drills allow (issue 17, DECISIONS D-181; it was 30 s). Two renewals may be missed, i.e. a loop
+# stalled ~4 s, before a live request's slot lapses.
+LEASE_TTL_S = 6.0
 # 429 codes by the limit that tripped (values of inference.protocol.errors.ErrorCode; this module stays
 # importable without the repository root on sys.path, so they are spelled here; tests/test_architecture.py checks)
 LIMIT_CODES = {"rpm": "rate_limit_exceeded", "tpm": "rate_limit_exceeded",
@@ -48,9 +52,12 @@ BUDGET_PERIODS = ("day", "week", "month")
 # settling idempotent; the only second settle of a grant is a retry of the same request's exit path (a repeated
 # EVAL after a Redis timeout, a second ``finally``), which comes within seconds of the first, while the request
 # that holds the grant is still finishing. Any TTL longer than that window, and longer than a lease
-# (``LEASE_TTL_S``, so a marker never outlives nothing it guards), is correct; 10 minutes leaves a wide margin and
-# keeps at most 10 minutes of request rate in markers (24 h kept 86 million keys at 1,000 requests/s).
-SETTLED_MARKER_TTL_S = 600.0
+# (``LEASE_TTL_S``, so a marker never outlives nothing it guards), is correct. Two minutes covers the gateway's
+# background retry of a settle while Redis restarts (60 s, gateway/pipeline/clients.py ``retry_later``) with margin,
+# and keeps two minutes of request rate in markers: Redis's memory is flat from the second minute of steady load
+# (10 minutes made it grow for ten: +20 % a minute in bench/soak.py; 24 h kept 86 million keys at 1,000 requests/s).
+# DECISIONS D-186.
+SETTLED_MARKER_TTL_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from asgiref.sync import sync_to_async
+from channels.db import database_sync_to_async  # closes broken DB connections (a PostgreSQL restart)
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.contrib.auth import get_user_model
 
@@ -113,7 +113,7 @@ class UsageLiveConsumer(AsyncJsonWebsocketConsumer):
             return
         user_pk = self.scope["user"].pk
         view = dict(self.view)
-        resolved = await sync_to_async(_resolve, thread_sensitive=False)(user_pk, view["operator"],
+        resolved = await database_sync_to_async(_resolve, thread_sensitive=False)(user_pk, view["operator"],
                                                                          view["api_key_id"])
         if resolved is _REFUSED:
             await self._refuse()
@@ -123,11 +123,11 @@ class UsageLiveConsumer(AsyncJsonWebsocketConsumer):
             return
         tenant_id, key_id = resolved
         if view["operator"]:
-            data = await sync_to_async(operator_payload, thread_sensitive=False)(
+            data = await database_sync_to_async(operator_payload, thread_sensitive=False)(
                 range_name=view["range"], tenant_id=view["tenant"], api_key_id=key_id, q=view["q"] or None,
                 page=view["page"])
         else:
-            data = await sync_to_async(dashboard_payload, thread_sensitive=False)(
+            data = await database_sync_to_async(dashboard_payload, thread_sensitive=False)(
                 range_name=view["range"], tenant_id=tenant_id, api_key_id=key_id)
         if self.refused:  # refused by a push that overtook this one
             return

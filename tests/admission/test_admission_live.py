@@ -235,6 +235,36 @@ def test_kill_9_of_api_process_recovers(live):
     wait_for(lambda: counters(live) == (0, 0), 60, "counters recovered after kill -9")
 
 
+def test_a_fresh_api_reaps_dead_reservations_before_any_request(live):
+    """The lease loop starts with the api process (ASGI lifespan, gateway/lifespan.py), not at its first request: an
+    api started on a key prefix of its own, that no request ever reaches, reaps a reservation whose holder died
+    (planted by a holder that stops refreshing its lease). Nothing else runs on that prefix, so only it can."""
+    prefix = f"{live.prefix}lf"
+    # processes an earlier test killed on purpose (api3) would fail the supervisor's wait for this one
+    live.sup.children[:] = [c for c in live.sup.children if c.proc is None or c.proc.poll() is None]
+    child, _base = live.start_api("api-lifespan", env_extra={"LINK_PREFIX": prefix})
+    try:
+        async def plant() -> None:
+            import redis.asyncio as aioredis
+
+            dead = adm.Admission(redis=aioredis.Redis.from_url(live.redis_url), prefix=prefix)
+            await dead.precheck(MODEL, "req-of-a-dead-api", 2, 30)  # its lease loop never runs: a dead holder
+            await dead.redis.aclose()
+        asyncio.run(plant())
+        planted = time.monotonic()
+        assert adm.model_snapshot(live.redis, prefix, MODEL)["queued_reqs"] == 2
+        wait_for(lambda: adm.model_snapshot(live.redis, prefix, MODEL)["queued_reqs"] == 0,
+                 adm.LEASE_TTL_S + adm.LEASE_REFRESH_S + 5, "the request-less api to reap the dead reservation")
+        assert time.monotonic() - planted >= adm.LEASE_TTL_S - 0.5  # reaped by the lease, not by accident
+        assert adm.model_snapshot(live.redis, prefix, MODEL)["queued_tokens"] == 0
+    finally:
+        os.killpg(child.proc.pid, signal.SIGTERM)
+        child.proc.wait(30)
+        live.sup.children.remove(child)
+        for key in live.redis.scan_iter(match=f"{prefix}:*"):
+            live.redis.delete(key)
+
+
 def test_metrics_endpoint(live):
     r = httpx.get(f"{live.base_url}/metrics")
     assert r.status_code == 401

@@ -196,3 +196,31 @@ def test_reservation_and_str_headers():
 
 def test_grant_is_a_plain_dataclass():
     assert LimitGrant(grant_id="x", key_id=1, tenant_id=1, reserved_tokens=0, lease_ttl_s=1).is_noop
+
+
+async def test_killed_holder_frees_its_slot_within_ten_seconds_and_a_live_one_keeps_it(redis_url, aredis, prefix):
+    """Issue 17's drill goal in small: a process holding a concurrency slot (default lease, keepalive) keeps it past
+    the lease's TTL while it lives, and once it is ``kill -9``-ed its slot is free within ``LEASE_TTL_S`` (≤ 10 s),
+    not 30 s as before (DECISIONS D-181)."""
+    from tenancy.limits import LEASE_TTL_S
+
+    assert LEASE_TTL_S <= 8
+    ctx = Ctx(8, 8, key_limits=Limits(max_concurrent=1))
+    holder = subprocess.Popen([sys.executable, str(Path(__file__).with_name("lease_holder.py")), redis_url, prefix,
+                               "8"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        await asyncio.sleep(LEASE_TTL_S * 1.5)  # past the first lease: only the keepalive keeps it
+        assert (await limits_usage(aredis, prefix, ctx))["key"]["concurrent"] == 1
+        with pytest.raises(RateLimitExceeded):
+            await limits_acquire(aredis, prefix, ctx, max_tokens_reserved=1, keepalive=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    killed = time.monotonic()
+    while (await limits_usage(aredis, prefix, ctx))["key"]["concurrent"] and time.monotonic() - killed < 20:
+        await asyncio.sleep(0.1)
+    freed_s = time.monotonic() - killed
+    assert freed_s <= LEASE_TTL_S + 0.5 and freed_s < 10, freed_s
+    g = await limits_acquire(aredis, prefix, ctx, max_tokens_reserved=1, keepalive=False)
+    await limits_settle(aredis, prefix, g, actual_tokens=1)

@@ -8,7 +8,9 @@ import asyncio
 import logging
 
 from gateway.model_cache import ModelSnapshot
-from gateway.pipeline.clients import admission
+from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
+
+from gateway.pipeline.clients import admission, retry_later
 from gateway.pipeline.failures import api_error_from
 from inference.admission import AdmissionRefused, Reservation, estimate_prompt_tokens
 
@@ -49,11 +51,16 @@ async def release_prefill(reservation: Reservation | None, index: int, ttft_s: f
 
 
 async def release(reservation: Reservation | None) -> None:
-    """Release what ``reservation`` still holds (idempotent; errors are logged, never raised: the lease reaper
-    is the backstop)."""
+    """Release what ``reservation`` still holds (idempotent; errors are logged, never raised). When Redis is
+    unreachable (a restart) the release is retried in the background (``retry_later``): this process's lease stays
+    alive, so the reaper would never free it. The lease reaper is the backstop when the process dies."""
     if reservation is None or reservation.released:
         return
     try:
         await asyncio.shield(admission().release(reservation))
+    except (RedisConnectionError, RedisTimeoutError, OSError):
+        again = Reservation(model=reservation.model, request_id=reservation.request_id, n=reservation.n,
+                            prompt_tokens=reservation.prompt_tokens, reservation_id=reservation.reservation_id)
+        retry_later(lambda: admission().release(again), f"admission release of {reservation.request_id}")
     except Exception:
         log.exception("admission release failed for %s", reservation.request_id)

@@ -4,14 +4,22 @@ admission client. Every gateway module gets them here (nothing else builds a Red
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from typing import Any, Awaitable, Callable
 
 import redis.asyncio as aioredis
 from django.conf import settings
+from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
 from inference.admission import Admission
 from inference.engine_client import EngineLink
 
+log = logging.getLogger(__name__)
+
 _pools: dict[int, tuple[asyncio.AbstractEventLoop, aioredis.Redis]] = {}
+_retries: set[asyncio.Task[None]] = set()
+RETRY_WITHIN_S = 60.0  # how long a write that Redis refused is retried (a Redis restart takes seconds)
 
 
 def redis() -> aioredis.Redis:
@@ -33,3 +41,30 @@ def link() -> EngineLink:
 def admission() -> Admission:
     """This process's shared-admission client (DESIGN.md §3)."""
     return Admission.for_current_process(settings.REDIS_URL, settings.LINK_PREFIX)
+
+
+def retry_later(call: Callable[[], Awaitable[Any]], what: str, within_s: float = RETRY_WITHIN_S) -> None:
+    """Retry an idempotent Redis write that failed because Redis was unreachable (a restart), in the background:
+    ``call()`` again after 0.25 s, doubling to 2 s, until it succeeds or ``within_s`` seconds have passed (then
+    logged). For what must not be lost while this process lives: a request's admission release (its holder's lease
+    stays alive, so the reaper would never free it), its key-limit settle, its usage event. Never raises; the task
+    is kept referenced until it ends. DECISIONS D-183."""
+    async def run() -> None:
+        deadline = time.monotonic() + within_s
+        delay = 0.25
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                await call()
+                return
+            except (RedisConnectionError, RedisTimeoutError, OSError):
+                if time.monotonic() + delay > deadline:
+                    log.exception("%s: Redis still unreachable after %.0f s; given up", what, within_s)
+                    return
+                delay = min(2.0, delay * 2)
+            except Exception:
+                log.exception("%s failed", what)
+                return
+    task = asyncio.get_running_loop().create_task(run(), name=f"retry {what}")
+    _retries.add(task)
+    task.add_done_callback(_retries.discard)

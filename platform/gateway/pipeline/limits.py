@@ -7,12 +7,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import AsyncIterator
 
 from django.conf import settings
 
 from gateway.model_cache import ModelSnapshot
-from gateway.pipeline.clients import redis
+from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
+
+from gateway.pipeline.clients import redis, retry_later
+from gateway.errors import redis_unavailable
 from gateway.pipeline.failures import api_error_from
 from inference.admission import estimate_prompt_tokens
 from inference.cancel_safe import take_or_undo
@@ -56,6 +60,9 @@ async def acquire(consumer: GatewayConsumer, ctx: AuthContext, tokens: int) -> L
                                    lambda taken: settle(taken, 0))
     except RateLimitExceeded as exc:
         raise api_error_from(exc) from None
+    except (RedisConnectionError, RedisTimeoutError):
+        # Redis restarting: a 503 the preamble records like a refusal (its usage event is sent once Redis is back)
+        raise redis_unavailable() from None
     consumer.extra_headers.extend(grant_headers(grant))
     return grant
 
@@ -78,10 +85,16 @@ async def settle(grant: LimitGrant | None, actual_tokens: int) -> None:
     expires by itself if this fails)."""
     if grant is None:
         return
+    marker_ttl_s = max(LEASE_TTL_S, settings.LIMITS_SETTLED_MARKER_TTL_S)
     try:
-        marker_ttl_s = max(LEASE_TTL_S, settings.LIMITS_SETTLED_MARKER_TTL_S)
         await asyncio.shield(limits_settle(redis(), settings.LINK_PREFIX, grant, actual_tokens=actual_tokens,
                                            marker_ttl_s=marker_ttl_s))
+    except (RedisConnectionError, RedisTimeoutError, OSError):
+        # Redis unreachable (a restart): the slot's lease lapses by itself, but the TPM refund and the budget's
+        # settlement would be lost; settled again in the background (the settled marker makes it idempotent)
+        again = replace(grant, settled=False, _keepalive=None)
+        retry_later(lambda: limits_settle(redis(), settings.LINK_PREFIX, again, actual_tokens=actual_tokens,
+                                          marker_ttl_s=marker_ttl_s), f"rate-limit settle of {grant.grant_id}")
     except Exception:
         log.exception("rate-limit settle failed")
 

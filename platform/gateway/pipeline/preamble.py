@@ -106,20 +106,22 @@ def _body_request_id(req: Any) -> str | None:
 
 async def preamble(consumer: GatewayConsumer, body: bytes, schema: Callable[[dict[str, Any]], Any] | type,
                    id_prefix: str, body_id: Callable[[Any], str | None] = _body_request_id,
-                   on_refused: Callable[[AuthContext, ApiError], None] | None = None) -> Preamble:
+                   on_refused: Callable[[AuthContext, ApiError, str], None] | None = None) -> Preamble:
     """DESIGN.md §2 steps 1-2 for the inference endpoints: authenticate (401; 403 without the ``inference``
     scope), take the key's request (RPM) and concurrency limits before any work (``limits.acquire`` of 0
     tokens; 429: the body is never parsed), parse and validate ``body`` with ``schema`` (400 naming the
     field), and echo the client's request id (``X-Request-Id`` header, else ``body_id(req)``, else random).
     On any failure after the limits were taken they are released (settled on 0 tokens) before raising.
-    ``on_refused(ctx, err)`` is called when the limits refuse the request (it records the 429's usage: the
+    ``on_refused(ctx, err, client_id)`` is called when the limits refuse the request (``client_id``: the cleaned
+    ``X-Request-Id`` header, or empty; it records the 429's usage: the
     request holds nothing yet, and its body is never read)."""
     ctx = await authenticate(consumer)
     try:
         grant = await limits.acquire(consumer, ctx, 0)
     except ApiError as err:
         if on_refused is not None:
-            on_refused(ctx, err)
+            header = consumer.header(b"x-request-id")
+            on_refused(ctx, err, clean_request_id(header.decode("latin-1"))[:200] if header else "")
         raise
     try:
         req = await parse(body, schema)

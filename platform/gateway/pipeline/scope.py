@@ -60,14 +60,15 @@ def _background(coro: Coroutine[Any, Any, None]) -> None:
     task.add_done_callback(_background_tasks.discard)
 
 
-def record_refusal(endpoint: str) -> Callable[[AuthContext, ApiError], None]:
+def record_refusal(endpoint: str) -> Callable[[AuthContext, ApiError, str], None]:
     """An ``on_refused`` for ``preamble.preamble``: records the usage event (status of the error, no model, no
     tokens) of a request the key's limits refused before its body was read, in the background (the refusal is
-    answered at once)."""
+    answered at once). Its ``request_id`` is ``refused-<client id>-<24 hex>`` (``refused-<24 hex>`` without an
+    ``X-Request-Id``), unique however often a client repeats its id."""
 
-    def record(ctx: AuthContext, err: ApiError) -> None:
-        recorder = UsageRecorder(endpoint, f"refused-{secrets.token_hex(12)}", time.time(), ctx, None,
-                                 status_code=err.status)
+    def record(ctx: AuthContext, err: ApiError, client_id: str) -> None:
+        rid = f"refused-{client_id}-{secrets.token_hex(12)}" if client_id else f"refused-{secrets.token_hex(12)}"
+        recorder = UsageRecorder(endpoint, rid, time.time(), ctx, None, status_code=err.status)
         _background(recorder.emit())
 
     return record

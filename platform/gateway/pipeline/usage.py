@@ -9,7 +9,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.pipeline.clients import redis
+from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
+
+from gateway.pipeline.clients import redis, retry_later
 from inference.protocol.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from usage.events import usage_event_emit
 
@@ -83,7 +85,12 @@ class UsageRecorder:
         if self._emitted or self.ctx is None:
             return
         self._emitted = True
+        event = self.event(time.time())
         try:
-            await asyncio.shield(usage_event_emit(redis(), self.event(time.time())))
+            await asyncio.shield(usage_event_emit(redis(), event))
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            # Redis unreachable (a restart): sent again in the background; a second copy is harmless (the record's
+            # request_id is unique, usage/record_insert.py)
+            retry_later(lambda: usage_event_emit(redis(), event), f"usage event of {self.request_id}")
         except Exception:  # usage must never break the response
             log.exception("usage event emit failed for %s", self.request_id)

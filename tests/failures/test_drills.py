@@ -1,0 +1,54 @@
+"""Fault drills (issue 17), each during a burst of mixed streaming and non-streaming chats against ``manage.py serve``
+(tests/support/drills.py): ``kill -9`` of the api process, a render worker, the engine, the usage worker and beat,
+and restarts of the platform's (private) Redis and, where this machine can make a private cluster, PostgreSQL.
+Goals asserted for each: no request hung, every failure clean (an OpenAI error envelope, an in-band stream error or
+a closed connection), no admission reservation and no key-limit slot held 10 s later, and, over all drills, no
+usage record lost or doubled. A render worker's fetched requests are answered late, not failed. One platform serves
+every drill; ``bench/drills.py`` prints the same figures as a table."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.drills import (PrivatePostgres, DrillResult, run_drill, start_drill_platform, stop_drill_platform,
+                                  table, usage_check)
+
+pytestmark = pytest.mark.timeout(1200)
+RESULTS: list[DrillResult] = []
+POSTGRES = PrivatePostgres.available()
+DRILLS = ["api", "render-worker", "engine", "usage-worker", "beat", "redis-restart"] + (
+    ["postgres-restart"] if POSTGRES else [])
+
+
+@pytest.fixture(scope="module")
+def plat(tmp_path_factory):
+    platform = start_drill_platform(tmp_path_factory.mktemp("drills"), postgres=POSTGRES)
+    yield platform
+    stop_drill_platform(platform)
+
+
+@pytest.mark.parametrize("name", DRILLS)
+def test_drill(plat, name):
+    res = run_drill(plat, name, requests=12)
+    RESULTS.append(res)
+    print("\n" + table([res]))
+    bad = [o for o in res.outcomes if o.kind in ("hung", "unclean")]
+    assert not bad, bad
+    assert (res.held_reqs, res.held_slots) == (0, 0), res.row()
+    if name != "api":  # only a dead api cuts connections
+        assert res.count("closed") == 0, res.outcomes
+    if name == "render-worker":
+        # what the dead worker had fetched is not lost (handed back after 6 s, D-182): every request sent before the
+        # kill is answered; one sent after it waits for the replacement, and is refused (503 render_unavailable)
+        # only when that takes longer than RENDER_WAIT_TIMEOUT_S (20 s; 15-25 s measured on the shared 2-core box)
+        assert all(o.kind == "ok" for o in res.outcomes if not o.after_fault), res.outcomes
+        assert {o.code for o in res.outcomes if o.kind != "ok"} <= {"render_unavailable"}, res.outcomes
+    if name in ("usage-worker", "beat"):  # nothing on a request's path: every request is answered
+        assert res.count("ok") == len(res.outcomes), res.outcomes
+
+
+def test_no_usage_record_lost_or_doubled(plat):
+    assert RESULTS, "no drill ran"
+    usage_check(plat, RESULTS)
+    print("\n" + table(RESULTS))
+    assert all(r.lost == 0 and r.doubled == 0 for r in RESULTS), table(RESULTS)
