@@ -56,11 +56,9 @@ def tool_choice_schema(tools: list[Any], tool_choice: Any, parallel_tool_calls: 
     return next(_parameters(t) for t in tools if t.function.name == name)
 
 
-class RequiredToolParser(ToolParser):
-    """Reads the ``"required"`` array at the end of the output; anything else (cut short by ``max_tokens``) is
-    content as written."""
-
-    name = "forced_required"
+class _WholeOutputParser(ToolParser):
+    """A forced choice's parser: the output is one JSON value, read whole at the end (``calls_of``); a value that
+    does not parse, or is not what the choice forces (cut short by ``max_tokens``), is content as written."""
 
     def __init__(self) -> None:
         self._text = ""
@@ -72,38 +70,42 @@ class RequiredToolParser(ToolParser):
     def flush(self) -> ToolParseDelta:
         text, self._text = self._text, ""
         try:
-            items = json.loads(text)
+            value = json.loads(text)
         except ValueError:
             return ToolParseDelta(content=text)
-        calls = [call_from_obj(item, args_keys=("parameters",), args_required=True)
-                 for item in items] if isinstance(items, list) and items else [None]
-        if any(c is None for c in calls):
-            return ToolParseDelta(content=text)
-        return ToolParseDelta(calls=[c for c in calls if c is not None])
+        calls = self.calls_of(value)
+        return ToolParseDelta(calls=calls) if calls is not None else ToolParseDelta(content=text)
+
+    def calls_of(self, value: Any) -> list[ParsedToolCall] | None:  # pragma: no cover - abstract
+        """The calls ``value`` (the parsed output) holds, or ``None`` when it is not the forced shape."""
+        raise NotImplementedError
 
 
-class NamedToolParser(ToolParser):
-    """Reads the named function's arguments object at the end of the output; anything else is content."""
+class RequiredToolParser(_WholeOutputParser):
+    """Reads the ``"required"`` array of ``{"name", "parameters"}`` calls."""
+
+    name = "forced_required"
+
+    def calls_of(self, value: Any) -> list[ParsedToolCall] | None:
+        if not isinstance(value, list) or not value:
+            return None
+        calls = [call_from_obj(item, args_keys=("parameters",), args_required=True) for item in value]
+        return None if any(c is None for c in calls) else [c for c in calls if c is not None]
+
+
+class NamedToolParser(_WholeOutputParser):
+    """Reads the named function's arguments object."""
 
     name = "forced_named"
 
     def __init__(self, function_name: str) -> None:
+        super().__init__()
         self.function_name = function_name
-        self._text = ""
 
-    def push(self, text: str) -> ToolParseDelta:
-        self._text += text
-        return ToolParseDelta()
-
-    def flush(self) -> ToolParseDelta:
-        text, self._text = self._text, ""
-        try:
-            args = json.loads(text)
-        except ValueError:
-            return ToolParseDelta(content=text)
-        if not isinstance(args, dict):
-            return ToolParseDelta(content=text)
-        return ToolParseDelta(calls=[ParsedToolCall(self.function_name, json.dumps(args, ensure_ascii=False))])
+    def calls_of(self, value: Any) -> list[ParsedToolCall] | None:
+        if not isinstance(value, dict):
+            return None
+        return [ParsedToolCall(self.function_name, json.dumps(value, ensure_ascii=False))]
 
 
 @dataclass(frozen=True)
