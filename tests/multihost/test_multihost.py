@@ -1,5 +1,6 @@
-"""The platform on several machines (issue 18): two api hosts, a worker host (render, usage, beat), two engine
-hosts, a Redis host and a PostgreSQL host, each a network namespace with its own address on a bridge this test makes
+"""The platform on several machines (issue 18): two api hosts (one the plain api process type, one a render-only
+frontend machine running ``manage.py serve --no-engine``), a worker host (render, usage, beat), two engine hosts, a
+Redis host and a PostgreSQL host, each a network namespace with its own address on a bridge this test makes
 (``tests/support/multihost.py``); traffic goes only to those addresses. What must hold across hosts:
 
 * admission is shared: with ``max_num_queued_reqs`` 3, a burst of 8 over both api hosts admits exactly 3 (a

@@ -6,8 +6,9 @@ Hosts and addresses (``10.213.x.n``; the test itself talks from ``.1``):
 ========  ===  ====================================================================================================
 redis      2   ``redis-server`` with a password, bound to its address (and its own loopback)
 db         3   a private PostgreSQL cluster (``initdb`` in a temporary folder as ``postgres``, trust for the subnet)
-api1      11   ``uvicorn config.asgi:application`` (one process)
-api2      12   the same
+api1      11   ``uvicorn config.asgi:application`` (one process: deploy/'s api process type)
+api2      12   ``manage.py serve --no-engine``: a render-only frontend machine (its own api, render, usage and
+               image workers and beat, on the shared Redis and database)
 worker    21   Celery ``render`` worker (``CELERY_REDELIVER_AFTER_S=6``), ``usage`` worker, beat
 engine1   31   ``python -m inference.engine`` for the demo model
 engine2   32   a second replica of the same model
@@ -242,6 +243,15 @@ def start_api(plat: MultiHost, host: str) -> None:
                                    "--timeout-graceful-shutdown", "5"], env=plat.host_env(host), cwd=REPO)
 
 
+def start_frontend(plat: MultiHost, host: str) -> None:
+    """Start a self-contained render-only frontend on ``host``:8000: ``manage.py serve --no-engine`` with the
+    shared ``REDIS_URL`` and ``DATABASE_URL`` (its own api, render, usage and image workers and beat; the engines
+    are elsewhere), as deploy/README.md's frontend machines run it."""
+    plat.hosts[host].start("api", [sys.executable, "manage.py", "serve", "--no-engine", "--host", plat.hosts[host].addr,
+                                   "--port", "8000", "--mm-api-workers", "0", "--render-concurrency", "1"],
+                           env=plat.host_env(host), cwd=REPO)
+
+
 def _celery(*args: str) -> list[str]:
     return [sys.executable, "-m", "celery", "-A", "config", "--workdir", "platform", *args]
 
@@ -294,8 +304,8 @@ def start_multihost(tmp: Path) -> MultiHost:
         worker.start("beat", _celery("beat", "-l", "WARNING", "--schedule",
                                      str(tmp / "hosts" / "worker" / "var" / "beat-schedule")),
                      env=plat.host_env("worker"), cwd=REPO)
-        for host in API_HOSTS:
-            start_api(plat, host)
+        start_api(plat, "api1")  # the api process type alone; the render workers are on the worker host
+        start_frontend(plat, "api2")  # a whole frontend machine: manage.py serve --no-engine
         _wait(plat, lambda: plat.replicas_alive() >= len(ENGINE_HOSTS), 240, "both engine replicas")
         for host in API_HOSTS:
             _wait(plat, lambda host=host: plat.serves(host), 240, f"{host} to serve a chat")
