@@ -142,7 +142,8 @@ def test_key_revoked_through_one_api_host_is_refused_by_the_other(plat):
 def test_engine_host_and_api_host_killed_mid_burst(plat):
     """16 chats over 2 s, alternately to each api host and streamed or not; 0.6 s in, ``kill -9`` of engine1's
     engine and of api1's process group. Nothing hangs, every failure is clean (api1's clients see their connection
-    closed; api2's get answers or error envelopes), and 10 s later no reservation or key-limit lease is held."""
+    closed; api2's get answers or error envelopes), and 10 s later no reservation or key-limit lease is held and the
+    live engine holds no sequence."""
     n, spread_s, kill_after_s = 16, 2.0, 0.6
     fault_at: list[float] = []
 
@@ -164,7 +165,7 @@ def test_engine_host_and_api_host_killed_mid_burst(plat):
     outcomes = asyncio.run(burst())
     ended = time.monotonic()
     time.sleep(max(0.0, max(fault_at[0], ended) + SETTLE_S - time.monotonic()))
-    held = plat.held()
+    held, engine_load = plat.held(), plat.engine_load()
     _answered(outcomes)
     print("\n" + "\n".join(f"{o.client_id} {o.kind} {o.code} {o.seconds:.1f}s after_fault={o.after_fault}"
                            for o in outcomes))
@@ -173,6 +174,7 @@ def test_engine_host_and_api_host_killed_mid_burst(plat):
     assert all(o.kind in ("ok", "error") for o in via_api2), via_api2  # api2 lived: every one answered
     assert any(o.kind == "ok" for o in via_api2), via_api2  # engine2 served
     assert held == (0, 0), f"held 10 s after the kill: {held[0]} reservations, {held[1]} key-limit leases"
+    assert engine_load == 0, f"{engine_load} sequences still in the live engine 10 s after the burst"
     assert plat.serves("api2")
 
 

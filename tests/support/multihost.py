@@ -41,7 +41,7 @@ import httpx
 import redis
 
 from inference import admission as adm
-from inference.protocol.engine import HEARTBEAT_TTL_S, replica_pattern, replicas_index_key
+from inference.protocol.engine import HEARTBEAT_TTL_S, EngineStats, replica_pattern, replicas_index_key
 from tests.live_platform import DEMO_MODEL, MODEL_DIR, REPO, ensure_demo_assets, wait_until
 from tests.support.drills import _pg_bin
 from tests.support.netns import NET_A, Host, Lan
@@ -116,6 +116,16 @@ class MultiHost:
         r = self.client()
         try:
             return len(r.zrangebyscore(replicas_index_key(self.prefix, DEMO_MODEL), int(time.time() * 1000), "+inf"))
+        finally:
+            r.close()
+
+    def engine_load(self) -> int:
+        """Sequences running or waiting in the live engine replicas of the demo model (their heartbeats)."""
+        r = self.client()
+        try:
+            keys = list(r.scan_iter(match=replica_pattern(self.prefix, DEMO_MODEL)))
+            stats = [EngineStats.from_wire(v) for v in r.mget(keys) if v] if keys else []
+            return sum(s.num_running + s.num_waiting for s in stats)
         finally:
             r.close()
 

@@ -9,7 +9,8 @@ takes the whole process group, as a machine's crash would. File systems and the 
 namespace is not a container): each host still gets its own ``var/`` folder.
 
 Needs root (``CAP_NET_ADMIN``) and ``ip``; ``Lan.unavailable()`` says why not, for a clear skip. ``Lan.down``
-kills what the hosts still run, deletes the namespaces (their veth ends go with them) and the bridge.
+kills what the hosts still run (``ip netns pids``: every process in the namespace, whichever group it is in), deletes
+the namespaces (their veth ends go with them) and the bridge.
 """
 
 from __future__ import annotations
@@ -199,6 +200,14 @@ class Lan:
             except Exception:  # noqa: BLE001 - teardown goes on
                 pass
         for host in self.hosts.values():
+            # whatever still runs in the namespace (a child that left its group, a server's forked process) was
+            # started there by this test: SIGKILL it, or the namespace would outlive its deletion with it
+            out = subprocess.run(["ip", "netns", "pids", host.ns], capture_output=True, text=True, timeout=20)
+            for pid in out.stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
             subprocess.run(["ip", "netns", "del", host.ns], capture_output=True, timeout=20)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True, timeout=20)
 
