@@ -369,8 +369,15 @@ def _body(i: int, stream: bool, max_tokens: int) -> dict:
 
 async def _one(http: httpx.AsyncClient, plat: DrillPlatform, client_id: str, i: int, stream: bool, max_tokens: int,
                fault_at: list[float]) -> Outcome:
+    return await send_chat(http, plat.base, plat.key, client_id, i, stream, max_tokens, fault_at)
+
+
+async def send_chat(http: httpx.AsyncClient, base: str, key: str, client_id: str, i: int, stream: bool,
+                    max_tokens: int, fault_at: list[float]) -> Outcome:
+    """One drill chat (``_body``) to ``base`` with API key ``key`` and ``X-Request-Id: client_id``; its ``Outcome``
+    (``after_fault`` when it started after ``fault_at[0]``, if set). Never raises for the request's own failures."""
     t0 = time.monotonic()
-    headers = {**plat._auth(), "X-Request-Id": client_id}
+    headers = {"Authorization": f"Bearer {key}", "X-Request-Id": client_id}
 
     def out(kind: str, code: str = "") -> Outcome:
         return Outcome(client_id, stream, kind, time.monotonic() - t0, code,
@@ -378,7 +385,7 @@ async def _one(http: httpx.AsyncClient, plat: DrillPlatform, client_id: str, i: 
 
     try:
         async with asyncio.timeout(HANG_S):
-            async with http.stream("POST", f"{plat.base}/v1/chat/completions", headers=headers,
+            async with http.stream("POST", f"{base}/v1/chat/completions", headers=headers,
                                    json=_body(i, stream, max_tokens)) as resp:
                 if resp.status_code != 200:
                     raw = await resp.aread()
