@@ -80,11 +80,14 @@ async def run_load(url: str, headers: dict, body: dict, concurrency: int, total:
             "rps": total / wall, "errors": errors}
 
 
-def start_vllm(python: str, port: int, log: Path) -> subprocess.Popen:
+def start_vllm(python: str, port: int, log: Path, max_model_len: int = 4096) -> subprocess.Popen:
+    """vLLM's CPU api server on the demo model (served name ``tiny-qwen3``) at ``port``, once healthy."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    if max_model_len > 4096:  # the demo model's max_position_embeddings; /tokenize-only runs may go past it
+        env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
                              "--served-model-name", "tiny-qwen3", "--host", "127.0.0.1", "--port", str(port),
-                             "--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager"],
+                             "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--enforce-eager"],
                             env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

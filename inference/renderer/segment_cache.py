@@ -24,8 +24,9 @@ boundary-sensitive flags; such a tokenizer is always encoded whole (``LoadedToke
 
 Storage: one bounded LRU per process (``SegmentLRU``, ``SEGMENT_CACHE_MAX_TOKENS`` ids in all, 4 bytes each), not
 Redis: a hit costs about a microsecond here against a 0.15-1 ms Redis round trip (docs/DECISIONS.md D-221,
-``bench/segment_cost.py``). Counters: ``STATS`` (per thread, read by the render tasks for the shared Redis counters
-of ``/metrics``) and the process's prometheus_client counters ``tokenizer_segment_cache_{hits,misses}_total``.
+``bench/segment_cost.py``). Counters: ``STATS`` (per thread, reset by each render task and returned with its result;
+``inference.tasks`` adds them to the shared Redis counters that ``/metrics`` shows as
+``render_segment_cache_hits_total`` / ``render_segment_cache_misses_total``).
 """
 
 from __future__ import annotations
@@ -40,15 +41,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import tokenizers
-from prometheus_client import Counter
 
 from inference.config import SETTINGS
 
 SEGMENT_CACHE_MAX_TOKENS = SETTINGS.segment_cache_max_tokens
 SEGMENT_CACHE_MIN_CHARS = SETTINGS.segment_cache_min_chars
 
-HITS = Counter("tokenizer_segment_cache_hits", "Prompt segments whose ids came from the segment cache")
-MISSES = Counter("tokenizer_segment_cache_misses", "Prompt segments encoded and stored in the segment cache")
 
 # Fragments of the self-check: unicode, whitespace runs, leading/trailing spaces, digits, the Metaspace mark.
 SELF_CHECK_TEXTS = (
@@ -133,7 +131,7 @@ def _digest(text: str) -> bytes:
 def cached_encode(encode: Callable[[str], list[int]], fingerprint: str, variant: str, text: str,
                   cache: SegmentLRU | None = None) -> list[int]:
     """Ids of ``text`` from the cache under ``(fingerprint, variant, digest(text))``, else ``encode(text)``
-    stored there. Counts the hit or miss (``STATS`` and the prometheus counters); a disabled cache
+    stored there. Counts the hit or miss in ``STATS``; a disabled cache
     (``max_tokens == 0``) just encodes, uncounted."""
     cache = CACHE if cache is None else cache
     if cache.max_tokens == 0:
@@ -142,12 +140,10 @@ def cached_encode(encode: Callable[[str], list[int]], fingerprint: str, variant:
     hit = cache.get(key)
     if hit is not None:
         STATS.hits += 1
-        HITS.inc()
         return hit.tolist()
     ids = encode(text)
     cache.put(key, array("I", ids))
     STATS.misses += 1
-    MISSES.inc()
     return ids
 
 
