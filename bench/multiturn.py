@@ -157,7 +157,8 @@ def main() -> None:
                 Target("inline-nocache", off_url, hdr, [off_child.proc.pid])]
         if subprocess.run([args.vllm_python, "-c", "import vllm"], capture_output=True).returncode == 0:
             vport = free_port()
-            vllm = start_vllm(args.vllm_python, vport, tmp / "vllm.log", max_model_len=32768)
+            vllm = start_vllm(args.vllm_python, vport, tmp / "vllm.log", max_model_len=32768,
+                              ready_timeout_s=900)
             pair.append(Target("vllm", f"http://127.0.0.1:{vport}", {}, [vllm.pid]))
         else:
             print(f"vLLM not importable with {args.vllm_python}: no vLLM baseline in this run")
