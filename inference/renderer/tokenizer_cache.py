@@ -465,7 +465,7 @@ def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
         clean_up_tokenization_spaces=cleanup,
         control_tokens=control,
         control_regex=literal_trie_regex(control) if control else None,
-        segments=build_splitter(tok, fingerprint),
+        segments=build_splitter(tok, fingerprint) if SEGMENT_CACHE.max_tokens > 0 else None,
     )
 
 
