@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -80,13 +81,18 @@ async def run_load(url: str, headers: dict, body: dict, concurrency: int, total:
             "rps": total / wall, "errors": errors}
 
 
-def start_vllm(python: str, port: int, log: Path) -> subprocess.Popen:
+def start_vllm(python: str, port: int, log: Path, max_model_len: int = 4096,
+               ready_timeout_s: float = 300) -> subprocess.Popen:
+    """vLLM's CPU api server on the demo model (served name ``tiny-qwen3``) at ``port``, once healthy (its whole
+    process group killed when it does not get there within ``ready_timeout_s``)."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
+    if max_model_len > 4096:  # the demo model's max_position_embeddings; /tokenize-only runs may go past it
+        env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
                              "--served-model-name", "tiny-qwen3", "--host", "127.0.0.1", "--port", str(port),
-                             "--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager"],
+                             "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--enforce-eager"],
                             env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"vLLM exited; see {log}")
@@ -96,7 +102,9 @@ def start_vllm(python: str, port: int, log: Path) -> subprocess.Popen:
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    raise RuntimeError(f"vLLM did not become healthy; see {log}")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    raise RuntimeError(f"vLLM did not become healthy within {ready_timeout_s:g} s; see {log}")
 
 
 def main() -> None:

@@ -54,6 +54,11 @@ variable                           type     default              meaning (unit; 
                                                                  (``engine/structured.py``)
 ``STRUCTURED_GRAMMAR_CACHE_SIZE``  int      256                  compiled grammars an engine keeps (LRU)
                                                                  (``engine/structured.py``)
+``SEGMENT_CACHE_MAX_TOKENS``       int      4000000              token ids the per-process segment tokenization cache holds
+                                                                 (LRU, 4 bytes each; 0 turns it off: whole-prompt encoding)
+                                                                 (``renderer/segment_cache.py``)
+``SEGMENT_CACHE_MIN_CHARS``        int      64                   characters a prompt segment needs to be cached
+                                                                 (``renderer/segment_cache.py``)
 =================================  =======  ===================  ===========================================================
 """
 
@@ -113,6 +118,8 @@ class InferenceSettings:
     structured_max_lexer_states: int = 50_000
     structured_compile_threads: int = 2
     structured_grammar_cache_size: int = 256
+    segment_cache_max_tokens: int = 4_000_000
+    segment_cache_min_chars: int = 64
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> InferenceSettings:

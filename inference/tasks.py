@@ -37,6 +37,7 @@ from inference.renderer.chat_template import (
     tokenize_prompt,
 )
 from inference.renderer.errors import ContextLengthError, RenderError, RenderOverloadedError, TemplateTimeoutError
+from inference.renderer.segment_cache import STATS as SEGMENT_STATS
 from inference.renderer.tokenizer_cache import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -81,14 +82,20 @@ def _require(payload: Any, key: str) -> Any:
 
 
 def _structured(body: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """A task body that never raises: the template clock reset first, then ``body(payload)``'s result, or any
-    failure (Ctrl-C and exit aside) as the error dict of ``_error``."""
+    """A task body that never raises: the template clock and the segment-cache tallies reset first, then
+    ``body(payload)``'s result (with ``"segment_cache": {"hits": n, "misses": n}`` when the segment cache was
+    used), or any failure (Ctrl-C and exit aside) as the error dict of ``_error``."""
 
     @functools.wraps(body)
     def run(payload: dict[str, Any]) -> dict[str, Any]:
         reset_template_seconds()
+        SEGMENT_STATS.reset()
         try:
-            return body(payload)
+            result = body(payload)
+            stats = SEGMENT_STATS.snapshot()
+            if stats["hits"] or stats["misses"]:
+                result["segment_cache"] = stats  # added to the shared counters by the caller (count_segment_cache)
+            return result
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -200,9 +207,26 @@ def reply_if_requested(payload: Any, result: dict[str, Any]) -> dict[str, Any]:
         prefix = channel.split(":render:reply:")[0]
         pipe = _reply_client.pipeline(transaction=False)
         pipe.incr(render_tasks_counter_key(prefix))  # shared count of rendered tasks (metrics, tests)
+        count_segment_cache(pipe, prefix, result)
         pipe.publish(channel, json.dumps({"id": payload["reply_id"], "result": result}))
         pipe.execute()
     return result
+
+
+def segment_cache_counter_key(prefix: str) -> str:
+    """Redis hash of the segment tokenization cache's shared counters (fields ``hits``, ``misses``: segments)
+    under link prefix ``prefix``, summed over every render worker and inline api thread."""
+    return f"{prefix}:metrics:segment_cache"
+
+
+def count_segment_cache(pipe: Any, prefix: str, result: dict[str, Any]) -> None:
+    """Queue on Redis pipeline ``pipe`` (sync or asyncio) the increments of a task ``result``'s
+    ``segment_cache`` tallies; nothing when it has none."""
+    stats = result.get("segment_cache")
+    if stats:
+        key = segment_cache_counter_key(prefix)
+        pipe.hincrby(key, "hits", int(stats.get("hits", 0)))
+        pipe.hincrby(key, "misses", int(stats.get("misses", 0)))
 
 
 def render_tasks_counter_key(prefix: str) -> str:

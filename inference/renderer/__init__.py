@@ -7,7 +7,8 @@
   control-token strings in request text are encoded as text unless ``allow_control_tokens``)
 * ``tokenize_prompt(tokenizer_dir, prompt, add_special_tokens=True) -> list[int]``
 * ``detokenize(tokenizer_dir, ids, skip_special_tokens=False) -> str``
-* ``get_tokenizer(tokenizer_dir) -> LoadedTokenizer``  (``tokenizer_cache.py``)
+* ``get_tokenizer(tokenizer_dir) -> LoadedTokenizer``  (``tokenizer_cache.py``; its ``encode`` assembles long
+  texts from the per-process segment tokenization cache, ``segment_cache.py``, with the same ids)
 * errors: ``RenderError`` and subclasses (``errors.py``)
 """
 

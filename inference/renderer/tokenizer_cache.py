@@ -25,6 +25,7 @@ What transformers 5.24 does on top of ``tokenizer.json`` that we reproduce (chec
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -35,6 +36,9 @@ from typing import Any
 import tokenizers
 
 from .errors import TokenIdError, TokenizerLoadError
+from .segment_cache import CACHE as SEGMENT_CACHE
+from .segment_cache import SEGMENT_CACHE_MIN_CHARS
+from .segment_cache import SegmentSplitter, build_splitter, cached_encode, literal_trie_regex
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES (tokenization_utils_base.py), in its order.
 SPECIAL_TOKEN_ATTRIBUTES = (
@@ -157,6 +161,8 @@ class LoadedTokenizer:
             ``<think>``/``<tool_call>``, DeepSeek-V3's ``<｜User｜>`` are non-special), except the whitespace-only
             ones (Gemma3's ``\n``/``▁▁``/``\t`` runs: ordinary text pieces), sorted; ``control_regex`` finds them
             (leftmost-longest), ``None`` when there are none.
+        segments: how ``encode`` cuts text for the segment cache (``segment_cache.build_splitter``; its ``ok``
+            is False, with the reason, for a tokenizer where cut encoding would differ: then always whole).
     """
 
     path: str
@@ -174,6 +180,7 @@ class LoadedTokenizer:
     clean_up_tokenization_spaces: bool
     control_tokens: tuple[str, ...] = ()
     control_regex: re.Pattern[str] | None = None
+    segments: SegmentSplitter | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _text_only: tokenizers.Tokenizer | None = field(default=None, repr=False)
 
@@ -217,8 +224,19 @@ class LoadedTokenizer:
         return self.token_to_id(self.unk_token)
 
     # -- encode / decode ------------------------------------------------------------------------
+    def segment_cache_on(self) -> bool:
+        """Whether ``encode`` assembles ids from the segment cache (it is enabled and this tokenizer passed the
+        self-check of ``segment_cache.build_splitter``)."""
+        return SEGMENT_CACHE.max_tokens > 0 and self.segments is not None and self.segments.ok
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; identical to ``AutoTokenizer(text, add_special_tokens=...)["input_ids"]``."""
+        """Token ids of ``text``; identical to ``AutoTokenizer(text, add_special_tokens=...)["input_ids"]``.
+
+        Text of at least twice ``SEGMENT_CACHE_MIN_CHARS`` is encoded by segments through the segment cache when
+        ``segment_cache_on()`` (the same ids, see ``segment_cache``), else in one call."""
+        if len(text) >= 2 * SEGMENT_CACHE_MIN_CHARS and self.segment_cache_on():
+            assert self.segments is not None
+            return self.segments.encode(self.tokenizer, text, add_special_tokens)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def check_ids(self, ids: list[int], param: str = "tokens") -> None:
@@ -274,8 +292,34 @@ class LoadedTokenizer:
         Added tokens are split off before the normalizer and pre-tokenizer, so with every occurrence trusted
         this equals ``encode(text)`` (checked on the six reference tokenizers in
         ``tests/security/test_isolation_control_tokens.py``); ``add_special_tokens`` applies the
-        post-processor (BOS/EOS) to the joined encoding as ``encode`` would."""
+        post-processor (BOS/EOS) to the joined encoding as ``encode`` would. With ``segment_cache_on()`` the text
+        between trusted spans (``"text"`` segments, at least ``SEGMENT_CACHE_MIN_CHARS``) comes from the segment
+        cache and the post-processor's prefix/suffix ids are added directly (the same ids)."""
         plain = self.text_only_tokenizer()
+        if self.segment_cache_on():
+            assert self.segments is not None
+            fingerprint = self.segments.fingerprint
+
+            def plain_ids(s: str) -> list[int]:
+                return plain.encode(s, add_special_tokens=False).ids
+
+            def text_ids(s: str) -> list[int]:
+                if len(s) >= SEGMENT_CACHE_MIN_CHARS:
+                    return cached_encode(plain_ids, fingerprint, "text", s)
+                return plain_ids(s)
+
+            ids: list[int] = list(self.segments.prefix) if add_special_tokens else []
+            pos = 0
+            for start, end in trusted:
+                if start > pos:
+                    ids += text_ids(text[pos:start])
+                ids += self.tokenizer.encode(text[start:end], add_special_tokens=False).ids
+                pos = end
+            if pos < len(text) or not trusted:
+                ids += text_ids(text[pos:])
+            if add_special_tokens:
+                ids += self.segments.suffix
+            return ids
         parts: list[tokenizers.Encoding] = []
         pos = 0
         for start, end in trusted:
@@ -324,6 +368,9 @@ def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
         tok.no_padding()
         tok.no_truncation()
         model_type = type(tok.model).__name__
+        digest = hashlib.blake2b(raw.encode("utf-8", "surrogatepass"), digest_size=16)
+        digest.update(json.dumps(config, sort_keys=True).encode("utf-8", "surrogatepass"))
+        fingerprint = digest.hexdigest()
         del raw
     except Exception as exc:  # tokenizers raises plain Exception
         raise TokenizerLoadError(f"cannot load tokenizer from {tokenizer_dir!r}: {exc}") from exc
@@ -418,29 +465,8 @@ def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
         clean_up_tokenization_spaces=cleanup,
         control_tokens=control,
         control_regex=literal_trie_regex(control) if control else None,
+        segments=build_splitter(tok, fingerprint) if SEGMENT_CACHE.max_tokens > 0 else None,
     )
-
-
-def literal_trie_regex(strings: tuple[str, ...] | list[str]) -> re.Pattern[str]:
-    """A compiled regex matching any of ``strings`` (literals), built as a trie so that a search costs about
-    one pass over the text however many strings there are (DeepSeek-V3 has 804 special tokens). At a given
-    start the longest string wins, and ``finditer`` scans left to right: the leftmost-longest matching of the
-    ``tokenizers`` added vocabulary (Aho-Corasick ``LeftmostLongest``)."""
-    trie: dict[str, Any] = {}
-    for s in strings:
-        node = trie
-        for ch in s:
-            node = node.setdefault(ch, {})
-        node[""] = {}
-
-    def build(node: dict[str, Any]) -> str:
-        alts = [re.escape(ch) + build(child) for ch, child in sorted(node.items()) if ch]
-        if not alts:
-            return ""
-        body = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
-        return f"(?:{body})?" if "" in node else body
-
-    return re.compile(build(trie))
 
 
 _CACHE: dict[tuple[str, float, float], LoadedTokenizer] = {}

@@ -16,7 +16,10 @@ Every value comes from Redis, so all api processes answer the same numbers (DESI
 * ``gateway_auth_refusals_total{reason,key_prefix}`` (counter) — requests refused (401) for their API key:
   ``reason`` among ``revoked``, ``expired``, ``tenant_inactive`` (the key's own secret: ``key_prefix`` is the
   key's prefix), ``unknown_key``, ``wrong_secret``, ``malformed`` (``key_prefix="unknown"``); series are capped
-  (gateway/auth.py ``REFUSAL_PREFIX_LABELS_MAX``, then ``key_prefix="other"``).
+  (gateway/auth.py ``REFUSAL_PREFIX_LABELS_MAX``, then ``key_prefix="other"``);
+* ``render_segment_cache_hits_total`` / ``render_segment_cache_misses_total`` (counters) — prompt segments
+  whose ids came from / were stored in the segment tokenization cache, summed over the render workers and the
+  inline route (``inference.renderer.segment_cache``; Redis hash ``inference.tasks.segment_cache_counter_key``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from gateway.errors import forbidden
 from gateway.pipeline.clients import admission
 from gateway.http import GatewayConsumer
 from inference import admission as adm
+from inference import tasks as render_tasks
 
 METRICS_SCOPES = ("metrics", "operator")
 
@@ -93,7 +97,14 @@ async def collect_families(redis: Redis, prefix: str) -> list[Metric]:
     for field, count in sorted((await redis.hgetall(auth.refusals_key(prefix))).items()):
         reason, key_prefix = auth.refusal_labels(field.decode() if isinstance(field, bytes) else field)
         refusals.add_metric([reason, key_prefix], int(count))
-    return [rejections, q_reqs, q_toks, lim_reqs, lim_toks, tps, ttft, handoffs, refusals]
+    seg = await redis.hgetall(render_tasks.segment_cache_counter_key(prefix))
+    seg_hits = CounterMetricFamily("render_segment_cache_hits", "Prompt segments whose token ids came from the "
+                                   "segment tokenization cache (render workers and inline rendering)")
+    seg_hits.add_metric([], int(seg.get(b"hits", seg.get("hits", 0))))
+    seg_misses = CounterMetricFamily("render_segment_cache_misses", "Prompt segments encoded and then stored in "
+                                     "the segment tokenization cache")
+    seg_misses.add_metric([], int(seg.get(b"misses", seg.get("misses", 0))))
+    return [rejections, q_reqs, q_toks, lim_reqs, lim_toks, tps, ttft, handoffs, refusals, seg_hits, seg_misses]
 
 
 class MetricsConsumer(GatewayConsumer):

@@ -9,7 +9,11 @@ import time
 import httpx
 import pytest
 
+from inference.renderer.chat_template import render_chat_text
+from inference.renderer.tokenizer_cache import get_tokenizer
+from inference.tasks import segment_cache_counter_key
 from tests.engine_tap import EngineTap, assert_engine_aborted
+from tests.live_platform import MODEL_DIR
 
 M = "tiny-qwen3"
 IM_START = 151644  # "<|im_start|>": a special token that is not an EOS id of the demo model
@@ -84,6 +88,37 @@ def test_small_plain_prompts_tokenize_in_process_long_ones_on_the_workers(http, 
     assert b.json()["tokens"][:len(a.json()["tokens"]) - 8] == a.json()["tokens"][:-8]
     c = http.post("/tokenize", json={"model": M, "messages": [{"role": "user", "content": "hi"}]})
     assert c.status_code == 200 and tasks_done() == before + 2
+
+
+def test_multi_turn_tokenize_reuses_cached_segments_with_the_same_ids(http, http_inline, live):
+    """A growing conversation tokenized turn by turn on both routes: the ids equal the tokenizer's whole-prompt
+    encoding of the rendered text, and the history's segments come from the segment cache (inline: one api
+    process, so every later turn hits), counted in the shared counters that /metrics shows."""
+    def counts() -> tuple[int, int]:
+        h = live.redis.hgetall(segment_cache_counter_key(live.prefix))
+        return int(h.get(b"hits", 0)), int(h.get(b"misses", 0))
+
+    tok = get_tokenizer(str(MODEL_DIR))
+    hits0, misses0 = counts()
+    msgs = [{"role": "system", "content": "You answer questions about the sea, briefly and kindly. " * 3}]
+    for turn in range(3):
+        msgs.append({"role": "user", "content": f"Turn {turn}: why is the sea salty, and why are waves? " * 4})
+        expected = tok.tokenizer.encode(render_chat_text(str(MODEL_DIR), msgs), add_special_tokens=False).ids
+        for client in (http_inline, http):
+            out = client.post("/tokenize", json={"model": M, "messages": msgs})
+            assert out.status_code == 200, out.text
+            assert out.json()["tokens"] == expected
+        msgs.append({"role": "assistant", "content": f"Answer {turn}: the rivers carry salt, the wind makes them. " * 4})
+    deadline = time.monotonic() + 10  # the inline route adds its tallies in the background
+    while counts()[0] - hits0 < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    hits, misses = counts()
+    assert hits - hits0 >= 3 and misses - misses0 >= 3
+    ops = live.new_key(tenant="ops-segcache", scopes="operator")
+    text = httpx.get(f"{live.base_url}/metrics", headers={"Authorization": f"Bearer {ops}"}).text
+    line = next(x for x in text.splitlines() if x.startswith("render_segment_cache_hits_total "))
+    assert float(line.split()[1]) >= hits
+    assert "render_segment_cache_misses_total " in text
 
 
 def test_tokenize_chat_equals_chat_prompt_tokens(http):

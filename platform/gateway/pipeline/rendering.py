@@ -23,9 +23,12 @@ from typing import Any, cast
 
 from django.conf import settings
 
+from redis.exceptions import RedisError
+
 from config.celery import app as celery_app
 from gateway.errors import ApiError, ErrorCode, ErrorType, bad_request, unavailable
 from gateway.model_cache import ModelSnapshot
+from gateway.pipeline import clients
 from inference import tasks as render_tasks
 from inference.render_client import RenderReplyWaiter, RenderUnavailableError
 from inference.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeChatRequest
@@ -104,6 +107,8 @@ async def call_render(task: str, payload: dict[str, Any]) -> dict[str, Any]:
     """
     if runs_inline(task, payload):
         result = await call_inline(task, payload)
+        if result.get("segment_cache"):
+            _count_inline(result)
     else:
         waiter = RenderReplyWaiter.for_current_loop(settings.REDIS_URL, settings.LINK_PREFIX)
         try:
@@ -115,6 +120,25 @@ async def call_render(task: str, payload: dict[str, Any]) -> dict[str, Any]:
     if not result.get("ok"):
         raise render_error(result.get("error") or {})
     return result
+
+
+_COUNTING: set[asyncio.Task[None]] = set()
+
+
+def _count_inline(result: dict[str, Any]) -> None:
+    """Add an inline task's segment-cache tallies to the shared Redis counters (``inference.tasks.
+    count_segment_cache``; the workers count theirs in their reply) in the background: a metric never delays or
+    fails the request."""
+    async def count() -> None:
+        try:
+            pipe = clients.redis().pipeline(transaction=False)
+            render_tasks.count_segment_cache(pipe, settings.LINK_PREFIX, result)
+            await pipe.execute()
+        except (RedisError, OSError):
+            pass
+    task = asyncio.get_running_loop().create_task(count())
+    _COUNTING.add(task)
+    task.add_done_callback(_COUNTING.discard)
 
 
 def render_error(err: dict[str, Any]) -> ApiError:

@@ -1,0 +1,171 @@
+"""Segment-level tokenization cache (``inference.renderer.segment_cache``): ids assembled from cached segments
+equal the tokenizer's own encoding of the whole text, on the six real tokenizers.
+
+* every conversation of the template conformance corpus, rendered by its real template, cut at every boundary
+  and through the cache (first a miss, then a hit) equals ``tokenizers``' whole-prompt ids, with and without
+  the post-processor's BOS/EOS;
+* a hypothesis property: random texts of unicode, whitespace runs and the tokenizer's own added tokens
+  (special and not, BOS/EOS included) embedded anywhere;
+* the control-token path (``encode_with_trusted``) gives the same ids with the cache as without;
+* a tokenizer where the split property fails (Llama-2 files with ``legacy: false``: Metaspace
+  ``prepend_scheme="first"``) is detected at load and encoded whole;
+* the LRU is bounded and counts hits and misses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from inference.renderer.chat_template import render_chat, render_chat_text
+from inference.renderer.errors import RenderError
+from inference.renderer.segment_cache import STATS, SegmentLRU, build_splitter, cached_encode
+from inference.renderer.tokenizer_cache import get_tokenizer, load_tokenizer
+from tests.frontend.test_template_conformance import CORPUS
+from tests.renderer.tokdirs import NAMES, tok_dir
+
+
+def whole(name: str, text: str, specials: bool) -> list[int]:
+    return get_tokenizer(tok_dir(name)).tokenizer.encode(text, add_special_tokens=specials).ids
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_reference_tokenizer_passes_the_load_self_check(name):
+    tok = get_tokenizer(tok_dir(name))
+    assert tok.segments is not None and tok.segments.ok, tok.segments and tok.segments.reason
+    assert tok.segment_cache_on()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_rendered_corpus_through_the_cache_equals_whole_encoding(name):
+    tok = get_tokenizer(tok_dir(name))
+    assert tok.segments is not None
+    template = tok.chat_template or get_tokenizer(tok_dir("qwen3")).chat_template  # gpt-oss/llama2: none shipped
+    cache = SegmentLRU(1 << 20)
+    rendered = 0
+    for _case, body in CORPUS:
+        try:
+            text = render_chat_text(tok_dir(name), body["messages"], tools=body.get("tools"),
+                                    documents=body.get("documents"), chat_template=template,
+                                    chat_template_kwargs=body.get("chat_template_kwargs"))
+        except RenderError:
+            continue  # the template refuses this conversation (e.g. Gemma's role alternation)
+        rendered += 1
+        for specials in (False, True):
+            expected = whole(name, text, specials)
+            assert tok.segments.encode(tok.tokenizer, text, specials, min_chars=0, cache=SegmentLRU(0)) == expected
+            for _ in range(2):  # a miss, then a hit
+                assert tok.segments.encode(tok.tokenizer, text, specials, min_chars=8, cache=cache) == expected
+    assert rendered >= 20
+    assert len(cache) > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_multi_turn_prompts_hit_the_cache_for_their_history(name):
+    tok = get_tokenizer(tok_dir(name))
+    if tok.chat_template is None:
+        pytest.skip("no chat template")
+    messages = [{"role": "system", "content": "You are a careful assistant. " * 4}]
+    hits_before = STATS.hits
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"Question {turn}: what about the tides? " * 5})
+        out = render_chat(tok_dir(name), messages)
+        assert out.prompt_token_ids == whole(name, out.prompt_text, False)
+        messages.append({"role": "assistant", "content": f"Answer {turn}: they rise and fall twice a day. " * 5})
+    assert STATS.hits - hits_before >= 3  # the history's segments came from the cache on later turns
+
+
+def _pieces(name: str) -> st.SearchStrategy[str]:
+    tok = get_tokenizer(tok_dir(name))
+    added = sorted(t.content for t in tok.tokenizer.get_added_tokens_decoder().values())
+    named = [s for s in (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token) if s]
+    ws = st.text(alphabet=" \t\n\r\u00a0\u3000\u2581", min_size=1, max_size=6)
+    uni = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=24)
+    words = st.sampled_from(["Hello", " world", "the", " 123", "4567", "'s", "ça", "日本", "🙂", "e\u0301", "\u2581x"])
+    return st.one_of(uni, ws, words, st.sampled_from(added[:64] + added[-64:] + named))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_property_random_texts_with_embedded_added_tokens(name):
+    tok = get_tokenizer(tok_dir(name))
+    assert tok.segments is not None
+
+    @settings(max_examples=120, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(st.lists(_pieces(name), max_size=12).map("".join), st.booleans())
+    def check(text: str, specials: bool) -> None:
+        expected = whole(name, text, specials)
+        assert tok.segments.encode(tok.tokenizer, text, specials, min_chars=0, cache=SegmentLRU(0)) == expected
+        cache = SegmentLRU(1 << 16)
+        assert tok.segments.encode(tok.tokenizer, text, specials, min_chars=1, cache=cache) == expected
+        assert tok.segments.encode(tok.tokenizer, text, specials, min_chars=1, cache=cache) == expected
+        assert tok.encode(text, specials) == expected
+
+    check()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_trusted_spans_path_is_the_same_with_and_without_the_cache(name):
+    tok = get_tokenizer(tok_dir(name))
+    if tok.control_regex is None:
+        pytest.skip("no control tokens")
+    control = tok.control_tokens[0]
+    body = "A long user turn that mentions " + control + " as text, and more text after it. " * 3
+    text = control + body + control + body * 2 + control
+    trusted = [(0, len(control)), (len(control) + len(body), 2 * len(control) + len(body)),
+               (len(text) - len(control), len(text))]
+    for specials in (False, True):
+        with_cache = [tok.encode_with_trusted(text, trusted, specials) for _ in range(2)]
+        tok_off = dataclasses.replace(tok, segments=None)  # the uncached path (Encoding.merge + post_process)
+        assert not tok_off.segment_cache_on()
+        without = tok_off.encode_with_trusted(text, trusted, specials)
+        assert with_cache[0] == with_cache[1] == without
+
+
+def test_tokenizer_without_the_split_property_is_detected_and_encoded_whole(tmp_path: Path):
+    """Llama-2 files with ``legacy: false``: transformers' rebuild uses Metaspace ``prepend_scheme="first"``, so the
+    text after an added token gets no ``▁`` inside a prompt but would get one when encoded alone."""
+    src = Path(tok_dir("llama2"))
+    shutil.copy(src / "tokenizer.json", tmp_path / "tokenizer.json")
+    cfg = json.loads((src / "tokenizer_config.json").read_text())
+    cfg["legacy"] = False
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.segments is not None and not tok.segments.ok
+    assert "self-check" in tok.segments.reason
+    assert not tok.segment_cache_on()
+    text = ("<s>[INST] " + "Tell me about the sea. " * 10 + "[/INST]</s>") * 3
+    assert tok.encode(text, False) == tok.tokenizer.encode(text, add_special_tokens=False).ids
+    # and the cut encoding would indeed have differed: the refusal is needed, not a formality
+    forced = build_splitter(tok.tokenizer, "forced")
+    assert not forced.ok
+
+
+def test_lru_is_bounded_by_tokens_and_counts_hits_and_misses():
+    cache = SegmentLRU(10)
+    calls: list[str] = []
+
+    def enc(s: str) -> list[int]:
+        calls.append(s)
+        return [ord(c) for c in s]
+
+    h0, m0 = STATS.hits, STATS.misses
+    assert cached_encode(enc, "fp", "full", "abcd", cache) == [97, 98, 99, 100]
+    assert cached_encode(enc, "fp", "full", "abcd", cache) == [97, 98, 99, 100]
+    assert calls == ["abcd"]
+    assert (STATS.hits - h0, STATS.misses - m0) == (1, 1)
+    cached_encode(enc, "other-tokenizer", "full", "abcd", cache)  # another tokenizer never reads this entry
+    assert len(calls) == 2
+    cached_encode(enc, "fp", "full", "efghij", cache)  # 4 + 4 + 6 > 10: the least recent goes
+    assert cache.tokens <= 10
+    cached_encode(enc, "fp", "full", "x" * 11, cache)  # larger than the bound: not stored
+    assert cache.tokens <= 10 and all(len(v) <= 10 for v in cache._data.values())
+    off = SegmentLRU(0)
+    cached_encode(enc, "fp", "full", "abcd", off)
+    assert len(off) == 0 and (STATS.hits - h0, STATS.misses - m0) == (1, 4)  # a disabled cache is not counted
