@@ -54,6 +54,10 @@ variable                           type     default              meaning (unit; 
                                                                  (``engine/structured.py``)
 ``STRUCTURED_GRAMMAR_CACHE_SIZE``  int      256                  compiled grammars an engine keeps (LRU)
                                                                  (``engine/structured.py``)
+``ENGINE_ROUTING``                 str      ``prefix``           how an api process picks a generate request's replica:
+                                                                 ``prefix`` (its own stream, chosen by prefix-cache hit
+                                                                 against load) or ``shared`` (the model's shared stream,
+                                                                 any replica pulls it) (``engine_client.py``, ``router.py``)
 =================================  =======  ===================  ===========================================================
 """
 
@@ -113,6 +117,7 @@ class InferenceSettings:
     structured_max_lexer_states: int = 50_000
     structured_compile_threads: int = 2
     structured_grammar_cache_size: int = 256
+    engine_routing: str = "prefix"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> InferenceSettings:
