@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from inference.engine_client import ROUTING_PREFIX, ROUTING_SHARED, EngineLink
-from inference.router import REQUEST_COST_TOKENS
+from inference.router import request_cost_tokens
 from inference.protocol.engine import EngineCoreRequest, SamplingParams, replica_key
 
 MODEL = "m"
@@ -167,18 +167,24 @@ async def run(args, prefix: str) -> None:
         await asyncio.gather(*(one_request(link, [rng.randrange(1000, 100_000) for _ in range(300)], 2, RunResult())
                                for _ in range(4)))
         results: dict[tuple[str, str], list[RunResult]] = {}
-        costs = [float(c) for c in args.request_costs.split(",")] if args.request_costs else [REQUEST_COST_TOKENS]
-        modes = [(ROUTING_SHARED, REQUEST_COST_TOKENS)] + [(ROUTING_PREFIX, c) for c in costs]
+        costs: list[float | None] = ([float(c) for c in args.request_costs.split(",")] if args.request_costs
+                                     else [None])
+        modes = [(ROUTING_SHARED, None)] + [(ROUTING_PREFIX, c) for c in costs]
         workloads = [w for w in (("multi-turn", multi_turn), ("no-shared-prefix", no_shared_prefix))
                      if args.workload in ("both", w[0])]
         for _ in range(args.rounds):
             for name, fn in workloads:
                 for mode, cost in modes:
                     link.routing, link.request_cost_tokens = mode, cost
-                    label = mode if cost == REQUEST_COST_TOKENS else f"{mode}@{cost:g}"
+                    label = mode if cost is None else f"{mode}@{cost:g}"
                     res = await fn(link, args, random.Random(rng.random()))
                     results.setdefault((name, label), []).append(res)
                     print(line(name, label, res), flush=True)
+        stats = await link.live_replicas(MODEL)
+        print("replicas' measured throughputs: " + ", ".join(
+            f"{st.engine_id} prefill {st.prefill_tokens_per_s:.0f} tok/s decode {st.decode_tokens_per_s:.0f} tok/s"
+            for st in stats) + "; router request weight "
+            f"{request_cost_tokens([(st.prefill_tokens_per_s, st.decode_tokens_per_s) for st in stats]):.0f} tokens")
         print("\nratios shared / routing (> 1: routing better), medians over rounds:")
         for (name, label), ro in results.items():
             if label == ROUTING_SHARED:
@@ -208,7 +214,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workload", choices=["both", "multi-turn", "no-shared-prefix"], default="both")
     ap.add_argument("--request-costs", default="",
-                    help="comma-separated router request weights (tokens) to compare; default: the router's own")
+                    help="comma-separated router request weights (tokens) to compare; default: the router's own "
+                         "(from the replicas' measured throughputs)")
     args = ap.parse_args()
     prefix = f"br{uuid.uuid4().hex[:6]}"
     procs = start_engines(args, prefix)

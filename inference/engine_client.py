@@ -54,7 +54,7 @@ from inference.protocol.engine import (
     requests_stream,
     routing_key,
 )
-from inference.router import REQUEST_COST_TOKENS, ReplicaView, choose_replica, hit_tokens
+from inference.router import ReplicaView, choose_replica, hit_tokens, request_cost_tokens
 from inference.redis_timeouts import blocking_socket_timeout
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,8 @@ class EngineLink:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _loop: asyncio.AbstractEventLoop | None = None
     routing: str = SETTINGS.engine_routing
-    request_cost_tokens: float = REQUEST_COST_TOKENS  # the router's weight of a request (inference/router.py)
+    # the router's weight of a request (inference/router.py); None: from the replicas' measured throughputs
+    request_cost_tokens: float | None = None
     _replicas: dict[str, tuple[float, list[EngineStats]]] = field(default_factory=dict)  # model -> (seen at, live)
     _load: dict[tuple[str, str], _Load] = field(default_factory=dict)  # (model, engine id) -> this process's load
     _dead_since: dict[tuple[str, str], float] = field(default_factory=dict)  # routed-to replicas seen dead
@@ -192,7 +193,10 @@ class EngineLink:
                 hit_tokens=hit_tokens(replies[i * step + 1], BLOCK_SIZE) if hashes else 0,
                 queued_tokens=max(mine.tokens, st.num_waiting_tokens),
                 num_requests=max(mine.requests, st.num_running + st.num_waiting + queued)))
-        best = choose_replica(len(prompt), views, request_cost_tokens=self.request_cost_tokens)
+        weight = self.request_cost_tokens
+        if weight is None:
+            weight = request_cost_tokens([(st.prefill_tokens_per_s, st.decode_tokens_per_s) for st in replicas])
+        best = choose_replica(len(prompt), views, request_cost_tokens=weight)
         return best.engine_id, best.hit_tokens
 
     # ----------------------------------------------------------------- requests

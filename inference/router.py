@@ -8,7 +8,11 @@ router's view is the engines' own, shared by every api process. The choice balan
 against the work already waiting on the replica, as SGLang's cache-aware router and vLLM's production-stack
 router do, in one number of prompt tokens (the unit of prefill work):
 
-    cost(replica) = (prompt tokens - cached there) + queued prompt tokens there + REQUEST_COST_TOKENS × requests there
+    cost(replica) = (prompt tokens - cached there) + queued prompt tokens there + w × requests there
+
+where ``w``, the prefill work one more request in a replica's batch stands for, comes from the replicas' own
+measured prefill and decode throughputs (``request_cost_tokens``: on the CPU demo model, whose decode is dominated
+by its 151k-entry output layer, a few hundred tokens; on a GPU, other figures),
 
 and the request goes to the replica of least cost. A hot prefix held by one replica therefore stays there only
 while that replica's queue is shorter than what the cache saves; beyond that the next request goes to another
@@ -27,8 +31,9 @@ from dataclasses import dataclass
 
 # Prompt tokens of prefill work one request waiting or running on a replica is counted as, besides its own queued
 # prompt tokens: a request with a cached prefix runs a forward of its own (prefix_cache.py), and every running row
-# lengthens each step.
+# lengthens each step. Used until the replicas have measured their throughputs (``request_cost_tokens``).
 REQUEST_COST_TOKENS = 32.0
+REQUEST_COST_MIN, REQUEST_COST_MAX = 16.0, 4096.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,17 @@ def choose_replica(prompt_len: int, views: Sequence[ReplicaView], *, request_cos
     best = min(keyed)
     tied = [v for v, k in zip(views, keyed) if k == best]
     return tied[0] if len(tied) == 1 else (rng or random).choice(tied)
+
+
+def request_cost_tokens(throughputs: Sequence[tuple[float, float]]) -> float:
+    """The weight of one request in prompt tokens, from the replicas' measured ``(prefill tokens/s, decode tokens/s)``
+    (their heartbeats): one more row in a batch lengthens each step by about ``1 / decode tokens/s`` seconds, the
+    time ``prefill / decode`` prompt tokens take to prefill. The median over the replicas that measured both, within
+    ``[REQUEST_COST_MIN, REQUEST_COST_MAX]``; ``REQUEST_COST_TOKENS`` when none has."""
+    ratios = sorted(p / d for p, d in throughputs if p > 0 and d > 0)
+    if not ratios:
+        return REQUEST_COST_TOKENS
+    return min(max(ratios[len(ratios) // 2], REQUEST_COST_MIN), REQUEST_COST_MAX)
 
 
 def hit_tokens(present: Sequence[int | bool], block_size: int) -> int:

@@ -9,7 +9,8 @@ import pytest
 
 from inference.engine.prefix_cache import PrefixCache, block_hashes as cache_block_hashes
 from inference.prefix_hash import BLOCK_SIZE, block_hashes
-from inference.router import ReplicaView, choose_replica, hit_tokens, route_cost
+from inference.router import (REQUEST_COST_MAX, REQUEST_COST_MIN, REQUEST_COST_TOKENS, ReplicaView, choose_replica,
+                              hit_tokens, request_cost_tokens, route_cost)
 
 
 def test_the_replica_holding_the_prefix_wins_when_loads_are_equal():
@@ -49,6 +50,13 @@ def test_a_dead_replica_is_never_chosen_because_only_live_views_are_offered():
     with pytest.raises(ValueError):
         choose_replica(10, [])
     assert choose_replica(10, [ReplicaView("live", queued_tokens=10_000, num_requests=50)]).engine_id == "live"
+
+
+def test_request_weight_comes_from_the_replicas_measured_throughputs():
+    assert request_cost_tokens([]) == request_cost_tokens([(0.0, 0.0), (5000.0, 0.0)]) == REQUEST_COST_TOKENS
+    assert request_cost_tokens([(20_000.0, 100.0), (30_000.0, 100.0), (10_000.0, 100.0)]) == 200.0  # the median
+    assert request_cost_tokens([(1.0, 1000.0)]) == REQUEST_COST_MIN
+    assert request_cost_tokens([(1e9, 1.0)]) == REQUEST_COST_MAX
 
 
 def test_hit_tokens_is_the_end_of_the_last_held_block_like_the_cache_lookup():
