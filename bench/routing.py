@@ -167,8 +167,7 @@ async def run(args, prefix: str) -> None:
         await asyncio.gather(*(one_request(link, [rng.randrange(1000, 100_000) for _ in range(300)], 2, RunResult())
                                for _ in range(4)))
         results: dict[tuple[str, str], list[RunResult]] = {}
-        costs: list[float | None] = ([float(c) for c in args.request_costs.split(",")] if args.request_costs
-                                     else [None])
+        costs: list[float | None] = [None if c == "auto" else float(c) for c in args.request_costs.split(",")]
         modes = [(ROUTING_SHARED, None)] + [(ROUTING_PREFIX, c) for c in costs]
         workloads = [w for w in (("multi-turn", multi_turn), ("no-shared-prefix", no_shared_prefix))
                      if args.workload in ("both", w[0])]
@@ -213,9 +212,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workload", choices=["both", "multi-turn", "no-shared-prefix"], default="both")
-    ap.add_argument("--request-costs", default="",
-                    help="comma-separated router request weights (tokens) to compare; default: the router's own "
-                         "(from the replicas' measured throughputs)")
+    ap.add_argument("--request-costs", default="auto",
+                    help="comma-separated router request weights (tokens) to compare; auto (default): the router's "
+                         "own, from the replicas' measured throughputs")
     args = ap.parse_args()
     prefix = f"br{uuid.uuid4().hex[:6]}"
     procs = start_engines(args, prefix)

@@ -83,6 +83,7 @@ class _Tracked:
     engine_id: str | None = None
     done: bool = False
     target: str | None = None  # the replica it was routed to (None: the shared stream)
+    entries: tuple[str, list[Any]] | None = None  # (stream, entry ids) that carried it: deleted if it is failed unread
     pending_tokens: int = 0  # prompt tokens counted in the target's load until the first token (or the end)
 
 
@@ -243,11 +244,16 @@ class EngineLink:
                     pipe.hincrby(routing_key(self.prefix, model), f"requests:{target}", len(requests))
                     if hit:
                         pipe.hincrby(routing_key(self.prefix, model), f"hit_tokens:{target}", hit * len(requests))
-                await pipe.execute()
+                replies = await pipe.execute()
         except BaseException:
             for req in requests:
                 self._untrack(req.request_id)
             raise
+        sent = (stream, list(replies[:len(entries)]))
+        for req in requests:
+            tracked = self._tracked.get(req.request_id)
+            if tracked is not None:
+                tracked.entries = sent
         return queues
 
     async def abort(self, model: str, request_ids: list[str]) -> None:
@@ -352,6 +358,23 @@ class EngineLink:
             tracked.queue.put_nowait(EngineCoreOutput(request_id=request_id, finish_reason=FINISH_ERROR,
                                                       error=message))
 
+    async def _fail_unread(self, model: str, request_ids: list[str], message: str) -> None:
+        """Fail requests no replica accepted, delete their stream entries (a replica started or taking over later
+        must not run them for nobody) and abort them (one that read them meanwhile drops them)."""
+        if not request_ids:
+            return
+        unread: dict[str, set[Any]] = {}
+        for rid in request_ids:
+            tracked = self._tracked.get(rid)
+            if tracked is not None and tracked.entries is not None:
+                unread.setdefault(tracked.entries[0], set()).update(tracked.entries[1])
+            self._fail(rid, message)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for stream, ids in unread.items():
+                pipe.xdel(stream, *ids)
+            await pipe.execute()
+        await self._send_abort(model, request_ids)
+
     async def _watchdog(self) -> None:
         while True:
             try:
@@ -394,12 +417,11 @@ class EngineLink:
                 stranded.setdefault(m, []).extend(r for r in rids if r in self._tracked)
         for m, rids in stranded.items():
             if rids:  # no live replica took them over: fail them, and abort them wherever they may still run
-                for rid in rids:
-                    self._fail(rid, f"The engine replica serving model '{m}' stopped before starting this request")
-                await self._send_abort(m, rids)
+                await self._fail_unread(m, rids, f"The engine replica serving model '{m}' stopped before starting "
+                                                 "this request")
         for model, rids in unaccepted.items():
             if not await self.live_replicas(model):
-                for rid in rids:
-                    self._fail(rid, f"No engine replica is serving model '{model}'")
+                await self._fail_unread(model, [r for r in rids if r in self._tracked],
+                                        f"No engine replica is serving model '{model}'")
         for key in [k for k in self._dead_since if k not in alive]:
             del self._dead_since[key]

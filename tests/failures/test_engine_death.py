@@ -93,7 +93,8 @@ def test_two_replicas_keep_a_conversation_on_one_and_take_over_from_a_stopped_on
         messages.append({"role": "user", "content": content})
         resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
         messages.append({"role": "assistant", "content": resp.choices[0].message.content or ""})
-        return resp.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+        details = resp.usage.prompt_tokens_details  # type: ignore[union-attr]
+        return details.cached_tokens or 0 if details is not None else 0  # omitted when nothing was cached
 
     messages: list = [{"role": "system", "content": "You answer briefly and precisely. " * 12}]
     before = routed()
