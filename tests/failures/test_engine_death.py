@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from openai import OpenAI
 
 from inference import admission as adm
@@ -73,6 +74,7 @@ def test_sigkill_engine_mid_stream_and_mid_request(live):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.timeout(600)  # starts a second engine replica
 def test_two_replicas_keep_a_conversation_on_one_and_take_over_from_a_stopped_one(live):
     """Runs after the test above (same platform): one replica, then a second. Later turns of a multi-turn chat
     land on the replica that served the first and report cached prompt tokens; a turn routed to that replica
@@ -107,8 +109,8 @@ def test_two_replicas_keep_a_conversation_on_one_and_take_over_from_a_stopped_on
     assert st[holder].prefix_hit_tokens >= cached[1] + cached[2]
     metrics_key = live.new_key(scopes="metrics")
     text = httpx.get(live.base_url + "/metrics", headers={"Authorization": f"Bearer {metrics_key}"}).text
-    assert f'engine_routed_requests_total{{model="{MODEL}",engine_id="{holder}"}}' in text
-    assert f'engine_prefix_cache_hit_tokens_total{{model="{MODEL}",engine_id="{holder}"}}' in text
+    assert f'engine_routed_requests_total{{engine_id="{holder}",model="{MODEL}"}}' in text
+    assert f'engine_prefix_cache_hit_tokens_total{{engine_id="{holder}",model="{MODEL}"}}' in text
 
     # freeze the holder: the next turn is routed to it (still heart-beating for up to 3 s) and waits in its stream
     # until its heartbeat lapses and the other replica takes it over
@@ -120,7 +122,7 @@ def test_two_replicas_keep_a_conversation_on_one_and_take_over_from_a_stopped_on
         took = time.monotonic() - t0
         assert routed()[holder] - before.get(holder, 0) == 4  # it was sent to the frozen replica ...
         assert {s.engine_id for s in live.replicas()} == {survivor}  # ... and served by the survivor
-        assert took < 30, took
+        assert took < 60, took  # heartbeat TTL 3 s + takeover every 1 s, on a loaded machine
     finally:
         os.kill(st[holder].pid, signal.SIGKILL)
     for child in [c for c in live.sup.children if c.proc is not None and c.proc.pid == st[holder].pid]:
