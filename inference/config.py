@@ -59,6 +59,10 @@ variable                           type     default              meaning (unit; 
                                                                  (``renderer/segment_cache.py``)
 ``SEGMENT_CACHE_MIN_CHARS``        int      64                   characters a prompt segment needs to be cached
                                                                  (``renderer/segment_cache.py``)
+``ENGINE_ROUTING``                 str      ``prefix``           how an api process picks a generate request's replica:
+                                                                 ``prefix`` (its own stream, chosen by prefix-cache hit
+                                                                 against load) or ``shared`` (the model's shared stream,
+                                                                 any replica pulls it) (``engine_client.py``, ``router.py``)
 =================================  =======  ===================  ===========================================================
 """
 
@@ -120,6 +124,7 @@ class InferenceSettings:
     structured_grammar_cache_size: int = 256
     segment_cache_max_tokens: int = 4_000_000
     segment_cache_min_chars: int = 64
+    engine_routing: str = "prefix"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> InferenceSettings:

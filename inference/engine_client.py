@@ -6,8 +6,14 @@ loop. It owns:
 * one reader task that ``XREAD``s the process's output stream (one message per engine step per process,
   see ``inference.protocol.engine``) and dispatches each ``EngineCoreOutput`` to the per-request queue;
 * one watchdog task that, every ``WATCHDOG_INTERVAL_S``, fails requests whose replica stopped heart-beating
-  (or, before any replica accepted them, when no replica of the model is alive for ``ACCEPT_GRACE_S``),
+  (or, before any replica accepted them, when no replica of the model is alive for ``ACCEPT_GRACE_S``, or
+  when the replica they were routed to died and no other took them over within ``RECLAIM_GRACE_S``),
   and refreshes this process's own liveness key so engines can drop requests of a dead api process.
+
+Routing (``ENGINE_ROUTING``, default ``prefix``): a generate request goes to the request stream of the replica
+``inference.router`` chooses from the prompt's prefix-cache block hashes and the replicas' load (this process's
+own in-flight requests and the replicas' heartbeats and stream lengths); pooling (embeddings) requests, and
+every request with ``ENGINE_ROUTING=shared``, go to the model's shared stream, which any replica pulls from.
 
 The per-request queue is registered before the request is sent (DESIGN.md §2 step 8), so no output can
 be lost between sending and listening.
@@ -27,6 +33,8 @@ from typing import Any, ClassVar, cast
 import msgpack
 import redis.asyncio as aioredis
 
+from inference.config import SETTINGS
+from inference.prefix_hash import BLOCK_SIZE, block_hashes
 from inference.protocol.engine import (
     API_ALIVE_TTL_S,
     api_alive_key,
@@ -40,9 +48,13 @@ from inference.protocol.engine import (
     replica_key,
     live_replica_keys,
     pack_requests,
+    replica_blocks_key,
+    replica_requests_stream,
     replicas_index_key,
     requests_stream,
+    routing_key,
 )
+from inference.router import ReplicaView, choose_replica, hit_tokens, request_cost_tokens
 from inference.redis_timeouts import blocking_socket_timeout
 
 log = logging.getLogger(__name__)
@@ -52,6 +64,10 @@ WATCHDOG_INTERVAL_S = 1.0
 # inside the window is caught like one that dies after the check (watchdog, ACCEPT_GRACE_S)
 REPLICA_CHECK_TTL_S = 0.5
 ACCEPT_GRACE_S = 5.0
+# a request routed to a replica that died unread is taken over by a live replica within ~1 s (engine/core.py
+# ``_reclaim``); one still unaccepted this long after the death was seen fails (and is aborted everywhere)
+RECLAIM_GRACE_S = 10.0
+ROUTING_PREFIX, ROUTING_SHARED = "prefix", "shared"
 # the reader's XREAD blocks this long (ms); the link's pool waits longer for any reply (redis_timeouts.py)
 READ_BLOCK_MS = 1000
 
@@ -66,6 +82,17 @@ class _Tracked:
     sent_at: float
     engine_id: str | None = None
     done: bool = False
+    target: str | None = None  # the replica it was routed to (None: the shared stream)
+    entries: tuple[str, list[Any]] | None = None  # (stream, entry ids) that carried it: deleted if it is failed unread
+    pending_tokens: int = 0  # prompt tokens counted in the target's load until the first token (or the end)
+
+
+@dataclass
+class _Load:
+    """This process's requests on one replica: unfinished ones, and prompt tokens of those without a first token."""
+
+    requests: int = 0
+    tokens: int = 0
 
 
 @dataclass
@@ -78,7 +105,12 @@ class EngineLink:
     _tracked: dict[str, _Tracked] = field(default_factory=dict)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _loop: asyncio.AbstractEventLoop | None = None
-    _replicas_seen: dict[str, float] = field(default_factory=dict)  # model -> monotonic time a replica was seen
+    routing: str = SETTINGS.engine_routing
+    # the router's weight of a request (inference/router.py); None: from the replicas' measured throughputs
+    request_cost_tokens: float | None = None
+    _replicas: dict[str, tuple[float, list[EngineStats]]] = field(default_factory=dict)  # model -> (seen at, live)
+    _load: dict[tuple[str, str], _Load] = field(default_factory=dict)  # (model, engine id) -> this process's load
+    _dead_since: dict[tuple[str, str], float] = field(default_factory=dict)  # routed-to replicas seen dead
     _alive_set_at: float = -1e9
 
     _instances: ClassVar[dict[int, EngineLink]] = {}
@@ -125,28 +157,80 @@ class EngineLink:
         values = await self.redis.mget(live_replica_keys(ids, self.prefix, model))
         return [EngineStats.from_wire(cast(bytes, v)) for v in values if v]  # a bytes-mode pool
 
+    async def _live(self, model: str) -> list[EngineStats]:
+        """The live replicas of ``model``, as seen at most ``REPLICA_CHECK_TTL_S`` ago (a replica the watchdog saw
+        die is dropped at once). Raises ``EngineUnavailableError`` when there is none."""
+        now = time.monotonic()
+        seen = self._replicas.get(model)
+        if seen is None or now - seen[0] > REPLICA_CHECK_TTL_S:
+            seen = (now, await self.live_replicas(model))
+            self._replicas[model] = seen
+        if not seen[1]:
+            self._replicas.pop(model, None)
+            raise EngineUnavailableError(f"No engine replica is serving model '{model}' right now")
+        return seen[1]
+
+    async def _route(self, model: str, req: EngineCoreRequest, replicas: list[EngineStats]) -> tuple[str, int]:
+        """``(engine id, expected cached prompt tokens)`` of the replica ``inference.router`` picks for ``req``.
+
+        One round trip: each replica's stream length and, for a prompt of at least one full block, which of the
+        prompt's block hashes its published set holds. A prompt with images is chosen by load alone (its block
+        hashes carry the images' keys at positions only the engine knows)."""
+        prompt = req.prompt_token_ids
+        hashes = [] if req.mm_cache_keys else block_hashes(prompt, block_size=BLOCK_SIZE, cache_salt=req.cache_salt)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for st in replicas:
+                pipe.xlen(replica_requests_stream(self.prefix, model, st.engine_id))
+                if hashes:
+                    pipe.smismember(replica_blocks_key(self.prefix, model, st.engine_id), hashes)
+            replies = await pipe.execute()
+        step = 2 if hashes else 1
+        views = []
+        for i, st in enumerate(replicas):
+            mine = self._load.get((model, st.engine_id)) or _Load()
+            queued = int(replies[i * step])
+            views.append(ReplicaView(
+                engine_id=st.engine_id,
+                hit_tokens=hit_tokens(replies[i * step + 1], BLOCK_SIZE) if hashes else 0,
+                queued_tokens=max(mine.tokens, st.num_waiting_tokens),
+                num_requests=max(mine.requests, st.num_running + st.num_waiting + queued)))
+        weight = self.request_cost_tokens
+        if weight is None:
+            weight = request_cost_tokens([(st.prefill_tokens_per_s, st.decode_tokens_per_s) for st in replicas])
+        best = choose_replica(len(prompt), views, request_cost_tokens=weight)
+        return best.engine_id, best.hit_tokens
+
     # ----------------------------------------------------------------- requests
     async def add_requests(self, model: str, requests: list[EngineCoreRequest],
                            queue: asyncio.Queue[EngineCoreOutput] | None = None) -> dict[str, asyncio.Queue[EngineCoreOutput]]:
-        """Register an output queue per request, then send them all to ``model``'s request stream.
+        """Register an output queue per request, then send them all to one replica of ``model``: the one the
+        router picks (``ENGINE_ROUTING=prefix``, generate requests), else the model's shared request stream.
 
         Returns ``{request_id: queue}``; each queue yields ``EngineCoreOutput`` until one with a
         ``finish_reason``. Pass ``queue`` to have all the requests (``n`` children of one API request)
-        share one queue. Raises ``EngineUnavailableError`` when no replica of ``model`` is alive.
+        share one queue; they all go to the same replica. Raises ``EngineUnavailableError`` when no replica
+        of ``model`` is alive.
         """
+        replicas = await self._live(model)
         now = time.monotonic()
-        if now - self._replicas_seen.get(model, -1e9) > REPLICA_CHECK_TTL_S:
-            if not await self.live_replicas(model):
-                self._replicas_seen.pop(model, None)
-                raise EngineUnavailableError(f"No engine replica is serving model '{model}' right now")
-            self._replicas_seen[model] = now
         if now - self._alive_set_at > API_ALIVE_TTL_S / 4:
             await self._ensure_alive_key()
+        target, hit = None, 0
+        if self.routing == ROUTING_PREFIX and requests and not requests[0].pooling:
+            target, hit = await self._route(model, requests[0], replicas)
         queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
         for req in requests:
             q: asyncio.Queue[EngineCoreOutput] = queue if queue is not None else asyncio.Queue()
-            self._tracked[req.request_id] = _Tracked(model=model, queue=q, sent_at=now)
+            t = _Tracked(model=model, queue=q, sent_at=now, target=target)
+            if target is not None:
+                t.pending_tokens = max(len(req.prompt_token_ids) - hit, 1)
+                load = self._load.setdefault((model, target), _Load())
+                load.requests += 1
+                load.tokens += t.pending_tokens
+            self._tracked[req.request_id] = t
             queues[req.request_id] = q
+        stream = requests_stream(self.prefix, model) if target is None else \
+            replica_requests_stream(self.prefix, model, target)
         try:
             # MULTI/EXEC: Redis serves a replica blocked in XREADGROUP only after the whole block, so it
             # reads all of them in one go and batches them (n children, the inputs of one embeddings call).
@@ -155,26 +239,64 @@ class EngineLink:
             entries = pack_requests(requests)  # n children of one request: one entry, shared fields once
             async with self.redis.pipeline(transaction=len(entries) > 1) as pipe:
                 for entry in entries:
-                    pipe.xadd(requests_stream(self.prefix, model), cast(dict[Any, Any], entry))  # str -> bytes fields
-                await pipe.execute()
+                    pipe.xadd(stream, cast(dict[Any, Any], entry))  # str -> bytes fields
+                if target is not None:  # counts for /metrics, in the same round trip
+                    pipe.hincrby(routing_key(self.prefix, model), f"requests:{target}", len(requests))
+                    if hit:
+                        pipe.hincrby(routing_key(self.prefix, model), f"hit_tokens:{target}", hit * len(requests))
+                replies = await pipe.execute()
         except BaseException:
             for req in requests:
-                self._tracked.pop(req.request_id, None)
+                self._untrack(req.request_id)
             raise
+        sent = (stream, list(replies[:len(entries)]))
+        for req in requests:
+            tracked = self._tracked.get(req.request_id)
+            if tracked is not None:
+                tracked.entries = sent
         return queues
 
     async def abort(self, model: str, request_ids: list[str]) -> None:
         """Ask every replica of ``model`` to abort ``request_ids`` and stop tracking them."""
         live = [rid for rid in request_ids if rid in self._tracked]
         for rid in request_ids:
-            self._tracked.pop(rid, None)
+            self._untrack(rid)
         if live:
-            await self.redis.xadd(control_stream(self.prefix, model), {"a": msgpack.packb(live)},
-                                  maxlen=10000, approximate=True)
+            await self._send_abort(model, live)
+
+    async def _send_abort(self, model: str, request_ids: list[str]) -> None:
+        await self.redis.xadd(control_stream(self.prefix, model), {"a": msgpack.packb(request_ids)},
+                              maxlen=10000, approximate=True)
 
     def release(self, request_id: str) -> None:
         """Stop tracking a finished request (idempotent)."""
-        self._tracked.pop(request_id, None)
+        self._untrack(request_id)
+
+    def _untrack(self, request_id: str) -> _Tracked | None:
+        """Stop tracking ``request_id`` and take it off its replica's load; the entry, or None if untracked."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None and tracked.target is not None:
+            self._unload(tracked, finished=True)
+        return tracked
+
+    def _unload(self, tracked: _Tracked, *, finished: bool) -> None:
+        """Take ``tracked``'s queued prompt tokens (and, when ``finished``, the request) off its target's load."""
+        key = (tracked.model, tracked.target or "")
+        load = self._load.get(key)
+        if load is None:
+            return
+        load.tokens -= tracked.pending_tokens
+        tracked.pending_tokens = 0
+        if finished:
+            load.requests -= 1
+            tracked.target = None
+        if load.requests <= 0:
+            del self._load[key]
+
+    def load_of(self, model: str, engine_id: str) -> tuple[int, int]:
+        """This process's ``(unfinished requests, prompt tokens without a first token)`` on one replica."""
+        load = self._load.get((model, engine_id)) or _Load()
+        return load.requests, load.tokens
 
     @property
     def num_tracked(self) -> int:
@@ -194,7 +316,9 @@ class EngineLink:
             tracked.engine_id = out.engine_id
         tracked.queue.put_nowait(out)
         if out.finish_reason is not None:
-            self._tracked.pop(out.request_id, None)
+            self._untrack(out.request_id)
+        elif tracked.pending_tokens and out.new_token_ids:
+            self._unload(tracked, finished=False)
 
     async def _reader(self) -> None:
         key = outputs_stream(self.prefix, self.client_id)
@@ -229,10 +353,27 @@ class EngineLink:
                 await asyncio.sleep(0.2)
 
     def _fail(self, request_id: str, message: str) -> None:
-        tracked = self._tracked.pop(request_id, None)
+        tracked = self._untrack(request_id)
         if tracked is not None:
             tracked.queue.put_nowait(EngineCoreOutput(request_id=request_id, finish_reason=FINISH_ERROR,
                                                       error=message))
+
+    async def _fail_unread(self, model: str, request_ids: list[str], message: str) -> None:
+        """Fail requests no replica accepted, delete their stream entries (a replica started or taking over later
+        must not run them for nobody) and abort them (one that read them meanwhile drops them)."""
+        if not request_ids:
+            return
+        unread: dict[str, set[Any]] = {}
+        for rid in request_ids:
+            tracked = self._tracked.get(rid)
+            if tracked is not None and tracked.entries is not None:
+                unread.setdefault(tracked.entries[0], set()).update(tracked.entries[1])
+            self._fail(rid, message)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for stream, ids in unread.items():
+                pipe.xdel(stream, *ids)
+            await pipe.execute()
+        await self._send_abort(model, request_ids)
 
     async def _watchdog(self) -> None:
         while True:
@@ -249,20 +390,38 @@ class EngineLink:
     async def _check_replicas(self) -> None:
         now = time.monotonic()
         by_engine: dict[tuple[str, str], list[str]] = {}
+        routed: dict[tuple[str, str], list[str]] = {}  # unaccepted, sent to one replica's stream
         unaccepted: dict[str, list[str]] = {}
         for rid, t in list(self._tracked.items()):
             if t.engine_id:
                 by_engine.setdefault((t.model, t.engine_id), []).append(rid)
-            elif now - t.sent_at > ACCEPT_GRACE_S:
-                unaccepted.setdefault(t.model, []).append(rid)
-        if by_engine:
-            keys = [replica_key(self.prefix, m, e) for (m, e) in by_engine]
-            alive = await self.redis.mget(keys)
-            for (m, e), value in zip(by_engine, alive):
-                if not value:
-                    for rid in by_engine[(m, e)]:
-                        self._fail(rid, f"The engine replica '{e}' serving model '{m}' stopped responding")
+            else:
+                if t.target:
+                    routed.setdefault((t.model, t.target), []).append(rid)
+                if now - t.sent_at > ACCEPT_GRACE_S:
+                    unaccepted.setdefault(t.model, []).append(rid)
+        watched = list(dict.fromkeys([*by_engine, *routed]))
+        alive = dict(zip(watched, await self.redis.mget([replica_key(self.prefix, m, e) for (m, e) in watched])
+                         if watched else []))
+        for (m, e), value in alive.items():
+            if value:
+                self._dead_since.pop((m, e), None)
+                continue
+            self._dead_since.setdefault((m, e), now)
+            self._replicas.pop(m, None)  # out of the choice at once, not after REPLICA_CHECK_TTL_S
+            for rid in by_engine.get((m, e), []):
+                self._fail(rid, f"The engine replica '{e}' serving model '{m}' stopped responding")
+        stranded: dict[str, list[str]] = {}
+        for (m, e), rids in routed.items():
+            if now - self._dead_since.get((m, e), now) > RECLAIM_GRACE_S:
+                stranded.setdefault(m, []).extend(r for r in rids if r in self._tracked)
+        for m, rids in stranded.items():
+            if rids:  # no live replica took them over: fail them, and abort them wherever they may still run
+                await self._fail_unread(m, rids, f"The engine replica serving model '{m}' stopped before starting "
+                                                 "this request")
         for model, rids in unaccepted.items():
             if not await self.live_replicas(model):
-                for rid in rids:
-                    self._fail(rid, f"No engine replica is serving model '{model}'")
+                await self._fail_unread(model, [r for r in rids if r in self._tracked],
+                                        f"No engine replica is serving model '{model}'")
+        for key in [k for k in self._dead_since if k not in alive]:
+            del self._dead_since[key]

@@ -2,8 +2,9 @@
 
 One iteration ("step"):
 
-1. read new ``EngineCoreRequest``s (consumer group ``ENGINE_GROUP`` on ``requests_stream``; XACK once
-   accepted; blocking read only when idle) and aborts (``control_stream``, plain XREAD);
+1. read new ``EngineCoreRequest``s (consumer group ``ENGINE_GROUP`` on the replica's own stream, where the
+   api's router sends requests, and on the model's shared ``requests_stream``; XACK once accepted; blocking
+   read only when idle) and aborts (``control_stream``, plain XREAD);
 2. answer every newly accepted request at once with an empty output (``queued_ts``, ``engine_id``)
    so the api process knows which replica owns it; invalid requests fail here with ``error``;
 3. prefill waiting requests that fit (``max_num_seqs``, prefill token budget) in one forward (a prompt
@@ -12,8 +13,10 @@ One iteration ("step"):
 4. sample (batched), apply stop rules, publish one ``EngineCoreOutputs`` message per client_id.
 
 A heartbeat thread SETs ``replica_key`` (``EngineStats``) with a TTL so api processes notice a dead
-replica. SIGTERM/SIGINT stop the loop; held requests finish with ``abort`` and an error message, and
-the heartbeat key is deleted.
+replica. The prefix cache's block hashes are mirrored into ``replica_blocks_key`` with each flush, for the
+router. Requests left in the stream of a replica whose heartbeat lapsed are taken over by a live one
+(``_reclaim``). SIGTERM/SIGINT stop the loop; held requests finish with ``abort`` and an error message, the
+heartbeat key is deleted and the replica marked expired in the index (so another takes its unread requests).
 """
 
 from __future__ import annotations
@@ -49,7 +52,9 @@ from inference.protocol.engine import (
     STRUCTURED_KINDS,
     control_stream,
     outputs_stream,
+    replica_blocks_key,
     replica_key,
+    replica_requests_stream,
     requests_stream,
 )
 from inference.redis_timeouts import blocking_socket_timeout
@@ -71,6 +76,10 @@ RECLAIM_INTERVAL_S = 1.0
 POLL_BLOCK_MS = 100  # an idle replica's XREADGROUP blocks this long; its client waits longer (redis_timeouts.py)
 CONSUMER_FORGET_MS = 60_000  # dead replicas' consumers with nothing pending leave the group after this
 GRAMMAR_WAIT_S = 0.005  # with nothing to run but requests whose grammar compiles, wait this long for one
+DEAD_REPLICA_WATCH_MS = 60_000  # a replica expired this recently has its own stream watched for requests to take
+DEAD_STREAM_DROP_MS = 50_000  # ... and that stream is deleted once empty and expired this long
+BLOCKS_TTL_MS = 60_000  # the published block set outlives a dead replica this long
+BLOCKS_RESYNC_S = 30.0  # the published block set is rewritten whole this often (a Redis restart emptied it)
 
 
 # replies of the engine's Redis connection (bytes mode, RESP2): redis-py's types cover every mode and protocol
@@ -115,6 +124,9 @@ class EngineCore:
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=blocking_socket_timeout(POLL_BLOCK_MS / 1000))
         self.hb_redis = redis.Redis.from_url(redis_url)
         self.req_key = requests_stream(link_prefix, model)
+        self.own_key = replica_requests_stream(link_prefix, model, self.engine_id)
+        self.blocks_key = replica_blocks_key(link_prefix, model, self.engine_id)
+        self._next_blocks_sync = 0.0
         self.ctl_key = control_stream(link_prefix, model)
         self.hb_key = replica_key(link_prefix, model, self.engine_id)
         self.index_key = replicas_index_key(link_prefix, model)
@@ -179,11 +191,15 @@ class EngineCore:
 
     # ------------------------------------------------------------------ link
     def _setup_link(self) -> None:
-        try:
-            self.redis.xgroup_create(self.req_key, ENGINE_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        for key in (self.req_key, self.own_key):
+            try:
+                self.redis.xgroup_create(key, ENGINE_GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        cache = getattr(self.runner, "prefix_cache", None)
+        if cache is not None:
+            cache.track_changes()
         last = cast(_StreamEntries, self.redis.xrevrange(self.ctl_key, count=1))
         self._ctl_last = last[0][0] if last else "0-0"
 
@@ -191,10 +207,13 @@ class EngineCore:
         while not self.stop_event.is_set():
             try:
                 self.stats.num_running = len(self.running)
-                self.stats.num_waiting = len(self.waiting)
+                waiting = list(self.waiting)
+                self.stats.num_waiting = len(waiting)
+                self.stats.num_waiting_tokens = sum(len(s.request.prompt_token_ids) for s in waiting)
                 ttl_ms = int(HEARTBEAT_TTL_S * 1000)
                 pipe = self.hb_redis.pipeline(transaction=False)
                 pipe.set(self.hb_key, self.stats.to_wire(), px=ttl_ms)
+                pipe.pexpire(self.blocks_key, BLOCKS_TTL_MS)
                 pipe.zadd(self.index_key, {self.engine_id: int(time.time() * 1000) + ttl_ms})
                 pipe.zremrangebyscore(self.index_key, "-inf", int(time.time() * 1000) - 60_000)  # long dead
                 pipe.execute()
@@ -205,10 +224,32 @@ class EngineCore:
     def _emit(self, client_id: str, out: EngineCoreOutput) -> None:
         self._pending.setdefault(client_id, []).append(out)
 
+    def _block_changes(self, pipe: redis.client.Pipeline) -> bool:
+        """Queue on ``pipe`` the changes of the prefix cache's blocks since the last flush (SADD/SREM on
+        ``blocks_key``), or, every ``BLOCKS_RESYNC_S``, the whole set anew. True when something was queued."""
+        cache = getattr(self.runner, "prefix_cache", None)
+        if cache is None:
+            return False
+        t = time.monotonic()
+        added, removed = cache.drain_changes()
+        if t >= self._next_blocks_sync:
+            self._next_blocks_sync = t + BLOCKS_RESYNC_S
+            pipe.delete(self.blocks_key)
+            added, removed = cache.block_set(), []
+        if removed:
+            pipe.srem(self.blocks_key, *removed)
+        if added:
+            pipe.sadd(self.blocks_key, *added)
+            pipe.pexpire(self.blocks_key, BLOCKS_TTL_MS)
+        return bool(added or removed)
+
     def _flush(self) -> None:
-        if not self._pending:
-            return
         pipe = self.redis.pipeline(transaction=False)
+        if not self._pending:
+            if self._block_changes(pipe):
+                pipe.execute()
+            return
+        self._block_changes(pipe)
         ts = time.time()
         for client_id, outs in self._pending.items():
             msg = EngineCoreOutputs(engine_id=self.engine_id, timestamp=ts, outputs=outs)
@@ -228,22 +269,28 @@ class EngineCore:
         room = self.max_num_seqs * 2 - len(self.waiting) - len(self.running)
         resp: _XReadReply = None
         if room > 0:
-            resp = cast(_XReadReply, self.redis.xreadgroup(ENGINE_GROUP, self.consumer, {self.req_key: ">"},
+            # its own stream (routed requests) first, then the shared one; COUNT applies per stream
+            resp = cast(_XReadReply, self.redis.xreadgroup(ENGINE_GROUP, self.consumer,
+                                                           {self.own_key: ">", self.req_key: ">"},
                                                            count=room, block=POLL_BLOCK_MS if idle else None))
-        accepted_ids: list[bytes] = []
-        for _stream, entries in resp or []:
+        accepted: dict[str, list[bytes]] = {}
+        n = 0
+        for stream, entries in resp or []:
+            key = stream.decode() if isinstance(stream, bytes) else stream
             for entry_id, fields in entries:
-                accepted_ids.append(entry_id)
+                accepted.setdefault(key, []).append(entry_id)
+                n += 1
                 self._accept(fields)
-        if room - len(accepted_ids) > 0 and time.monotonic() >= self._next_reclaim:
-            accepted_ids += self._reclaim(room - len(accepted_ids))
+        if room - n > 0 and time.monotonic() >= self._next_reclaim:
+            for key, ids in self._reclaim(room - n).items():
+                accepted.setdefault(key, []).extend(ids)
         # the acknowledgement and the read of aborts share one round trip
         pipe = self.redis.pipeline(transaction=False)
-        if accepted_ids:
-            pipe.xack(self.req_key, ENGINE_GROUP, *accepted_ids)
+        for key, ids in accepted.items():
+            pipe.xack(key, ENGINE_GROUP, *ids)
             # an accepted entry is never read again (only pending ones are reclaimed): deleted, so the stream holds
             # what is queued, not the last 10,000 requests (Redis memory flat under steady load; DECISIONS D-188)
-            pipe.xdel(self.req_key, *accepted_ids)
+            pipe.xdel(key, *ids)
         pipe.xread({self.ctl_key: self._ctl_last}, count=1000)
         ctl = pipe.execute()[-1]
         for _stream, entries in ctl or []:
@@ -258,26 +305,74 @@ class EngineCore:
                     continue
                 self._abort(set(map(str, ids)))
 
-    def _reclaim(self, count: int) -> list[bytes]:
+    def _reclaim(self, count: int) -> dict[str, list[bytes]]:
         """Take over requests another replica read but never acknowledged, i.e. it died between its
         XREADGROUP and XACK (a live replica acknowledges in the same poll, within milliseconds): XAUTOCLAIM
         of entries pending longer than ``RECLAIM_IDLE_MS``, at most every ``RECLAIM_INTERVAL_S``. Without
         this, a request sent as an engine was killed stayed pending for the dead consumer for ever while
         its client waited on a live replica. Also drops dead consumers with nothing pending from the group.
-        Returns the entry ids accepted here (the caller acknowledges them)."""
+
+        The same for the own streams of replicas whose heartbeat lapsed (``_take_over``): the requests routed to
+        them and still unread are read here instead, so none waits on a dead replica.
+        Returns the entry ids accepted here per stream (the caller acknowledges them)."""
         self._next_reclaim = time.monotonic() + RECLAIM_INTERVAL_S
-        resp = self.redis.xautoclaim(self.req_key, ENGINE_GROUP, self.consumer, RECLAIM_IDLE_MS,
-                                     start_id="0-0", count=count)
+        taken: dict[str, list[bytes]] = {}
+        for key in (self.req_key, self.own_key):  # own: pending for an earlier process of this engine id
+            ids = self._claim_pending(key, count)
+            if ids:
+                taken[key] = ids
+                count -= len(ids)
+        for c in self.redis.xinfo_consumers(self.req_key, ENGINE_GROUP):
+            name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+            if name != self.consumer and not c["pending"] and c["idle"] > CONSUMER_FORGET_MS:
+                self.redis.xgroup_delconsumer(self.req_key, ENGINE_GROUP, name)
+        if count > 0:
+            taken.update(self._take_over(count))
+        return taken
+
+    def _claim_pending(self, key: str, count: int, idle_ms: int = RECLAIM_IDLE_MS) -> list[bytes]:
+        """XAUTOCLAIM up to ``count`` entries of ``key`` pending longer than ``idle_ms`` and accept them."""
+        if count <= 0:
+            return []
+        resp = self.redis.xautoclaim(key, ENGINE_GROUP, self.consumer, idle_ms, start_id="0-0", count=count)
         taken = []
         for entry_id, fields in (resp[1] if resp else []):
             taken.append(entry_id)
             if fields:  # None: the entry was deleted (trimmed) while pending
                 log.warning("took over request entry %s left pending by a dead replica", entry_id)
                 self._accept(fields)
-        for c in self.redis.xinfo_consumers(self.req_key, ENGINE_GROUP):
-            name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
-            if name != self.consumer and not c["pending"] and c["idle"] > CONSUMER_FORGET_MS:
-                self.redis.xgroup_delconsumer(self.req_key, ENGINE_GROUP, name)
+        return taken
+
+    def _take_over(self, count: int) -> dict[str, list[bytes]]:
+        """Read (as this replica's consumer, so each entry goes to one taker) the requests left in the own
+        streams of the model's replicas that expired within ``DEAD_REPLICA_WATCH_MS``; a stream expired longer
+        than ``DEAD_STREAM_DROP_MS`` is deleted once empty, with its block set. Returns ids per stream."""
+        now_ms = int(time.time() * 1000)
+        dead = cast(list[tuple[bytes, float]], self.redis.zrangebyscore(
+            self.index_key, now_ms - DEAD_REPLICA_WATCH_MS, now_ms - 1, withscores=True))
+        taken: dict[str, list[bytes]] = {}
+        for raw_id, expired_at in dead:
+            eid = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
+            if eid == self.engine_id or count <= 0:
+                continue
+            key = replica_requests_stream(self.prefix, self.model, eid)
+            try:
+                resp = cast(_XReadReply, self.redis.xreadgroup(ENGINE_GROUP, self.consumer, {key: ">"}, count=count))
+                ids = [entry_id for _s, entries in resp or [] for entry_id, _f in entries]
+                for _s, entries in resp or []:
+                    for _entry_id, fields in entries:
+                        self._accept(fields)
+                ids += self._claim_pending(key, count - len(ids), idle_ms=0)  # its owner is dead
+            except redis.ResponseError as exc:  # NOGROUP: already deleted (or never set up)
+                if "NOGROUP" not in str(exc):
+                    raise
+                continue
+            if ids:
+                log.warning("took over %d request(s) routed to expired replica %s", len(ids), eid)
+                taken[key] = ids
+                count -= len(ids)
+            elif now_ms - expired_at > DEAD_STREAM_DROP_MS and not self.redis.xlen(key):
+                self.redis.delete(key, replica_blocks_key(self.prefix, self.model, eid))
         return taken
 
     def _accept(self, fields: dict[bytes, bytes]) -> None:
@@ -439,6 +534,9 @@ class EngineCore:
                 self._finish_out(s, FINISH_ERROR, f"prefill failed: {exc}")
             return
         self.running.extend(group)
+        for s in group:
+            self.stats.prompt_tokens += len(s.request.prompt_token_ids)
+            self.stats.prefix_hit_tokens += s.num_cached_tokens
         dt = time.perf_counter() - t0
         ntok = sum(len(s.request.prompt_token_ids) - s.num_cached_tokens for s in group)
         self.stats.prefill_tokens_per_s = self._ema(self.stats.prefill_tokens_per_s, ntok / max(dt, 1e-9))
@@ -557,8 +655,10 @@ class EngineCore:
             self.running = []
             try:
                 self._flush()
-                self.redis.delete(self.hb_key)
-                self.redis.zrem(self.index_key, self.engine_id)
+                # gone at once for the api processes; expired (not removed) in the index, so a live replica takes
+                # the requests still unread in this replica's own stream (``_take_over``)
+                self.redis.delete(self.hb_key, self.blocks_key)
+                self.redis.zadd(self.index_key, {self.engine_id: int(time.time() * 1000) - 1})
             except redis.RedisError as exc:
                 log.warning("cleanup failed: %s", exc)
             log.info("engine %s stopped", self.engine_id)

@@ -22,56 +22,19 @@ and images before them).
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
+# the block naming lives in a torch-free module so the api's router hashes prompts with this very function
+from inference.prefix_hash import BLOCK_SIZE, ImageSpan, block_hashes
 
 if TYPE_CHECKING:
     import torch
 
-BLOCK_SIZE = 16
+__all__ = ["BLOCK_SIZE", "DEFAULT_PREFIX_CACHE_MB", "ImageSpan", "PrefixCache", "PrefixEntry", "block_hashes"]
+
 DEFAULT_PREFIX_CACHE_MB = 256
-
-
-@dataclass(frozen=True)
-class ImageSpan:
-    """Image placeholder positions ``[start, end)`` of one image in a prompt, and the image's content key."""
-
-    start: int
-    end: int
-    key: str
-
-
-def block_hashes(token_ids: list[int], spans: Sequence[ImageSpan] = (), block_size: int = BLOCK_SIZE,
-                 cache_salt: str | None = None) -> list[bytes]:
-    """Chained hashes of the full blocks of ``token_ids``: entry ``i`` names tokens ``[0, (i+1)·block_size)``.
-
-    Block ``i``'s hash covers the previous hash, its ``block_size`` ids (int64) and the keys of the images whose
-    spans overlap the block, so equal hashes mean equal tokens and equal images up to that block's end.
-    A non-empty ``cache_salt`` is mixed into the first block's hash only (the chain carries it to every later
-    block), as vLLM does (``generate_block_hash_extra_keys`` in ``vllm/v1/core/kv_cache_utils.py``): prompts
-    with different salts never share a block (tenant isolation).
-    A trailing partial block has no hash (it is never reused).
-    """
-    ids = np.asarray(token_ids, dtype=np.int64)
-    out: list[bytes] = []
-    prev = b""
-    for i in range(len(ids) // block_size):
-        lo, hi = i * block_size, (i + 1) * block_size
-        h = hashlib.blake2b(prev, digest_size=16)
-        h.update(ids[lo:hi].tobytes())
-        if i == 0 and cache_salt:
-            h.update(b"\x00salt:" + cache_salt.encode())
-        for sp in spans:
-            if sp.start < hi and sp.end > lo:
-                h.update(b"\x00img:" + sp.key.encode())
-        prev = h.digest()
-        out.append(prev)
-    return out
 
 
 @dataclass(eq=False)
@@ -94,6 +57,26 @@ class PrefixCache:
         self._index: dict[bytes, tuple[PrefixEntry, int]] = {}
         self._lru: OrderedDict[int, PrefixEntry] = OrderedDict()
         self.bytes_used = 0
+        # block hash -> present (True) or gone (False) since the last ``drain_changes``; None: not recorded
+        self._journal: dict[bytes, bool] | None = None
+
+    def track_changes(self) -> None:
+        """Record which block hashes enter and leave the cache from now on (``drain_changes``), so a replica can
+        publish what it holds to the router (``inference/router.py``)."""
+        if self._journal is None:
+            self._journal = {}
+
+    def drain_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """``(added, removed)`` block hashes since the last call (each hash in at most one list, by its last
+        change), and start over. Empty lists when changes are not tracked."""
+        if not self._journal:
+            return [], []
+        journal, self._journal = self._journal, {}
+        return [h for h, v in journal.items() if v], [h for h, v in journal.items() if not v]
+
+    def block_set(self) -> list[bytes]:
+        """Every block hash the cache holds now (a full resynchronisation of the published set)."""
+        return list(self._index)
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -130,6 +113,8 @@ class PrefixCache:
                             hashes=list(hashes))
         for i, h in enumerate(hashes):
             self._index[h] = (entry, (i + 1) * self.block_size)
+            if self._journal is not None:
+                self._journal[h] = True
         self._lru[id(entry)] = entry
         self.bytes_used += nbytes
         return True
@@ -141,3 +126,5 @@ class PrefixCache:
             found = self._index.get(h)
             if found is not None and found[0] is entry:
                 del self._index[h]
+                if self._journal is not None:
+                    self._journal[h] = False

@@ -20,6 +20,14 @@ Link layout (DESIGN.md §6), all keys prefixed by ``link_prefix`` (default ``llm
   every ``HEARTBEAT_INTERVAL_S`` by a live replica; value = msgpack of ``EngineStats``.
 * ``{p}:engine:{model}:replicas``  sorted set: replica id → heartbeat expiry (Unix ms), updated with each
   heartbeat; live replicas = members scored after now (then MGET their heartbeat keys).
+* ``{p}:engine:{model}:rq:{engine_id}``  Redis Stream, consumer group ``engines``: the requests an api process
+  routed to that replica (prefix-aware routing, ``inference.router``). The replica reads it before the shared
+  stream; once the replica's heartbeat lapses, a live replica of the model takes what is left in it.
+* ``{p}:engine:{model}:blocks:{engine_id}``  set of the prefix-cache block hashes (16 bytes each) the replica
+  holds (``inference.engine.prefix_cache.block_hashes``), kept in step with its cache; TTL refreshed by the
+  heartbeat. The router asks it (SMISMEMBER) how much of a prompt each replica has cached.
+* ``{p}:engine:{model}:routing``  hash of routing counts for ``/metrics``: ``requests:{engine_id}`` and
+  ``hit_tokens:{engine_id}`` (prompt tokens the router expected to be cached there).
 """
 
 from __future__ import annotations
@@ -45,6 +53,21 @@ FINISH_ERROR = "error"
 def requests_stream(prefix: str, model: str) -> str:
     """Redis key of the request stream shared by every replica of ``model``."""
     return f"{prefix}:engine:{model}:requests"
+
+
+def replica_requests_stream(prefix: str, model: str, engine_id: str) -> str:
+    """Redis key of the request stream of one replica (requests routed to it; consumer group ``ENGINE_GROUP``)."""
+    return f"{prefix}:engine:{model}:rq:{engine_id}"
+
+
+def replica_blocks_key(prefix: str, model: str, engine_id: str) -> str:
+    """Redis key of the set of prefix-cache block hashes one replica holds."""
+    return f"{prefix}:engine:{model}:blocks:{engine_id}"
+
+
+def routing_key(prefix: str, model: str) -> str:
+    """Redis hash of routing counts (``requests:{engine_id}``, ``hit_tokens:{engine_id}``) for ``/metrics``."""
+    return f"{prefix}:engine:{model}:routing"
 
 
 def control_stream(prefix: str, model: str) -> str:
@@ -310,7 +333,9 @@ class EngineStats:
 
     ``prefill_tokens_per_s``: exponentially averaged prompt tokens per second during prefill
     (admission sizing, DESIGN.md §3); ``num_running`` / ``num_waiting``: sequences in the batch and
-    queued inside the engine; ``max_num_seqs``: batch capacity; ``device``: ``cpu`` or ``cuda``.
+    queued inside the engine; ``num_waiting_tokens``: prompt tokens of the waiting ones; ``max_num_seqs``:
+    batch capacity; ``device``: ``cpu`` or ``cuda``. Counters since start: ``prompt_tokens`` (prompt tokens of
+    the requests it prefilled) and ``prefix_hit_tokens`` (of those, the ones read from its prefix cache).
     """
 
     engine_id: str
@@ -323,6 +348,9 @@ class EngineStats:
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     started_at: float = 0.0
+    num_waiting_tokens: int = 0
+    prompt_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
     def to_wire(self) -> bytes:
         """Serialise to msgpack bytes."""
@@ -331,5 +359,6 @@ class EngineStats:
 
     @classmethod
     def from_wire(cls, data: bytes) -> EngineStats:
-        """Inverse of ``to_wire``."""
-        return cls(**msgpack.unpackb(data, raw=False))
+        """Inverse of ``to_wire``; fields this version does not know are ignored (a newer replica's heartbeat)."""
+        raw = msgpack.unpackb(data, raw=False)
+        return cls(**{k: v for k, v in raw.items() if k in cls.__dataclass_fields__})

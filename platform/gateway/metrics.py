@@ -20,9 +20,19 @@ Every value comes from Redis, so all api processes answer the same numbers (DESI
 * ``render_segment_cache_hits_total`` / ``render_segment_cache_misses_total`` (counters) — prompt segments
   whose ids came from / were stored in the segment tokenization cache, summed over the render workers and the
   inline route (``inference.renderer.segment_cache``; Redis hash ``inference.tasks.segment_cache_counter_key``).
+* ``engine_routed_requests_total{model,engine_id}`` / ``engine_routed_prefix_hit_tokens_total{model,engine_id}``
+  (counters) — requests the api processes routed to each replica, and the prompt tokens the router expected
+  that replica's prefix cache to serve (``inference/router.py``; the replicas ever routed to);
+* ``engine_prompt_tokens_total{model,engine_id}`` / ``engine_prefix_cache_hit_tokens_total{model,engine_id}``
+  (counters since the replica started) — prompt tokens each live replica prefilled, and of those the ones its
+  prefix cache served (the ``cached_tokens`` of usage); ``engine_running_requests{model,engine_id}`` /
+  ``engine_waiting_requests{model,engine_id}`` (gauges) — its batch and queue, from its heartbeat.
 """
 
 from __future__ import annotations
+
+import time
+from typing import cast
 
 from django.conf import settings
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -38,6 +48,7 @@ from gateway.pipeline.clients import admission
 from gateway.http import GatewayConsumer
 from inference import admission as adm
 from inference import tasks as render_tasks
+from inference.protocol.engine import EngineStats, live_replica_keys, replicas_index_key, routing_key
 
 METRICS_SCOPES = ("metrics", "operator")
 
@@ -104,7 +115,40 @@ async def collect_families(redis: Redis, prefix: str) -> list[Metric]:
     seg_misses = CounterMetricFamily("render_segment_cache_misses", "Prompt segments encoded and then stored in "
                                      "the segment tokenization cache")
     seg_misses.add_metric([], int(seg.get(b"misses", seg.get("misses", 0))))
-    return [rejections, q_reqs, q_toks, lim_reqs, lim_toks, tps, ttft, handoffs, refusals, seg_hits, seg_misses]
+    return [rejections, q_reqs, q_toks, lim_reqs, lim_toks, tps, ttft, handoffs, refusals, seg_hits, seg_misses,
+            *await _replica_families(redis, prefix, models)]
+
+async def _replica_families(redis: Redis, prefix: str, models: list[str]) -> list[Metric]:
+    """Routing counts (``routing_key``) and the live replicas' heartbeat counters and gauges, per model."""
+    labels = ["model", "engine_id"]
+    routed = CounterMetricFamily("engine_routed_requests", "Requests routed to each engine replica", labels=labels)
+    routed_hit = CounterMetricFamily("engine_routed_prefix_hit_tokens", "Prompt tokens the router expected each "
+                                     "replica's prefix cache to serve", labels=labels)
+    prompt = CounterMetricFamily("engine_prompt_tokens", "Prompt tokens a live replica prefilled since it started",
+                                 labels=labels)
+    hit = CounterMetricFamily("engine_prefix_cache_hit_tokens", "Prompt tokens a live replica's prefix cache served "
+                              "since it started", labels=labels)
+    running = GaugeMetricFamily("engine_running_requests", "Requests in a live replica's batch", labels=labels)
+    waiting = GaugeMetricFamily("engine_waiting_requests", "Requests waiting inside a live replica", labels=labels)
+    now_ms = int(time.time() * 1000)
+    for model in models:
+        counts = await redis.hgetall(routing_key(prefix, model))
+        for raw, value in sorted(counts.items()):
+            field = raw.decode() if isinstance(raw, bytes) else raw
+            kind, _, engine_id = field.partition(":")
+            family = routed if kind == "requests" else routed_hit if kind == "hit_tokens" else None
+            if family is not None:
+                family.add_metric([model, engine_id], int(value))
+        ids = await redis.zrangebyscore(replicas_index_key(prefix, model), now_ms, "+inf")
+        for raw_stats in (await redis.mget(live_replica_keys(ids, prefix, model))) if ids else []:
+            if not raw_stats:
+                continue
+            st = EngineStats.from_wire(cast(bytes, raw_stats))  # a bytes-mode pool
+            prompt.add_metric([model, st.engine_id], st.prompt_tokens)
+            hit.add_metric([model, st.engine_id], st.prefix_hit_tokens)
+            running.add_metric([model, st.engine_id], st.num_running)
+            waiting.add_metric([model, st.engine_id], st.num_waiting)
+    return [routed, routed_hit, prompt, hit, running, waiting]
 
 
 class MetricsConsumer(GatewayConsumer):

@@ -152,10 +152,13 @@ def demo_key_ensure(var_dir: Path, model_name: str) -> str:
     return secret
 
 
-def demo_bootstrap(*, var_dir: Path, model_name: str, model_dir: str, max_model_len: int) -> DemoInfo:
+def demo_bootstrap(*, var_dir: Path, model_name: str, model_dir: str, max_model_len: int,
+                   num_replicas: int | None = None) -> DemoInfo:
     """Ensure operator, demo tenant (owned by the user ``demo``), demo key and the registrations of the demo
-    chat model ``model_name`` and the embedding model ``EMBED_MODEL_NAME`` (task ``embed``) exist."""
-    served_model_register(served_model_name=model_name, model_dir=model_dir, max_model_len=max_model_len)
+    chat model ``model_name`` and the embedding model ``EMBED_MODEL_NAME`` (task ``embed``) exist.
+    ``num_replicas``: engine replicas of the chat model (None keeps the registered count, 1 for a new one)."""
+    served_model_register(served_model_name=model_name, model_dir=model_dir, max_model_len=max_model_len,
+                          num_replicas=num_replicas)
     served_model_register(served_model_name=EMBED_MODEL_NAME, model_dir=embed_model_dir(), task="embed",
                           max_model_len=EMBED_MAX_MODEL_LEN)
     password = operator_ensure(var_dir)

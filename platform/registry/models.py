@@ -89,6 +89,11 @@ class ServedModel(models.Model):
     dtype = models.CharField(max_length=16, choices=Dtype.choices, default=Dtype.AUTO)
     device = models.CharField(max_length=16, choices=Device.choices, default=Device.CPU)
     max_num_seqs = models.PositiveIntegerField(default=32, validators=[MinValueValidator(1)])
+    num_replicas = models.PositiveIntegerField(
+        default=1, validators=[MinValueValidator(1)],
+        help_text="Engine processes `manage.py serve` runs for this model on this machine; the api routes each "
+                  "request to one of them by prompt-prefix cache hit and load (inference/router.py).",
+    )
     task = models.CharField(max_length=16, choices=Task.choices, default=Task.GENERATE)
     enabled = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)

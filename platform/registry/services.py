@@ -72,6 +72,7 @@ def served_model_register(
     max_num_seqs: int | None = None,
     task: str | None = None,
     enabled: bool | None = None,
+    num_replicas: int | None = None,
 ) -> ServedModel:
     """Create or update (idempotently, keyed on ``served_model_name``) a ``ServedModel``.
 
@@ -96,6 +97,7 @@ def served_model_register(
         "dtype": dtype,
         "device": device,
         "max_num_seqs": max_num_seqs,
+        "num_replicas": num_replicas,
         "task": task,
         "enabled": enabled,
     }

@@ -76,6 +76,9 @@ class Command(BaseCommand):
                                  "account, the demo tenant with its owner's login and a demo key")
         parser.add_argument("--demo-model-dir", default=str(Path(settings.REPO_DIR) / ".cache/models/tiny-qwen3"))
         parser.add_argument("--demo-max-model-len", type=int, default=2048)
+        parser.add_argument("--demo-replicas", type=int, default=None,
+                            help="engine replicas of the demo chat model (its num_replicas; default: as registered, "
+                                 "1 for a new registration)")
 
     def handle(self, *args, **opts):
         var_dir = Path(settings.VAR_DIR)
@@ -126,7 +129,7 @@ class Command(BaseCommand):
         info = None
         if opts["demo"]:
             info = demo_bootstrap(var_dir=var_dir, model_name="tiny-qwen3", model_dir=opts["demo_model_dir"],
-                                  max_model_len=opts["demo_max_model_len"])
+                                  max_model_len=opts["demo_max_model_len"], num_replicas=opts["demo_replicas"])
 
         py = python()
         sup.start("worker", [py, "-m", "celery", "-A", "config", "worker", "-Q", "render",
@@ -148,16 +151,18 @@ class Command(BaseCommand):
         models = [] if opts["no_engine"] else [m for m in served_models_enabled() if m.task in ("generate", "embed")]
         layout = _engine_layout(opts, models, front_cpus, back_cpus)
         if models:
-            self.stdout.write(f"engines: {len(models)}, each at nice {layout.nice}; CPU engines "
+            self.stdout.write(f"engines: {sum(m.num_replicas for m in models)}, each at nice {layout.nice}; CPU engines "
                               f"{layout.threads} torch thread(s) each")
         for m in models:
             # the engine reads REDIS_URL from its environment (a --redis-url would show the password in ps)
             threads = ["--num-threads", str(layout.threads)] if m.device == "cpu" else []
-            sup.start(f"engine-{m.served_model_name}", [
-                py, "-m", "inference.engine", "--model", m.served_model_name, "--model-dir", m.model_dir,
-                "--device", m.device, "--dtype", m.dtype if m.dtype != "auto" else "float32",
-                "--max-num-seqs", str(m.max_num_seqs), "--max-model-len", str(m.max_model_len),
-                "--link-prefix", settings.LINK_PREFIX, "--task", m.task, *threads], cpus=back_cpus, nice=layout.nice)
+            for i in range(m.num_replicas):  # replicas: engine-NAME, engine-NAME-2, ... (the api routes between them)
+                sup.start(f"engine-{m.served_model_name}" + (f"-{i + 1}" if i else ""), [
+                    py, "-m", "inference.engine", "--model", m.served_model_name, "--model-dir", m.model_dir,
+                    "--device", m.device, "--dtype", m.dtype if m.dtype != "auto" else "float32",
+                    "--max-num-seqs", str(m.max_num_seqs), "--max-model-len", str(m.max_model_len),
+                    "--link-prefix", settings.LINK_PREFIX, "--task", m.task, *threads], cpus=back_cpus,
+                    nice=layout.nice)
         front_env, mm_socket = {}, None
         if opts["mm_api_workers"] > 0:
             mm_socket = _mm_socket_path(var_dir)
@@ -297,7 +302,7 @@ def _engine_layout(opts: dict, models: list, front_cpus: frozenset[int] | None,
     cores = len(back_cpus) if back_cpus else len(os.sched_getaffinity(0))
     reserved = 0 if front_cpus else opts["frontend_reserved_cores"]
     try:
-        return engine_layout(cores=cores, cpu_engines=sum(1 for m in models if m.device == "cpu"),
+        return engine_layout(cores=cores, cpu_engines=sum(m.num_replicas for m in models if m.device == "cpu"),
                              reserved=reserved, threads=opts["engine_threads"], nice=opts["engine_nice"])
     except ValueError as exc:
         raise CommandError(str(exc)) from exc

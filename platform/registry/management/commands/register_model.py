@@ -41,6 +41,8 @@ class Command(AuditedCommand):
         parser.add_argument("--dtype", choices=ServedModel.Dtype.values, default=None)
         parser.add_argument("--device", choices=ServedModel.Device.values, default=None)
         parser.add_argument("--max-num-seqs", type=int, default=None)
+        parser.add_argument("--num-replicas", type=int, default=None,
+                            help="engine processes `manage.py serve` runs for this model (default 1)")
         parser.add_argument("--task", choices=ServedModel.Task.values, default=None)
         parser.add_argument("--enabled", type=_bool, default=None, metavar="BOOL")
 
@@ -62,6 +64,7 @@ class Command(AuditedCommand):
                 dtype=options["dtype"],
                 device=options["device"],
                 max_num_seqs=options["max_num_seqs"],
+                num_replicas=options["num_replicas"],
                 task=options["task"],
                 enabled=options["enabled"],
             )
