@@ -12,6 +12,16 @@ from tests.support.live import running_platform, start_replica
 
 
 @pytest.fixture(scope="session")
+def shared_live(tmp_path_factory):
+    """One live platform with the default set-up (``start_platform``: the demo model ``tiny-qwen3`` and its engine,
+    render/usage/mm workers, beat, api) for every package whose tests leave it as they found it (e2e, usage,
+    agent_output_live, conformance, frontend); a package adds what it needs on top (``ensure_model``,
+    ``ensure_inline_api``). Packages that change the platform's limits or kill its processes start their own."""
+    with running_platform(tmp_path_factory.mktemp("shared-live")) as live:
+        yield live
+
+
+@pytest.fixture(scope="session")
 def live_vl(tmp_path_factory):
     """Live platform serving the demo Qwen2-VL model (``VL_MODEL``) with an ``mm`` worker that may fetch from
     127.0.0.1 (``MM_FETCH_ALLOW_NETS``) and a 3 s fetch deadline."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy  # not llguidance.torch: importing it runs torch.compile (torch._dynamo), ~8 s per engine start
 import numpy as np
 import torch
 
@@ -275,9 +275,10 @@ class GrammarMasker:
         bits = min(width, 32 * words)  # columns the bitmask covers; any beyond are masked
         with self._lock:
             bitmask = self._bitmask_for(len(rows), words)
-            llguidance.torch.fill_next_token_bitmask_par(
-                self.executor, [(g.matcher, j) for j, (_i, g) in enumerate(rows) if g.matcher is not None], bitmask)
-            packed = bitmask.numpy().view(np.uint32)
+            words_i32 = bitmask.numpy()  # shares the tensor's memory
+            llguidance.numpy.fill_next_token_bitmask_par(
+                self.executor, [(g.matcher, j) for j, (_i, g) in enumerate(rows) if g.matcher is not None], words_i32)
+            packed = words_i32.view(np.uint32)
             if vocab % 32:
                 packed[:, words - 1] &= np.uint32((1 << (vocab % 32)) - 1)  # ids past the tokenizer: never
             late: list[tuple[int, list[int]]] = []  # rows whose EOS ids lie past the bitmask (allowed below)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.support.live import platform_fixture
 
-live = platform_fixture("agent-output", scope="package")
+@pytest.fixture(scope="package")
+def live(shared_live):
+    """The shared live platform (tests/conftest.py)."""
+    return shared_live
 MODEL = "tiny-qwen3"
 
 

@@ -1,4 +1,4 @@
-"""Session fixture: one live platform for the conformance cases (tests/live_platform.py), plus a second
+"""The conformance cases' platform: the shared live platform (``shared_live``, tests/conftest.py), plus a second
 served model using the Llama 3.1 tokenizer (its template writes BOS: conformance C01) with its own engine."""
 
 from __future__ import annotations
@@ -6,21 +6,17 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.live_platform import MODEL_DIR, REPO, start_platform
+from tests.live_platform import MODEL_DIR, REPO
+from tests.support.live import ensure_model
 
 LLAMA_MODEL = "tiny-llama3tok"
 
 
 @pytest.fixture(scope="package")
-def live(tmp_path_factory):
-    platform = start_platform(tmp_path_factory.mktemp("live"))
-    try:
-        platform.manage("register_model", LLAMA_MODEL, str(MODEL_DIR), "--tokenizer-dir",
-                        str(REPO / ".cache" / "tokenizers" / "llama3_1"), "--max-model-len", "512")
-        platform.start_engine(name="engine-llama", model=LLAMA_MODEL)
-        yield platform
-    finally:
-        platform.stop()
+def live(shared_live):
+    ensure_model(shared_live, LLAMA_MODEL, MODEL_DIR, "--tokenizer-dir", str(REPO / ".cache" / "tokenizers" / "llama3_1"),
+                 "--max-model-len", "512", engine=True)
+    return shared_live
 
 
 @pytest.fixture(scope="session")

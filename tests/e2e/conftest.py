@@ -1,12 +1,14 @@
-"""Session fixture: one live platform shared by the end-to-end tests (see tests/live_platform.py)."""
+"""The end-to-end tests run on the shared live platform (``shared_live``, tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.support.live import platform_fixture
 
-live = platform_fixture("live", scope="package")
+@pytest.fixture(scope="package")
+def live(shared_live):
+    """The shared live platform (tests/conftest.py)."""
+    return shared_live
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Session fixture for the frontend suite: one live platform (tests/live_platform.py) with
+"""The frontend suite's platform: the shared live platform (``shared_live``, tests/conftest.py) with
 
 * ``tiny-qwen3`` and its engine (the generation features),
 * one tokenize-only served model per real tokenizer (``tok-<name>``: the demo model dir with
@@ -12,24 +12,21 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.live_platform import MODEL_DIR, REPO, start_platform
+from tests.live_platform import MODEL_DIR, REPO
+from tests.support.live import ensure_inline_api, ensure_model
 
 TOKENIZER_NAMES = ("qwen3", "llama3_1", "gemma3", "deepseek_v3", "gptoss", "llama2")
 
 
 @pytest.fixture(scope="package")
-def live(tmp_path_factory):
-    platform = start_platform(tmp_path_factory.mktemp("live"))
-    try:
-        for name in TOKENIZER_NAMES:
-            platform.manage("register_model", f"tok-{name}", str(MODEL_DIR), "--tokenizer-dir",
-                            str(REPO / ".cache" / "tokenizers" / name), "--max-model-len", "32768")
-        platform.manage("register_model", "tiny-qwen3-trusted", str(MODEL_DIR), "--max-model-len", "512",
-                        "--allow-request-chat-template", "true")
-        platform.start_inline_api()
-        yield platform
-    finally:
-        platform.stop()
+def live(shared_live):
+    for name in TOKENIZER_NAMES:
+        ensure_model(shared_live, f"tok-{name}", MODEL_DIR, "--tokenizer-dir",
+                     str(REPO / ".cache" / "tokenizers" / name), "--max-model-len", "32768")
+    ensure_model(shared_live, "tiny-qwen3-trusted", MODEL_DIR, "--max-model-len", "512",
+                 "--allow-request-chat-template", "true")
+    ensure_inline_api(shared_live)
+    return shared_live
 
 
 def _client(url, key):

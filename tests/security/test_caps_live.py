@@ -8,13 +8,14 @@ import httpx
 import openai
 import pytest
 
-from tests.support.live import platform_fixture
-
 MSGS = [{"role": "user", "content": "hi"}]
 MODEL = "tiny-qwen3"
 
 
-live = platform_fixture("caps-live", scope="module", mm_worker=False)
+@pytest.fixture(scope="module")
+def live(shared_live):
+    """The shared live platform (tests/conftest.py)."""
+    return shared_live
 
 
 def post(live, path, body=None, *, headers=None, content=None):

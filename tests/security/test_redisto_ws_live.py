@@ -15,9 +15,11 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from tests.support.live import platform_fixture
 
-live = platform_fixture("redisto-ws", scope="module", engine=False, mm_worker=False)
+@pytest.fixture(scope="module")
+def live(shared_live):
+    """The shared live platform (tests/conftest.py)."""
+    return shared_live
 
 IDLE_S = 12.0  # > 2 × the channel layer's 5 s BZPOPMIN
 

@@ -2,7 +2,7 @@
 allows it) is never rendered in the api process, not even by an api running ``RENDER_ROUTE=inline``: it always
 goes to a Celery render worker, whose time limit kills a render the sandbox's budgets do not stop.
 
-Live platform (tests/live_platform.py, no engine: /tokenize renders without one); the render workers count
+The shared live platform (``shared_live``, tests/conftest.py); the render workers count
 the tasks they answer in Redis (``inference.tasks.render_tasks_counter_key``)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.live_platform import MODEL_DIR, start_platform
+from tests.live_platform import MODEL_DIR
+from tests.support.live import ensure_inline_api, ensure_model
 
 TRUSTED = "tiny-qwen3-trusted"
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -18,15 +19,10 @@ TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    platform = start_platform(tmp_path_factory.mktemp("client-template"), engine=False, mm_worker=False)
-    try:
-        platform.manage("register_model", TRUSTED, str(MODEL_DIR), "--max-model-len", "512",
-                        "--allow-request-chat-template", "true")
-        platform.start_inline_api()
-        yield platform
-    finally:
-        platform.stop()
+def live(shared_live):
+    ensure_model(shared_live, TRUSTED, MODEL_DIR, "--max-model-len", "512", "--allow-request-chat-template", "true")
+    ensure_inline_api(shared_live)
+    return shared_live
 
 
 @pytest.fixture(scope="module")

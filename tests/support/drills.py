@@ -329,7 +329,7 @@ class Outcome:
 @dataclass
 class DrillResult:
     """What one drill measured. ``held_reqs`` / ``held_slots``: admission reservations and key-limit leases still
-    held ``SETTLE_S`` after the fault (or after the last request ended, if later); ``back_s``: seconds from the
+    held ``SETTLE_S`` after the fault (or after the last request ended, if later; read earlier once both are 0); ``back_s``: seconds from the
     fault until the platform served again; ``lost`` / ``doubled`` / ``cut``: filled in by ``usage_check``."""
 
     name: str
@@ -480,8 +480,13 @@ def run_drill(plat: DrillPlatform, name: str, *, requests: int = 12, spread_s: f
     outcomes = asyncio.run(burst())
     ended = time.monotonic()
     t_fault = fault_at[0]
-    time.sleep(max(0.0, max(t_fault, ended) + SETTLE_S - time.monotonic()))
+    # every request has ended and the fault is over: nothing can take a reservation or a slot any more, so what is
+    # held only falls; the first zero reading is final, any other is read at the deadline
+    settle_at = max(t_fault, ended) + SETTLE_S
     held_reqs, held_slots = plat.held()
+    while (held_reqs, held_slots) != (0, 0) and time.monotonic() < settle_at:
+        time.sleep(min(0.5, max(0.0, settle_at - time.monotonic())))
+        held_reqs, held_slots = plat.held()
     wait_until(lambda: _replaced(plat, name, killed.get("pid")) and plat.serves(), BACK_WITHIN_S,
                f"the platform to serve again after {name}")
     result = DrillResult(name=name, outcomes=outcomes, held_reqs=held_reqs, held_slots=held_slots,

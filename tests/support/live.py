@@ -34,6 +34,24 @@ def start_replica(live: LivePlatform, name: str, model: str, model_dir: str | Pa
     wait_until(lambda: bool(live.replicas(model)), 180, f"{name} heartbeat", live.sup)
 
 
+def ensure_model(live: LivePlatform, name: str, model_dir: str | Path, *register_args: str,
+                 engine: bool = False) -> None:
+    """Register served model ``name`` (``manage.py register_model name model_dir *register_args``) on ``live`` unless
+    a fixture did already, and, with ``engine``, start its engine replica ``engine-<name>`` (waits for its
+    heartbeat). For packages that share one platform (``shared_live``)."""
+    done = live.extra.setdefault("registered", set())
+    if name not in done:
+        live.manage("register_model", name, str(model_dir), *register_args)
+        done.add(name)
+    if engine and f"engine-{name}" not in {child.name for child in live.sup.children}:
+        live.start_engine(name=f"engine-{name}", model=name)
+
+
+def ensure_inline_api(live: LivePlatform) -> str:
+    """The base URL of ``live``'s ``RENDER_ROUTE=inline`` api process, started on first use."""
+    return live.extra.get("inline_url") or live.start_inline_api()
+
+
 def platform_fixture(label: str, *, scope: str = "session", **start_kwargs: Any):
     """A pytest fixture (assign it to a name in a conftest or test module) yielding a platform started with
     ``start_platform(tmp dir "label", **start_kwargs)`` for ``scope``, stopped afterwards."""

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.live import platform_fixture
 
-live = platform_fixture("live-usage", scope="package")
+@pytest.fixture(scope="package")
+def live(shared_live):
+    """The shared live platform (tests/conftest.py)."""
+    return shared_live
 
 
 @pytest.fixture(scope="session")
