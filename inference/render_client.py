@@ -22,6 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from inference.render_liveness import NO_WORKER_SEEN, RenderWorkersState, remaining_wait, workers_state
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -40,6 +43,7 @@ class RenderReplyWaiter:
     _publish_pool: ClassVar[ThreadPoolExecutor | None] = None
 
     def __init__(self, redis_url: str, prefix: str):
+        self.prefix = prefix
         self._redis = aioredis.Redis.from_url(redis_url)
         self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
         self.channel = f"{prefix}:render:reply:{os.getpid()}-{uuid.uuid4().hex[:12]}"
@@ -88,26 +92,52 @@ class RenderReplyWaiter:
                 log.exception("render reply listener error")
                 await asyncio.sleep(0.1)
 
-    async def call(self, app: Celery, task_name: str, payload: dict[str, Any], *, queue: str, timeout: float) -> Any:
+    async def call(self, app: Celery, task_name: str, payload: dict[str, Any], *, queue: str, timeout: float,
+                   worker_return: float = 0.0) -> Any:
         """Send ``task_name(payload)`` to ``queue`` and await the value the worker publishes back.
 
-        Raises ``RenderUnavailableError`` when no reply arrives within ``timeout`` seconds (workers down,
-        overloaded, or a task killed by its hard time limit).
+        ``timeout``: seconds to wait while a render worker is alive; ``worker_return``: seconds to wait, from the
+        send, for one to come back while none is (its beats, ``inference.render_liveness``; 0: a fixed
+        ``timeout``). The beats are read only once ``timeout`` has passed, and again at each later deadline of
+        ``render_liveness.remaining_wait``. The message expires (Celery ``expires``) once nobody waits for it, so a
+        redelivered copy is never rendered for a request already refused. The first answer wins; a second one (a
+        redelivered task run twice) finds no waiter and is dropped.
+
+        Raises ``RenderUnavailableError`` when no reply arrived in that time (workers down, overloaded, or a task
+        killed by its hard time limit).
         """
         await self._ensure_listening()
+        loop = asyncio.get_running_loop()
         reply_id = uuid.uuid4().hex
-        fut = asyncio.get_running_loop().create_future()
+        fut = loop.create_future()
         self._futures[reply_id] = fut
         body = {**payload, "reply_to": self.channel, "reply_id": reply_id}
+        longest = timeout + max(0.0, worker_return)
         try:
             # argsrepr/kwargsrepr given: Celery would otherwise build a saferepr of the whole payload for the
             # message headers on every call (~0.4 ms of CPU per publish on the api process)
-            await asyncio.get_running_loop().run_in_executor(self._pool(), lambda: app.send_task(
-                task_name, args=[body], queue=queue, ignore_result=True,
+            await loop.run_in_executor(self._pool(), lambda: app.send_task(
+                task_name, args=[body], queue=queue, ignore_result=True, expires=longest,
                 argsrepr=f"[<{task_name} payload, reply {reply_id}>]", kwargsrepr="{}"))
-            try:
-                return await asyncio.wait_for(fut, timeout)
-            except TimeoutError:
-                raise RenderUnavailableError(f"No render worker answered within {timeout:.0f} s") from None
+            sent = loop.time()
+            wait = timeout
+            while True:
+                done, _ = await asyncio.wait((fut,), timeout=wait)
+                if done:
+                    return fut.result()
+                waited = loop.time() - sent
+                state = await self._workers_state() if worker_return > 0 else NO_WORKER_SEEN
+                wait = remaining_wait(waited, state, timeout, worker_return)
+                if wait <= 0:
+                    raise RenderUnavailableError(f"No render worker answered within {waited:.0f} s")
         finally:
             self._futures.pop(reply_id, None)
+
+    async def _workers_state(self) -> RenderWorkersState:
+        """The render workers' beats now; when Redis cannot say, as if none had ever beaten (the request then
+        waits for ``worker_return`` at most)."""
+        try:
+            return await workers_state(self._redis, self.prefix)
+        except RedisError:
+            log.warning("render worker liveness unreadable", exc_info=True)
+            return NO_WORKER_SEEN

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -18,14 +19,16 @@ from ops.layout import BACKGROUND_NICE, EngineLayout, engine_layout
 from ops.supervisor import (RestartPolicy, Supervisor, http_ok, parse_cpu_list, python, redis_ping,
                             unix_socket_accepts, wait_until)
 from inference.admission import reap as admission_reap
+from inference.config import SETTINGS
 from inference.protocol.engine import replicas_index_key
 from registry.selectors import served_models_enabled
 
 
-# The render worker hands back a chat it fetched and has not started after this many seconds, so that one killed with
-# kill -9 has its fetched tasks answered late rather than refused after RENDER_WAIT_TIMEOUT_S (config/settings.py
-# CELERY_REDELIVER_AFTER_S; DECISIONS D-182).
-RENDER_REDELIVER_AFTER_S = 6
+# The render worker hands back a task it fetched and has not finished (acknowledged: render tasks are acks_late) after
+# this many seconds, so that one killed with kill -9 has its fetched and started tasks answered late rather than
+# refused (config/settings.py CELERY_REDELIVER_AFTER_S; DECISIONS D-182, D-190): one second past the hard time limit,
+# so a render that is still running in a live worker is never handed to another.
+RENDER_REDELIVER_AFTER_S = math.ceil(SETTINGS.render_time_limit_s + SETTINGS.render_hard_time_limit_extra_s) + 1
 
 
 def proxy_header_args() -> list[str]:
