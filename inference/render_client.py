@@ -16,9 +16,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import redis.asyncio as aioredis
@@ -34,6 +37,22 @@ log = logging.getLogger(__name__)
 
 class RenderUnavailableError(RuntimeError):
     """No render worker answered in time (maps to HTTP 503)."""
+
+
+_expires_cache: tuple[int, float, str] = (0, 0.0, "")
+
+
+def expires_at(after_s: float) -> str:
+    """Celery's ``expires`` for a task nobody waits for after ``after_s`` seconds: an ISO 8601 UTC time 1-2 s past
+    it (whole seconds, reused for a second: Celery would otherwise build an aware datetime per publish, ~0.1 ms
+    of the api's CPU measured on the 2-core box)."""
+    global _expires_cache
+    second, after, text = _expires_cache
+    now = int(time.time())
+    if now != second or after != after_s:
+        text = datetime.fromtimestamp(now + math.ceil(after_s) + 2, tz=timezone.utc).isoformat()
+        _expires_cache = (now, after_s, text)
+    return text
 
 
 class RenderReplyWaiter:
@@ -117,7 +136,7 @@ class RenderReplyWaiter:
             # argsrepr/kwargsrepr given: Celery would otherwise build a saferepr of the whole payload for the
             # message headers on every call (~0.4 ms of CPU per publish on the api process)
             await loop.run_in_executor(self._pool(), lambda: app.send_task(
-                task_name, args=[body], queue=queue, ignore_result=True, expires=longest,
+                task_name, args=[body], queue=queue, ignore_result=True, expires=expires_at(longest),
                 argsrepr=f"[<{task_name} payload, reply {reply_id}>]", kwargsrepr="{}"))
             sent = loop.time()
             wait = timeout

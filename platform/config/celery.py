@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import multiprocessing
 import os
 import time
+from typing import Any
 
 import redis
 from celery import Celery, bootsteps
-from celery.signals import worker_process_init
+from celery.concurrency.prefork import TaskPool as PreforkPool
+from celery.signals import worker_init, worker_process_init
 from django.conf import settings
 
 from config.gc_tuning import freeze_startup_objects
@@ -38,10 +41,24 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 
 
+# Set to 1 by a prefork child once it has loaded the renderer (``_init_child``); made by the main process before it
+# forks its pool (``worker_init``), so every child writes the same shared byte.
+_child_ready: Any = None  # a ctypes.c_byte in shared memory
+
+
+@worker_init.connect
+def _init_main(**_kwargs) -> None:
+    """The worker's main process, before its pool starts: the shared "a child is ready" flag."""
+    global _child_ready
+    _child_ready = multiprocessing.Value("b", 0, lock=False)
+
+
 class RenderHeartbeat(bootsteps.StartStopStep):
     """A worker consuming the ``render`` queue beats every ``HEARTBEAT_INTERVAL_S`` from its main process's event
     loop (``inference.render_liveness``: the api waits for a render worker to come back rather than refusing after a
-    fixed time; D-191). Starts with the consumer (so a worker beats once it takes tasks) and stops with it."""
+    fixed time; D-191), once it consumes and one of its prefork children has loaded the renderer (a replacement
+    worker's children take 10-30 s to warm up on a loaded 2-core machine: beating before would start the api's
+    render timeout while nothing can render). Stops with the consumer."""
 
     requires = {"celery.worker.consumer.tasks:Tasks"}
 
@@ -50,12 +67,14 @@ class RenderHeartbeat(bootsteps.StartStopStep):
         self._tref = None
         self._client: redis.Redis | None = None
         self._failing = False
+        self._wait_for_child = False
 
     def start(self, parent) -> None:
         """Beat now and then on the consumer's timer, for a worker that consumes ``render``."""
         if "render" not in (parent.app.amqp.queues.consume_from or {}):
             return
         self._client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
+        self._wait_for_child = isinstance(parent.pool, PreforkPool) and _child_ready is not None
         self._beat()
         self._tref = parent.timer.call_repeatedly(HEARTBEAT_INTERVAL_S, self._beat, priority=10)
 
@@ -69,7 +88,7 @@ class RenderHeartbeat(bootsteps.StartStopStep):
             self._client = None
 
     def _beat(self) -> None:
-        if self._client is None:
+        if self._client is None or (self._wait_for_child and _child_ready is not None and not _child_ready.value):
             return
         try:
             beat(self._client, settings.LINK_PREFIX)
@@ -91,6 +110,8 @@ def _init_child(**_kwargs) -> None:
     (``config.gc_tuning``)."""
     if "render" in (app.amqp.queues.consume_from or {}):
         _warm_renderer()
+        if _child_ready is not None:
+            _child_ready.value = 1  # the main process's heartbeat may begin (RenderHeartbeat)
     freeze_startup_objects()
 
 
