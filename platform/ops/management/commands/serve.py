@@ -15,7 +15,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from ops.bootstrap import demo_bootstrap, embedded_redis_config_write, private_tree, redacted_url
-from ops.layout import BACKGROUND_NICE, EngineLayout, engine_layout
+from ops.layout import BACKGROUND_NICE, EngineLayout, engine_layout, render_children
 from ops.supervisor import (RestartPolicy, Supervisor, http_ok, parse_cpu_list, python, redis_ping,
                             unix_socket_accepts, wait_until)
 from inference.admission import reap as admission_reap
@@ -72,7 +72,12 @@ class Command(BaseCommand):
                             help="cores the automatic --engine-threads leaves to the api processes, workers and "
                                  "Redis (default 1, SERVE_FRONTEND_RESERVED_CORES; 0 with --frontend-cores, whose "
                                  "cores are the frontend's already)")
-        parser.add_argument("--render-concurrency", type=int, default=2, help="Celery prefork children")
+        parser.add_argument("--render-concurrency", type=int, default=2,
+                            help="Celery prefork children rendering chat templates, all render workers together")
+        parser.add_argument("--render-workers", type=int, default=2,
+                            help="render worker processes sharing --render-concurrency (at least one child each): "
+                                 "while serve replaces one that died (15-45 s), another serves, and takes over what "
+                                 "the dead one held (default 2; 1: a single worker)")
         parser.add_argument("--no-engine", action="store_true", help="render-only deployment (no engines)")
         parser.add_argument("--demo", action="store_true",
                             help="register the demo chat model and all-MiniLM-L6-v2 (embeddings), create the operator "
@@ -132,10 +137,12 @@ class Command(BaseCommand):
                                   max_model_len=opts["demo_max_model_len"])
 
         py = python()
-        sup.start("worker", [py, "-m", "celery", "-A", "config", "worker", "-Q", "render",
-                             "-c", str(opts["render_concurrency"]), "--pool", "prefork", "-n", "worker@%h",
-                             "--without-gossip", "--without-mingle", "-l", "WARNING"],  # INFO would log prompts
-                  cpus=back_cpus, env_extra={"CELERY_REDELIVER_AFTER_S": str(RENDER_REDELIVER_AFTER_S)})
+        for i, children in enumerate(render_children(opts["render_concurrency"], opts["render_workers"])):
+            name = "worker" if i == 0 else f"worker-{i + 1}"
+            sup.start(name, [py, "-m", "celery", "-A", "config", "worker", "-Q", "render", "-c", str(children),
+                             "--pool", "prefork", "-n", f"{name.replace('-', '')}@%h", "--without-gossip",
+                             "--without-mingle", "-l", "WARNING"],  # INFO would log prompts
+                      cpus=back_cpus, env_extra={"CELERY_REDELIVER_AFTER_S": str(RENDER_REDELIVER_AFTER_S)})
         # usage writes on their own worker: a database flush (up to 200 ms measured on SQLite under load) never
         # holds one of the render slots that every request's template and tokenization wait for
         sup.start("worker-usage", [py, "-m", "celery", "-A", "config", "worker", "-Q", "usage", "-c", "1",
