@@ -99,6 +99,17 @@ def start_vllm(python: str, port: int, log: Path) -> subprocess.Popen:
     raise RuntimeError(f"vLLM did not become healthy; see {log}")
 
 
+def first_tokens(url: str, headers: dict, body: dict, tries: int = 10) -> list[int]:
+    """The token ids of ``body`` from ``url``'s ``/tokenize``; a refusal (a render worker still loading its tokenizer
+    on a busy machine) is tried again, up to ``tries`` times, 2 s apart."""
+    for _ in range(tries - 1):
+        out = httpx.post(url + "/tokenize", json=body, headers=headers, timeout=60).json()
+        if "tokens" in out:
+            return out["tokens"]
+        time.sleep(2)
+    return httpx.post(url + "/tokenize", json=body, headers=headers, timeout=60).json()["tokens"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=200, help="requests per cell (concurrency 1 uses a quarter)")
@@ -124,8 +135,7 @@ def main() -> None:
         bodies = {}
         for size in (1000, 8000):
             body = {"model": "tiny-qwen3", **chat_body(size)}
-            ids = {name: httpx.post(url + "/tokenize", json=body, headers=h, timeout=60).json()["tokens"]
-                   for name, (url, h) in targets.items()}
+            ids = {name: first_tokens(url, h, body) for name, (url, h) in targets.items()}
             assert len({tuple(v) for v in ids.values()}) == 1, "token ids differ between servers"
             bodies[size] = (body, len(ids[base]))
         rows = []
