@@ -68,3 +68,40 @@ def test_beats_on_redis():
         assert 0 < client.ttl(key) <= 86400
     assert not math.isinf(first.up_for_s)
     client.close()
+
+
+def test_a_render_nobody_answers_is_refused_by_the_beats():
+    """RenderReplyWaiter.call on a queue no worker consumes: with a render worker beating, refused after the timeout;
+    with none, only after worker_return; with worker_return 0, after the timeout whatever the beats."""
+    from celery import Celery
+
+    from inference.render_client import RenderReplyWaiter, RenderUnavailableError
+
+    client = redis.Redis.from_url(TEST_REDIS_URL)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"no Redis at {TEST_REDIS_URL}: {exc}")
+
+    with fresh_prefix("liveness") as prefix:
+        sender = Celery("liveness-test", broker=TEST_REDIS_URL)
+        sender.conf.update(broker_transport_options={"global_keyprefix": f"{prefix}:celery:"})
+
+        async def refused_after(timeout: float, worker_return: float, beating: bool) -> float:
+            waiter = RenderReplyWaiter(TEST_REDIS_URL, prefix)
+            loop = asyncio.get_running_loop()
+            if beating:
+                beat(client, prefix)
+                key = liveness_key(prefix)
+                client.hset(key, mapping={"since": f"{float(client.hget(key, 'since')) - 100:.3f}"})
+            t0 = loop.time()
+            with pytest.raises(RenderUnavailableError):
+                await waiter.call(sender, "inference.render_chat", {"messages": []}, queue="nobody",
+                                  timeout=timeout, worker_return=worker_return)
+            return loop.time() - t0
+
+        assert 0.4 <= asyncio.run(refused_after(0.4, 1.2, beating=True)) < 1.0  # alive for 100 s: the timeout
+        client.delete(liveness_key(prefix))
+        assert 1.2 <= asyncio.run(refused_after(0.4, 1.2, beating=False)) < 2.5  # none alive: worker_return
+        assert 0.4 <= asyncio.run(refused_after(0.4, 0, beating=False)) < 1.0  # off: the fixed timeout
+    client.close()
