@@ -43,7 +43,7 @@ _expires_cache: tuple[int, float, str] = (0, 0.0, "")
 
 
 def expires_at(after_s: float) -> str:
-    """Celery's ``expires`` for a task nobody waits for after ``after_s`` seconds: an ISO 8601 UTC time 1-2 s past
+    """Celery's ``expires`` for a task nobody waits for after ``after_s`` seconds: an ISO 8601 UTC time 2-3 s past
     it (whole seconds, reused for a second: Celery would otherwise build an aware datetime per publish, ~0.1 ms
     of the api's CPU measured on the 2-core box)."""
     global _expires_cache
