@@ -22,7 +22,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -135,10 +135,12 @@ class RenderReplyWaiter:
         try:
             # argsrepr/kwargsrepr given: Celery would otherwise build a saferepr of the whole payload for the
             # message headers on every call (~0.4 ms of CPU per publish on the api process)
-            await loop.run_in_executor(self._pool(), lambda: app.send_task(
-                task_name, args=[body], queue=queue, ignore_result=True, expires=expires_at(longest),
-                argsrepr=f"[<{task_name} payload, reply {reply_id}>]", kwargsrepr="{}"))
-            deadline = _Deadline(self, fut, loop.time(), timeout, worker_return)
+            def publish() -> None:
+                app.send_task(task_name, args=[body], queue=queue, ignore_result=True, expires=expires_at(longest),
+                              argsrepr=f"[<{task_name} payload, reply {reply_id}>]", kwargsrepr="{}")
+
+            await loop.run_in_executor(self._pool(), publish)
+            deadline = _Deadline(self, fut, loop.time(), timeout, worker_return, publish)
             try:
                 return await fut
             finally:
@@ -163,8 +165,9 @@ class _Deadline:
     ``asyncio.wait``, measured on the 2-core box."""
 
     def __init__(self, waiter: RenderReplyWaiter, fut: asyncio.Future[Any], sent: float, timeout: float,
-                 worker_return: float):
-        self._waiter, self._fut, self._sent = waiter, fut, sent
+                 worker_return: float, publish: Callable[[], None]):
+        self._waiter, self._fut, self._sent, self._publish = waiter, fut, sent, publish
+        self._republished = False
         self._timeout, self._worker_return = timeout, worker_return
         self._loop = fut.get_loop()
         self._check: asyncio.Task[None] | None = None
@@ -192,6 +195,19 @@ class _Deadline:
         if self._fut.done():
             return
         wait = remaining_wait(waited, state, self._timeout, self._worker_return)
+        if wait <= 0 and state.alive and self._worker_return > 0 and not self._republished:
+            # a worker is alive and has not answered: the task may have been lost in the one gap the broker's
+            # redelivery does not cover (a worker killed between popping the message and indexing it as
+            # unacknowledged); render it again, once (idempotent, same reply id: the first answer wins), and wait
+            # half the timeout more (D-194)
+            self._republished = True
+            try:
+                await self._loop.run_in_executor(RenderReplyWaiter._pool(), self._publish)
+                wait = min(self._timeout / 2, self._timeout + self._worker_return - waited)
+            except Exception:
+                log.exception("render task could not be sent again")
+            if self._fut.done():
+                return
         if wait <= 0:
             self._fut.set_exception(RenderUnavailableError(f"No render worker answered within {waited:.0f} s"))
         else:
