@@ -71,8 +71,9 @@ def test_beats_on_redis():
 
 
 def test_a_render_nobody_answers_is_refused_by_the_beats():
-    """RenderReplyWaiter.call on a queue no worker consumes: with a render worker beating, refused after the timeout;
-    with none, only after worker_return; with worker_return 0, after the timeout whatever the beats."""
+    """RenderReplyWaiter.call on a queue no worker consumes: with a render worker beating, sent again once after the
+    timeout and refused half a timeout later; with none, refused only after worker_return; with worker_return 0,
+    after the timeout whatever the beats."""
     from celery import Celery
 
     from inference.render_client import RenderReplyWaiter, RenderUnavailableError
@@ -94,14 +95,23 @@ def test_a_render_nobody_answers_is_refused_by_the_beats():
                 beat(client, prefix)
                 key = liveness_key(prefix)
                 client.hset(key, mapping={"since": f"{float(client.hget(key, 'since')) - 100:.3f}"})
+            async def beating_on() -> None:
+                while beating:
+                    await asyncio.to_thread(beat, client, prefix)
+                    await asyncio.sleep(0.3)
+
+            beats = asyncio.create_task(beating_on())
             t0 = loop.time()
             with pytest.raises(RenderUnavailableError):
                 await waiter.call(sender, "inference.render_chat", {"messages": []}, queue="nobody",
                                   timeout=timeout, worker_return=worker_return)
+            beats.cancel()
             return loop.time() - t0
 
-        assert 0.4 <= asyncio.run(refused_after(0.4, 1.2, beating=True)) < 1.0  # alive for 100 s: the timeout
-        client.delete(liveness_key(prefix))
+        # alive for 100 s: the timeout, the render sent again once, half the timeout more (D-194)
+        assert 0.6 <= asyncio.run(refused_after(0.4, 1.2, beating=True)) < 1.2
+        assert client.llen(f"{prefix}:celery:nobody") == 2  # sent twice
+        client.delete(liveness_key(prefix), f"{prefix}:celery:nobody")
         assert 1.2 <= asyncio.run(refused_after(0.4, 1.2, beating=False)) < 2.5  # none alive: worker_return
         assert 0.4 <= asyncio.run(refused_after(0.4, 0, beating=False)) < 1.0  # off: the fixed timeout
     client.close()
