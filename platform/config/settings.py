@@ -39,7 +39,8 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
 ``RENDER_INLINE_MAX_CHARS``  on the ``celery`` route, a template-free prompt of at most this many characters is
                             tokenized in-process; 0 = never. Default 4096.
 ``RENDER_WAIT_TIMEOUT_S``   seconds the gateway waits for a render worker's answer while one is alive (counted from
-                            the send, or from a worker's return); past it: 503. Default 20.
+                            the send, or from a worker's return); past it the render is sent once more and waited
+                            for half as long again, then 503. Default 20.
 ``RENDER_WORKER_RETURN_S``  seconds the gateway waits, from the send, for a render worker to come back while none is
                             alive (their beats, inference/render_liveness.py); past it: 503. 0 = a fixed
                             ``RENDER_WAIT_TIMEOUT_S``. Default 40.
