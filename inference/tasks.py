@@ -236,13 +236,22 @@ def render_tasks_counter_key(prefix: str) -> str:
 
 def _render_task(name: str, **options: Any) -> Callable[[Callable[..., Any]], Any]:
     """``shared_task`` named ``name`` with the render queue's time limits (``RENDER_TIME_LIMIT_S`` soft,
-    ``RENDER_HARD_TIME_LIMIT_S`` hard)."""
+    ``RENDER_HARD_TIME_LIMIT_S`` hard), acknowledged when it ends (``acks_late``, DECISIONS D-190).
+
+    A task whose worker's main process dies (``kill -9``, a lost machine) before it ended is still unacknowledged
+    in the broker, which hands it back after the worker's visibility timeout (``CELERY_REDELIVER_AFTER_S``), fetched
+    or started alike; the request is answered late. A task whose pool child dies under a live main process
+    (``WorkerLostError``) is acknowledged and not run again (``task_reject_on_worker_lost`` off: Redis counts no
+    deliveries, so a render that kills its process would be retried forever); the hard time limit likewise
+    acknowledges. Running twice is harmless: the first reply wins (``render_client``) and a render records
+    nothing."""
     decorator: Callable[[Callable[..., Any]], Any] = shared_task(
-        name=name, soft_time_limit=RENDER_TIME_LIMIT_S, time_limit=RENDER_HARD_TIME_LIMIT_S, **options)
+        name=name, soft_time_limit=RENDER_TIME_LIMIT_S, time_limit=RENDER_HARD_TIME_LIMIT_S, acks_late=True,
+        reject_on_worker_lost=False, **options)
     return decorator
 
 
-@_render_task("inference.render_chat", acks_late=False)
+@_render_task("inference.render_chat")
 def render_chat_task(payload: dict[str, Any]) -> dict[str, Any]:
     """Celery task: render + tokenize a chat (see ``run_render_chat``)."""
     return reply_if_requested(payload, run_render_chat(payload))

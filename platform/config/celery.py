@@ -9,13 +9,20 @@ broker and result backend on ``REDIS_URL``; routes ``inference.*render*``, ``inf
 from __future__ import annotations
 
 import importlib.util
+import logging
+import multiprocessing
 import os
 import time
+from typing import Any
 
-from celery import Celery
-from celery.signals import worker_process_init
+import redis
+from celery import Celery, bootsteps
+from celery.concurrency.prefork import TaskPool as PreforkPool
+from celery.signals import worker_init, worker_process_init
+from django.conf import settings
 
 from config.gc_tuning import freeze_startup_objects
+from inference.render_liveness import HEARTBEAT_INTERVAL_S, beat
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
@@ -34,6 +41,67 @@ app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 
 
+# Set to 1 by a prefork child once it has loaded the renderer (``_init_child``); made by the main process before it
+# forks its pool (``worker_init``), so every child writes the same shared byte.
+_child_ready: Any = None  # a ctypes.c_byte in shared memory
+
+
+@worker_init.connect
+def _init_main(**_kwargs) -> None:
+    """The worker's main process, before its pool starts: the shared "a child is ready" flag."""
+    global _child_ready
+    _child_ready = multiprocessing.Value("b", 0, lock=False)
+
+
+class RenderHeartbeat(bootsteps.StartStopStep):
+    """A worker consuming the ``render`` queue beats every ``HEARTBEAT_INTERVAL_S`` from its main process's event
+    loop (``inference.render_liveness``: the api waits for a render worker to come back rather than refusing after a
+    fixed time; D-191), once it consumes and one of its prefork children has loaded the renderer (a replacement
+    worker's children take 10-30 s to warm up on a loaded 2-core machine: beating before would start the api's
+    render timeout while nothing can render). Stops with the consumer."""
+
+    requires = {"celery.worker.consumer.tasks:Tasks"}
+
+    def __init__(self, parent, **kwargs):
+        super().__init__(parent, **kwargs)
+        self._tref = None
+        self._client: redis.Redis | None = None
+        self._failing = False
+        self._wait_for_child = False
+
+    def start(self, parent) -> None:
+        """Beat now and then on the consumer's timer, for a worker that consumes ``render``."""
+        if "render" not in (parent.app.amqp.queues.consume_from or {}):
+            return
+        self._client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
+        self._wait_for_child = isinstance(parent.pool, PreforkPool) and _child_ready is not None
+        self._beat()
+        self._tref = parent.timer.call_repeatedly(HEARTBEAT_INTERVAL_S, self._beat, priority=10)
+
+    def stop(self, parent) -> None:
+        """Stop beating (the api sees no render worker ``STALE_AFTER_S`` later unless another one beats)."""
+        if self._tref is not None:
+            self._tref.cancel()
+            self._tref = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _beat(self) -> None:
+        if self._client is None or (self._wait_for_child and _child_ready is not None and not _child_ready.value):
+            return
+        try:
+            beat(self._client, settings.LINK_PREFIX)
+            self._failing = False
+        except redis.RedisError as exc:  # Redis down: the consumer itself reconnects; log once per outage
+            if not self._failing:
+                logging.getLogger("config.celery").warning("render heartbeat failed: %s", exc)
+            self._failing = True
+
+
+app.steps["consumer"].add(RenderHeartbeat)
+
+
 @worker_process_init.connect
 def _init_child(**_kwargs) -> None:
     """Each prefork child: a render worker's child loads the tokenizers and chat templates of the enabled
@@ -42,14 +110,14 @@ def _init_child(**_kwargs) -> None:
     (``config.gc_tuning``)."""
     if "render" in (app.amqp.queues.consume_from or {}):
         _warm_renderer()
+        if _child_ready is not None:
+            _child_ready.value = 1  # the main process's heartbeat may begin (RenderHeartbeat)
     freeze_startup_objects()
 
 
 def _warm_renderer() -> None:
     """Load every enabled generate/embed model's tokenizer and chat template; failures are logged, never raised
     (the request that needs a broken tokenizer gets the error)."""
-    import logging
-
     # Lazy: this module is imported with the settings (config/__init__.py), before the apps (registry's models)
     # are ready, and by processes that never render (api, usage worker, beat), which need not load the renderer.
     from inference.renderer.chat_template import warm_up

@@ -38,7 +38,12 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
                             (gateway/pipeline/rendering.py).
 ``RENDER_INLINE_MAX_CHARS``  on the ``celery`` route, a template-free prompt of at most this many characters is
                             tokenized in-process; 0 = never. Default 4096.
-``RENDER_WAIT_TIMEOUT_S``   seconds the gateway waits for a render worker's answer; past it: 503. Default 20.
+``RENDER_WAIT_TIMEOUT_S``   seconds the gateway waits for a render worker's answer while one is alive (counted from
+                            the send, or from a worker's return); past it the render is sent once more and waited
+                            for half as long again, then 503. Default 20.
+``RENDER_WORKER_RETURN_S``  seconds the gateway waits, from the send, for a render worker to come back while none is
+                            alive (their beats, inference/render_liveness.py); past it: 503. 0 = a fixed
+                            ``RENDER_WAIT_TIMEOUT_S``. Default 40.
 ``CELERY_REDELIVER_AFTER_S``  seconds after which a Celery worker hands back a task it fetched and did not start
                             (so a killed worker's tasks go to another); 0 = kombu's 1 h. ``manage.py serve`` sets 6
                             for its render worker. Default 0.
@@ -498,3 +503,5 @@ if RENDER_ROUTE not in ("celery", "inline"):
     raise ImproperlyConfigured(f"RENDER_ROUTE must be 'celery' or 'inline', got {RENDER_ROUTE!r}")
 RENDER_INLINE_MAX_CHARS = int(_env_first("RENDER_INLINE_MAX_CHARS", default="4096"))
 RENDER_WAIT_TIMEOUT_S = float(_env_first("RENDER_WAIT_TIMEOUT_S", default="20"))
+# a render worker killed with kill -9 is replaced by serve in 15-30 s on a loaded 2-core machine (D-191)
+RENDER_WORKER_RETURN_S = float(_env_first("RENDER_WORKER_RETURN_S", default="40"))

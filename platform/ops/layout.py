@@ -51,3 +51,12 @@ def engine_layout(*, cores: int, cpu_engines: int, reserved: int, threads: int, 
         raise ValueError(f"engine threads must be 0 (automatic) or more, got {threads}")
     automatic = engine_threads(cores, cpu_engines, reserved)
     return EngineLayout(threads=threads or automatic, nice=nice)
+
+
+def render_children(concurrency: int, workers: int) -> list[int]:
+    """Prefork children of each of serve's render worker processes: ``concurrency`` split as evenly as possible among
+    ``workers`` processes (at least one process), at least one child each (``2, 3`` gives ``[1, 1, 1]``). Two
+    processes by default so that one's death leaves the other serving (DECISIONS D-192)."""
+    workers = max(1, workers)
+    concurrency = max(concurrency, workers)
+    return [concurrency // workers + (1 if i < concurrency % workers else 0) for i in range(workers)]

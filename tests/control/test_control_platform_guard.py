@@ -32,7 +32,8 @@ def test_manage_py_sets_up_path_and_migrations_are_current():
 
 
 def test_celery_app_config():
-    """The Celery app reads CELERY_* settings: routes, prefetch, beat schedule, acks_late on usage."""
+    """The Celery app reads CELERY_* settings: routes, prefetch, beat schedule, acks_late on usage and render tasks,
+    the render workers' heartbeat."""
     from config import celery_app
 
     conf = celery_app.conf
@@ -48,6 +49,12 @@ def test_celery_app_config():
     from usage.tasks import flush_usage_events
 
     assert flush_usage_events.acks_late is True
+    from config.celery import RenderHeartbeat
+    from inference.tasks import detokenize_task, render_chat_task, tokenize_prompt_task
+
+    for task in (render_chat_task, tokenize_prompt_task, detokenize_task):  # handed back if the worker dies (D-190)
+        assert task.acks_late is True and not task.reject_on_worker_lost
+    assert RenderHeartbeat in celery_app.steps["consumer"]  # render workers beat (D-191)
     import importlib.util
 
     if importlib.util.find_spec("inference.tasks") is not None:

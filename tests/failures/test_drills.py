@@ -3,7 +3,7 @@
 and restarts of the platform's (private) Redis and, where this machine can make a private cluster, PostgreSQL.
 Goals asserted for each: no request hung, every failure clean (an OpenAI error envelope, an in-band stream error or
 a closed connection), no admission reservation and no key-limit slot held 10 s later, and, over all drills, no
-usage record lost or doubled. A render worker's fetched requests are answered late, not failed. One platform serves
+usage record lost or doubled. A render worker's fetched and started requests are answered late, not failed. One platform serves
 every drill; ``bench/drills.py`` prints the same figures as a table."""
 
 from __future__ import annotations
@@ -38,11 +38,10 @@ def test_drill(plat, name):
     if name != "api":  # only a dead api cuts connections
         assert res.count("closed") == 0, res.outcomes
     if name == "render-worker":
-        # what the dead worker had fetched is not lost (handed back after 6 s, D-182): every request sent before the
-        # kill is answered; one sent after it waits for the replacement, and is refused (503 render_unavailable)
-        # only when that takes longer than RENDER_WAIT_TIMEOUT_S (20 s; 15-25 s measured on the shared 2-core box)
-        assert all(o.kind == "ok" for o in res.outcomes if not o.after_fault), res.outcomes
-        assert {o.code for o in res.outcomes if o.kind != "ok"} <= {"render_unavailable"}, res.outcomes
+        # the other render worker serves (D-192); what the dead one had fetched or started is handed back to it after
+        # 8 s (acks_late, D-190); were none alive, a request would wait for one (RENDER_WORKER_RETURN_S, D-191): every
+        # request is answered, some late, none refused
+        assert res.count("ok") == len(res.outcomes), res.outcomes
     if name in ("usage-worker", "beat"):  # nothing on a request's path: every request is answered
         assert res.count("ok") == len(res.outcomes), res.outcomes
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.layout import EngineLayout, engine_layout, engine_threads
+from ops.layout import EngineLayout, engine_layout, engine_threads, render_children
 from ops.supervisor import Supervisor, wait_until
 from tests.live_platform import REPO
 from tests.support.serve import serve_env
@@ -28,6 +28,14 @@ from tests.support.serve import serve_env
 ])
 def test_engine_threads_split_what_the_frontend_leaves(cores, engines, reserved, want):
     assert engine_threads(cores, engines, reserved) == want
+
+
+def test_render_children_split_among_the_render_workers():
+    assert render_children(2, 2) == [1, 1]  # serve's default: two processes, one child each
+    assert render_children(2, 1) == [2]
+    assert render_children(5, 2) == [3, 2]
+    assert render_children(2, 3) == [1, 1, 1]  # every process gets a child
+    assert render_children(1, 0) == [1]
 
 
 def test_engine_layout_takes_the_operators_threads_and_refuses_bad_values():

@@ -203,13 +203,18 @@ class DrillPlatform:
         return {pid: cmdline(pid) for pid in child_pids(self.proc.pid)}
 
     def victim(self, role: str) -> int:
-        """The pid of the process playing ``role`` (one of ``VICTIMS``)."""
+        """The pid of the process playing ``role`` (one of ``VICTIMS``; of the render workers, the first)."""
+        found = self.playing(role)
+        assert len(found) == 1 or (role == "render-worker" and found), (role, self.children())
+        return found[0]
+
+    def playing(self, role: str) -> list[int]:
+        """The pids of serve's children playing ``role`` (one of ``VICTIMS``; ``serve`` runs two render workers),
+        lowest first."""
         marks = {"api": ("uvicorn", f"--port {self.port} "), "render-worker": ("celery", "-Q render"),
                  "engine": ("inference.engine",), "usage-worker": ("celery", "-Q usage"),
                  "beat": ("celery", "config beat")}[role]
-        found = [pid for pid, cmd in self.children().items() if all(m in cmd + " " for m in marks)]
-        assert len(found) == 1, (role, self.children())
-        return found[0]
+        return sorted(pid for pid, cmd in self.children().items() if all(m in cmd + " " for m in marks))
 
     def held(self) -> tuple[int, int]:
         """``(admission reservations of the model, live key-limit leases of the drill key)``."""
@@ -438,13 +443,12 @@ def _fault(plat: DrillPlatform, name: str) -> tuple[int | None, float]:
     raise ValueError(name)
 
 
-def _replaced(plat: DrillPlatform, name: str, killed: int | None) -> bool:
+def _replaced(plat: DrillPlatform, name: str, killed: int | None, count: int) -> bool:
+    """The killed process is gone and ``count`` processes play its role again."""
     if killed is None:
         return True
-    try:
-        return plat.victim(name) != killed
-    except AssertionError:
-        return False
+    now = plat.playing(name)
+    return killed not in now and len(now) == count
 
 
 def run_drill(plat: DrillPlatform, name: str, *, requests: int = 12, spread_s: float = 2.0,
@@ -459,6 +463,7 @@ def run_drill(plat: DrillPlatform, name: str, *, requests: int = 12, spread_s: f
         kill_after_s = 0.15 if name == "render-worker" else 0.6
     fault_at: list[float] = []
     killed: dict[str, object] = {}
+    count = len(plat.playing(name)) if name in VICTIMS else 0
 
     async def burst() -> list[Outcome]:
         limits = httpx.Limits(max_connections=requests + 4, max_keepalive_connections=0)
@@ -487,7 +492,7 @@ def run_drill(plat: DrillPlatform, name: str, *, requests: int = 12, spread_s: f
     while (held_reqs, held_slots) != (0, 0) and time.monotonic() < settle_at:
         time.sleep(min(0.5, max(0.0, settle_at - time.monotonic())))
         held_reqs, held_slots = plat.held()
-    wait_until(lambda: _replaced(plat, name, killed.get("pid")) and plat.serves(), BACK_WITHIN_S,
+    wait_until(lambda: _replaced(plat, name, killed.get("pid"), count) and plat.serves(), BACK_WITHIN_S,
                f"the platform to serve again after {name}")
     result = DrillResult(name=name, outcomes=outcomes, held_reqs=held_reqs, held_slots=held_slots,
                          back_s=time.monotonic() - t_fault, fault_s=float(killed.get("took", 0.0)))

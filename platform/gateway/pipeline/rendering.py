@@ -101,9 +101,10 @@ async def call_inline(task: str, payload: dict[str, Any]) -> dict[str, Any]:
 async def call_render(task: str, payload: dict[str, Any]) -> dict[str, Any]:
     """Run a renderer task (inline or on the ``render`` queue, ``runs_inline``) and return its ``ok`` result.
 
-    Structured task errors become HTTP 400 with the renderer's ``param``; no worker answering within
-    ``RENDER_WAIT_TIMEOUT_S``, or a worker that ran out of time outside the template, becomes 503; a renderer
-    defect 500.
+    Structured task errors become HTTP 400 with the renderer's ``param``; no answer within
+    ``RENDER_WAIT_TIMEOUT_S`` while a render worker is alive, or no render worker back within
+    ``RENDER_WORKER_RETURN_S`` (``inference.render_liveness.remaining_wait``), or a worker that ran out of time
+    outside the template, becomes 503; a renderer defect 500.
     """
     if runs_inline(task, payload):
         result = await call_inline(task, payload)
@@ -113,7 +114,8 @@ async def call_render(task: str, payload: dict[str, Any]) -> dict[str, Any]:
         waiter = RenderReplyWaiter.for_current_loop(settings.REDIS_URL, settings.LINK_PREFIX)
         try:
             result = await waiter.call(celery_app, task, payload, queue=RENDER_QUEUE,
-                                       timeout=settings.RENDER_WAIT_TIMEOUT_S)
+                                       timeout=settings.RENDER_WAIT_TIMEOUT_S,
+                                       worker_return=settings.RENDER_WORKER_RETURN_S)
         except RenderUnavailableError as exc:
             raise unavailable(f"{exc}: the render workers are busy or down, or the input could not be rendered "
                               f"within the render time limit", 2, ErrorCode.RENDER_UNAVAILABLE) from None

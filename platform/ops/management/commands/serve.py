@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -14,18 +15,20 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from ops.bootstrap import demo_bootstrap, embedded_redis_config_write, private_tree, redacted_url
-from ops.layout import BACKGROUND_NICE, EngineLayout, engine_layout
+from ops.layout import BACKGROUND_NICE, EngineLayout, engine_layout, render_children
 from ops.supervisor import (RestartPolicy, Supervisor, http_ok, parse_cpu_list, python, redis_ping,
                             unix_socket_accepts, wait_until)
 from inference.admission import reap as admission_reap
+from inference.config import SETTINGS
 from inference.protocol.engine import replicas_index_key
 from registry.selectors import served_models_enabled
 
 
-# The render worker hands back a chat it fetched and has not started after this many seconds, so that one killed with
-# kill -9 has its fetched tasks answered late rather than refused after RENDER_WAIT_TIMEOUT_S (config/settings.py
-# CELERY_REDELIVER_AFTER_S; DECISIONS D-182).
-RENDER_REDELIVER_AFTER_S = 6
+# The render worker hands back a task it fetched and has not finished (acknowledged: render tasks are acks_late) after
+# this many seconds, so that one killed with kill -9 has its fetched and started tasks answered late rather than
+# refused (config/settings.py CELERY_REDELIVER_AFTER_S; DECISIONS D-182, D-190): one second past the hard time limit,
+# so a render that is still running in a live worker is never handed to another.
+RENDER_REDELIVER_AFTER_S = math.ceil(SETTINGS.render_time_limit_s + SETTINGS.render_hard_time_limit_extra_s) + 1
 
 
 def proxy_header_args() -> list[str]:
@@ -69,7 +72,12 @@ class Command(BaseCommand):
                             help="cores the automatic --engine-threads leaves to the api processes, workers and "
                                  "Redis (default 1, SERVE_FRONTEND_RESERVED_CORES; 0 with --frontend-cores, whose "
                                  "cores are the frontend's already)")
-        parser.add_argument("--render-concurrency", type=int, default=2, help="Celery prefork children")
+        parser.add_argument("--render-concurrency", type=int, default=2,
+                            help="Celery prefork children rendering chat templates, all render workers together")
+        parser.add_argument("--render-workers", type=int, default=2,
+                            help="render worker processes sharing --render-concurrency (at least one child each): "
+                                 "while serve replaces one that died (15-45 s), another serves, and takes over what "
+                                 "the dead one held (default 2; 1: a single worker)")
         parser.add_argument("--no-engine", action="store_true", help="render-only deployment (no engines)")
         parser.add_argument("--demo", action="store_true",
                             help="register the demo chat model and all-MiniLM-L6-v2 (embeddings), create the operator "
@@ -132,10 +140,12 @@ class Command(BaseCommand):
                                   max_model_len=opts["demo_max_model_len"], num_replicas=opts["demo_replicas"])
 
         py = python()
-        sup.start("worker", [py, "-m", "celery", "-A", "config", "worker", "-Q", "render",
-                             "-c", str(opts["render_concurrency"]), "--pool", "prefork", "-n", "worker@%h",
-                             "--without-gossip", "--without-mingle", "-l", "WARNING"],  # INFO would log prompts
-                  cpus=back_cpus, env_extra={"CELERY_REDELIVER_AFTER_S": str(RENDER_REDELIVER_AFTER_S)})
+        for i, children in enumerate(render_children(opts["render_concurrency"], opts["render_workers"])):
+            name = "worker" if i == 0 else f"worker-{i + 1}"
+            sup.start(name, [py, "-m", "celery", "-A", "config", "worker", "-Q", "render", "-c", str(children),
+                             "--pool", "prefork", "-n", f"{name.replace('-', '')}@%h", "--without-gossip",
+                             "--without-mingle", "-l", "WARNING"],  # INFO would log prompts
+                      cpus=back_cpus, env_extra={"CELERY_REDELIVER_AFTER_S": str(RENDER_REDELIVER_AFTER_S)})
         # usage writes on their own worker: a database flush (up to 200 ms measured on SQLite under load) never
         # holds one of the render slots that every request's template and tokenization wait for
         sup.start("worker-usage", [py, "-m", "celery", "-A", "config", "worker", "-Q", "usage", "-c", "1",

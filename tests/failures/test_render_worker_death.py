@@ -1,0 +1,153 @@
+"""A render worker killed with ``kill -9`` while it holds one render started and one fetched and not started: both
+requests are answered late by its replacement, none refused (issue 18; DECISIONS D-190, D-191).
+
+Real pieces only: ``celery -A config worker -Q render`` (the platform's app, its heartbeat and its broker options, with
+``CELERY_REDELIVER_AFTER_S`` as ``serve`` sets it), the api's ``RenderReplyWaiter`` on Redis, Celery's own ``inspect``
+to see what the worker holds. The replacement starts after the waiter's fixed timeout has passed, so only the wait that
+tracks the workers' beats keeps the requests alive."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+from celery import Celery
+
+from inference.render_client import RenderReplyWaiter
+from inference.render_liveness import STALE_AFTER_S, liveness_key
+from inference.renderer.chat_template import render_chat, render_template
+from tests.live_platform import REPO, TOKENIZER_DIR, ensure_demo_assets
+from tests.support.redis import TEST_REDIS_URL, fresh_prefix
+
+pytestmark = pytest.mark.timeout(300)
+TIMEOUT_S = 3.0  # the waiter's timeout while a worker is alive: shorter than the replacement's start
+REDELIVER_AFTER_S = 4  # the visibility timeout (serve: the hard time limit + 1 s)
+MESSAGES = [{"role": "user", "content": "Hello"}]
+
+
+def _slow_template(seconds: float) -> str:
+    """A chat template that loops for about ``seconds`` of this machine's CPU, then renders the messages (the
+    worker runs it without the sandbox's operation budget and with a 60 s time limit)."""
+    probe = "{% for a in range(100) %}{% for b in range(1000) %}{% endfor %}{% endfor %}"
+    t0 = time.perf_counter()
+    render_template(probe, {}, max_output_chars=1 << 20, max_ops=10**9)
+    rounds = max(100, min(100_000, int(100 * seconds / max(time.perf_counter() - t0, 1e-3))))
+    return ("{% for a in range(" + str(rounds) + ") %}{% for b in range(1000) %}{% endfor %}{% endfor %}"
+            "{% for m in messages %}{{ m.content }}{% endfor %}")
+
+
+class _Worker:
+    """One ``celery -A config worker -Q render -c 1`` in its own process group."""
+
+    def __init__(self, env: dict[str, str], name: str, log: Path):
+        self.name = name
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "render", "-c", "1", "--pool",
+                 "prefork", "-n", name, "--without-gossip", "--without-mingle", "-l", "WARNING"],
+                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def kill(self) -> None:
+        """``kill -9`` of the whole group (the main process and its pool child), as ``serve`` replaces one."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+
+
+def _wait(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def render_env(tmp_path):
+    client = redis.Redis.from_url(TEST_REDIS_URL)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"no Redis at {TEST_REDIS_URL}: {exc}")
+    ensure_demo_assets()
+    with fresh_prefix("rdeath") as prefix:
+        env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "EMBEDDED_REDIS_PORT")}
+        env.update({"PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)]), "LINK_PREFIX": prefix,
+                    "REDIS_URL": TEST_REDIS_URL, "LLMP_VAR_DIR": str(tmp_path), "DJANGO_SETTINGS_MODULE": "config.settings",
+                    "DJANGO_SECRET_KEY": "rdeath-" + uuid.uuid4().hex, "LOG_LEVEL": "WARNING",
+                    "CELERY_REDELIVER_AFTER_S": str(REDELIVER_AFTER_S), "RENDER_TIME_LIMIT_S": "60",
+                    "RENDER_MAX_OPS": str(10**12)})
+        workers: list[_Worker] = []
+        try:
+            yield env, prefix, client, workers
+        finally:
+            for w in workers:
+                w.kill()
+            client.close()
+
+
+def test_killed_render_worker_started_and_fetched_renders_are_answered(render_env, tmp_path):
+    env, prefix, client, workers = render_env
+    sender = Celery("rdeath-sender", broker=TEST_REDIS_URL)
+    sender.conf.update(broker_transport_options={"global_keyprefix": f"{prefix}:celery:"},
+                       broker_connection_retry_on_startup=True)
+    tok = str(TOKENIZER_DIR)
+    slow = _slow_template(2.5)
+    first = _Worker(env, f"rdeath1-{prefix}@%h", tmp_path / "w1.log")
+    workers.append(first)
+    alive = lambda: client.exists(liveness_key(prefix)) == 1
+
+    async def scenario():
+        waiter = RenderReplyWaiter(TEST_REDIS_URL, prefix)
+
+        async def render(template: str | None):
+            payload = {"tokenizer_dir": tok, "messages": MESSAGES, "chat_template": template}
+            out = await waiter.call(sender, "inference.render_chat", payload, queue="render", timeout=TIMEOUT_S,
+                                    worker_return=90)
+            return out, time.monotonic()
+
+        await asyncio.to_thread(_wait, alive, 120, "the first worker's heartbeat")
+        for _ in range(20):  # the pool child is up and has the tokenizer loaded
+            try:
+                warm, _ = await render(None)
+                break
+            except Exception:  # noqa: BLE001  (a slow start on a busy machine: try again)
+                continue
+        assert warm["ok"], warm
+
+        started = asyncio.create_task(render(slow))
+        await asyncio.sleep(0.3)
+        fetched = asyncio.create_task(render(None))
+        inspect = sender.control.inspect(destination=[first.name.replace("%h", socket.gethostname())], timeout=2,
+                                         limit=1)
+
+        def holds_both() -> bool:
+            active, reserved = inspect.active() or {}, inspect.reserved() or {}
+            return sum(len(v) for v in active.values()) == 1 and sum(len(v) for v in reserved.values()) == 1
+
+        await asyncio.to_thread(_wait, holds_both, 60, "the worker to hold a started and a fetched render")
+        first.kill()
+        killed = time.monotonic()
+        await asyncio.sleep(TIMEOUT_S + STALE_AFTER_S)  # past the fixed timeout, with no render worker alive
+        assert not started.done() and not fetched.done()
+        workers.append(_Worker(env, f"rdeath2-{prefix}@%h", tmp_path / "w2.log"))
+        (slow_out, slow_at), (fast_out, fast_at) = await asyncio.gather(started, fetched)
+        return slow_out, slow_at, fast_out, fast_at, killed
+
+    slow_out, slow_at, fast_out, fast_at, killed = asyncio.run(scenario())
+    want = render_chat(tok, MESSAGES).prompt_token_ids
+    assert slow_out["ok"] and fast_out["ok"], (slow_out, fast_out)
+    assert fast_out["prompt_token_ids"] == want
+    assert slow_out["prompt_text"].endswith("Hello")
+    # both answered by the replacement, after the kill and after the fixed timeout would have refused them
+    assert min(slow_at, fast_at) > killed + TIMEOUT_S
