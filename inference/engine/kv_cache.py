@@ -175,6 +175,15 @@ class SlotKVCache:
         always passes them)."""
         return self._kv_len
 
+    def get_query_offset(self, layer_idx: int | None = None) -> int:
+        """Position of the forward's first query token (transformers builds the mask itself only for a forward the
+        runner passes no mask for: a prompt from position 0 without padding, where it takes SDPA's causal path)."""
+        return self._start if self._mode == "single" else 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int | None = None) -> tuple[int, int]:
+        """(key length, key offset) of the forward (see ``get_query_offset``)."""
+        return self._kv_len, 0
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the K/V buffers."""

