@@ -85,7 +85,7 @@ class EngineProc:
     def hb_key(self) -> str:
         return replica_key(self.prefix, MODEL, self.engine_id)
 
-    def wait_ready(self, timeout: float = 60) -> None:
+    def wait_ready(self, timeout: float = 180) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.r.exists(self.hb_key):
