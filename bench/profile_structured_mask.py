@@ -87,7 +87,7 @@ def main() -> int:
         s.num_computed = len(PROMPT)
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        logits = runner.decode([s.output_token_ids[-1] for s in seqs], [s.num_computed for s in seqs])
+        logits = runner.decode(seqs)
         for s in seqs:
             s.num_computed += 1
         t0 = clock("forward (runner.decode)", t0)
@@ -143,9 +143,8 @@ def main() -> int:
                                                                        enumerate(seqs) if s.grammar], bm)
 
     for _ in range(args.steps):
-        last, pos = [s.output_token_ids[-1] for s in seqs], [s.num_computed for s in seqs]
         t0 = time.perf_counter()
-        runner.decode(last, pos)
+        runner.decode(seqs)
         clock("overlap: forward alone", t0)
         t0 = time.perf_counter()
         fill()
@@ -153,7 +152,7 @@ def main() -> int:
         t0 = time.perf_counter()
         th = threading.Thread(target=fill)
         th.start()
-        runner.decode(last, pos)
+        runner.decode(seqs)
         th.join()
         clock("overlap: forward + mask fill in a thread", t0)
 
@@ -173,11 +172,10 @@ def main() -> int:
 
     for k in range(3 * args.steps):
         kind = ("step: unconstrained", "step: old constrained", "step: new constrained")[k % 3]
-        last, pos = [s.output_token_ids[-1] for s in seqs], [s.num_computed for s in seqs]
         t0 = time.perf_counter()
         rows = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
         ahead = masker.submit(rows, len(seqs), runner.vocab_size, runner.device) if k % 3 == 2 else None
-        logits = runner.decode(last, pos)
+        logits = runner.decode(seqs)
         if k % 3 == 1:
             logits.masked_fill_(old_mask(*logits.shape), float("-inf"))
         elif ahead is not None:

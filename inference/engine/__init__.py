@@ -13,16 +13,22 @@ Batching design, and why (measured on the 2-core CPU box, tiny Qwen3 demo model,
   stop ids), and its own background thread and per-request processor hooks would add per-token
   Python work on top.
 * Chosen: a compact scheduler of our own (``core.EngineCore``) around the model's own forward
-  (``runner.ModelRunner``): one transformers ``DynamicCache`` for the running batch with
-  right-aligned rows (each row's newest token in the last column), newcomers prefilled in one
-  left-padded forward and merged between steps, finished/aborted rows removed and all-padding columns
-  trimmed, so KV memory is bounded by ``max_num_seqs × max_model_len`` positions. Sampling is batched
-  over rows with per-request ``random.Random(seed)`` draws (inverse CDF), so seeded outputs do not
-  depend on batch companions. Measured: 929 tokens/s at batch 16 greedy (generate: 668), 774 with
-  temperature 1 (generate with sampling: 194), 83 tokens/s at batch 1 (generate: 72).
+  (``runner.ModelRunner``). The batch KV cache is a preallocated buffer with one row ("slot") per running
+  sequence (``kv_cache.SlotKVCache``): a sequence takes a slot when its prefill starts and frees it when it
+  ends, so joining and leaving copy nothing; a decode step is one forward over the slots with a per-row 4-D
+  attention mask; memory is bounded by ``max_num_seqs × max_model_len`` positions (both grow by doubling on
+  demand up to that). Sampling is batched over rows with per-request ``random.Random(seed)`` draws (inverse
+  CDF), so seeded outputs do not depend on batch companions. Measured (right-aligned DynamicCache design, before
+  the slot cache): 929 tokens/s at batch 16 greedy (generate: 668), 774 with temperature 1 (generate with
+  sampling: 194), 83 tokens/s at batch 1 (generate: 72).
+* Chunked prefill: each step decodes every running sequence, then spends the rest of
+  ``--max-num-batched-tokens`` (default 512 on CPU, 2048 on CUDA) on prompt chunks, so a long prompt delays the
+  running decodes by one chunk's forward per step instead of its whole prefill (``bench/long_prefill.py``);
+  ``--no-enable-chunked-prefill`` prefills whole prompts. The VL runner prefills whole prompts (M-RoPE and image
+  embeddings are computed for the whole prompt).
 * Prefix sharing: automatic prefix caching of full prompt blocks, salted per tenant (``prefix_cache.py``;
-  ``num_cached_tokens`` reports the prompt tokens it served).
-* Not provided: paged attention, chunked prefill
-  (a prompt is prefilled in one forward; ``--max-prefill-tokens`` bounds the tokens per prefill
-  group), sliding-window / hybrid cache layers (only full-attention ``DynamicLayer`` caches).
+  ``num_cached_tokens`` reports the prompt tokens it served); a hit is copied into the sequence's slot.
+* Not provided: paged attention (a block pool shared between sequences), linear-attention / hybrid cache
+  layers (full and sliding-window attention only), CUDA graphs and ``torch.compile`` (no GPU to measure
+  whether they pay: ``bench/gpu_check.sh`` is the script to decide it on one).
 """

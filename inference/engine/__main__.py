@@ -2,7 +2,9 @@
 
 Options: ``--device cpu|cuda`` (default cpu), ``--dtype float32|bfloat16|float16`` (default float32 on
 CPU, bfloat16 on CUDA), ``--max-num-seqs 32``, ``--max-model-len N`` (default: the model's
-``max_position_embeddings``), ``--max-prefill-tokens 4096``, ``--link-prefix llmp``, ``--engine-id ID``
+``max_position_embeddings``), ``--max-num-batched-tokens N`` (tokens one step computes at most: the running
+decodes plus prompt chunks; default 512 on CPU, 2048 on CUDA, 4096 for ``--task embed``; ``--max-prefill-tokens`` is an old name for it),
+``--no-enable-chunked-prefill`` (prefill each prompt whole, as before chunking), ``--link-prefix llmp``, ``--engine-id ID``
 (default random), ``--num-threads N`` (CPU intra-op threads; default all cores), ``--log-level``,
 ``--task generate|embed`` (default generate; ``embed`` runs the pooling mode of ``inference.engine.pooling``),
 ``--prefix-cache-mb 256`` (prompt K/V kept for reuse by prompts with the same prefix; 0 disables).
@@ -32,7 +34,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--max-prefill-tokens", type=int, default=4096)
+    ap.add_argument("--max-num-batched-tokens", "--max-prefill-tokens", dest="max_num_batched_tokens", type=int,
+                    default=None, help="tokens one step computes at most (decodes + prompt chunks); default 512 on "
+                                       "CPU, 2048 on CUDA, 4096 for --task embed")
+    ap.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                    help="prefill long prompts a chunk at a time between decode steps (default on)")
     ap.add_argument("--link-prefix", default="llmp")
     ap.add_argument("--engine-id", default=None)
     ap.add_argument("--num-threads", type=int, default=None)
@@ -58,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError:
         pass
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    # a step's token budget: on the CPU a 512-token chunk of the demo model is one decode step's time or so
+    # (bench/long_prefill.py); a GPU computes far more tokens per forward before it is slower. The pooling mode
+    # has no decodes to protect: its padded batch keeps the old 4096.
+    batched = args.max_num_batched_tokens or (4096 if args.task == "embed" else 512 if args.device == "cpu" else 2048)
 
     # Lazy loads of torch and the model code, after the arguments parse (``--help`` and a bad flag answer at once).
     from .core import EngineCore, install_signal_handlers
@@ -83,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     # PoolingEngineCore takes the PoolingRunner (its ``runner`` annotation); EngineCore's parameter names ModelRunner
     core = core_cls(args.model, runner, args.redis_url, link_prefix=args.link_prefix,  # type: ignore[arg-type]
                     engine_id=args.engine_id, max_num_seqs=args.max_num_seqs,
-                    max_prefill_tokens=args.max_prefill_tokens)
+                    max_num_batched_tokens=max(batched, args.max_num_seqs),
+                    enable_chunked_prefill=args.enable_chunked_prefill)
     install_signal_handlers(core)
     core.run()
     return 0

@@ -7,9 +7,12 @@ One iteration ("step"):
    read only when idle) and aborts (``control_stream``, plain XREAD);
 2. answer every newly accepted request at once with an empty output (``queued_ts``, ``engine_id``)
    so the api process knows which replica owns it; invalid requests fail here with ``error``;
-3. prefill waiting requests that fit (``max_num_seqs``, prefill token budget) in one forward (a prompt
-   whose prefix K/V is cached runs on its own from there: ``prefix_cache.py``), and run one decode step
-   for the rest of the running batch;
+3. run one decode step for every running sequence, then spend the rest of the step's token budget
+   (``max_num_batched_tokens``) on prompts: the next chunk of prompts being prefilled a chunk at a time
+   (chunked prefill), then waiting requests that fit (``max_num_seqs``) -- whole prompts in one batched
+   forward, and the first one that does not fit in the budget left starts a chunk at a time (a prompt whose
+   prefix K/V is cached runs on its own from there: ``prefix_cache.py``). So a long prompt never stalls the
+   running decodes for more than one chunk's forward;
 4. sample (batched), apply stop rules, publish one ``EngineCoreOutputs`` message per client_id.
 
 A heartbeat thread SETs ``replica_key`` (``EngineStats``) with a TTL so api processes notice a dead
@@ -105,8 +108,11 @@ class EngineCore:
         link_prefix: key prefix (``llmp``).
         engine_id: replica id; random when None.
         max_num_seqs: batch capacity (running sequences).
-        max_prefill_tokens: prompt tokens prefilled in one step at most (a single longer prompt
-            still runs alone).
+        max_num_batched_tokens: tokens one step computes at most (vLLM's name): one per running decode, the
+            rest for prompt chunks. Without chunked prefill it bounds the prompt tokens of a step's prefill
+            group (a single longer prompt still runs whole).
+        enable_chunked_prefill: prefill long prompts a chunk at a time between decode steps (on by default;
+            runners that cannot, the VL runner, prefill whole prompts).
     """
 
     # acceptance outputs (the api learns which replica holds a request) are sent before each step, which may be
@@ -114,13 +120,18 @@ class EngineCore:
     FLUSH_BEFORE_STEP = True
 
     def __init__(self, model: str, runner: ModelRunner, redis_url: str, link_prefix: str = "llmp",
-                 engine_id: str | None = None, max_num_seqs: int = 32, max_prefill_tokens: int = 4096):
+                 engine_id: str | None = None, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
+                 enable_chunked_prefill: bool = True):
         self.model = model
         self.runner = runner
         self.prefix = link_prefix
         self.engine_id = engine_id or uuid.uuid4().hex[:12]
         self.max_num_seqs = max_num_seqs
-        self.max_prefill_tokens = max_prefill_tokens
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({max_num_seqs}): every running sequence decodes one token per step")
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill and getattr(runner, "supports_chunked_prefill", False)
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=blocking_socket_timeout(POLL_BLOCK_MS / 1000))
         self.hb_redis = redis.Redis.from_url(redis_url)
         self.req_key = requests_stream(link_prefix, model)
@@ -133,7 +144,8 @@ class EngineCore:
         self.consumer = f"{self.engine_id}-{os.getpid()}"
         self._next_reclaim = 0.0
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # same order as the runner's batch rows
+        self.running: list[Sequence] = []  # decoding: prompt in the KV cache, a KV slot each
+        self.prefilling: list[Sequence] = []  # prompts being prefilled a chunk at a time (a KV slot each)
         self.stop_event = threading.Event()
         self.stats = EngineStats(engine_id=self.engine_id, model=model, pid=os.getpid(),
                                  device=runner.device.type, max_num_seqs=max_num_seqs,
@@ -206,7 +218,7 @@ class EngineCore:
     def _heartbeat_loop(self) -> None:
         while not self.stop_event.is_set():
             try:
-                self.stats.num_running = len(self.running)
+                self.stats.num_running = len(self.running) + len(self.prefilling)
                 waiting = list(self.waiting)
                 self.stats.num_waiting = len(waiting)
                 self.stats.num_waiting_tokens = sum(len(s.request.prompt_token_ids) for s in waiting)
@@ -263,10 +275,10 @@ class EngineCore:
 
     def _poll(self) -> None:
         """Read new requests and aborts; block briefly only when there is nothing to run."""
-        idle = not self.running and not self.waiting
+        idle = not self.running and not self.waiting and not self.prefilling
         # Take at most what fits soon (2 × max_num_seqs held), leaving the rest to other replicas. The count is
         # of stream entries: an entry holding the n children of one request (``pack_requests``) adds n.
-        room = self.max_num_seqs * 2 - len(self.waiting) - len(self.running)
+        room = self.max_num_seqs * 2 - len(self.waiting) - len(self.running) - len(self.prefilling)
         resp: _XReadReply = None
         if room > 0:
             # its own stream (routed requests) first, then the shared one; COUNT applies per stream
@@ -409,7 +421,7 @@ class EngineCore:
 
     def _abort(self, ids: set[str]) -> None:
         # An abort may overtake its request (still unread in the request stream): remember it a while.
-        held = {s.request_id for s in self.waiting} | {s.request_id for s in self.running}
+        held = {s.request_id for s in [*self.waiting, *self.running, *self.prefilling]}
         t = time.monotonic()
         for rid in ids - held:
             self._early_aborts[rid] = t
@@ -419,15 +431,12 @@ class EngineCore:
         for seq in [s for s in self.waiting if s.request_id in ids]:
             self.waiting.remove(seq)
             self._finish_out(seq, FINISH_ABORT)
-        keep = []
-        for i, seq in enumerate(self.running):
-            if seq.request_id in ids:
+        for held_list in (self.running, self.prefilling):
+            gone = [s for s in held_list if s.request_id in ids]
+            for seq in gone:
                 self._finish_out(seq, FINISH_ABORT)
-            else:
-                keep.append(i)
-        if len(keep) != len(self.running):
-            self.runner.remove_rows(keep)
-            self.running = [self.running[i] for i in keep]
+                held_list.remove(seq)
+            self.runner.release(gone)
 
     def _drop_dead_clients(self) -> None:
         """Abort requests whose api process stopped refreshing its liveness key (killed or restarted),
@@ -436,13 +445,14 @@ class EngineCore:
         if t < self._next_client_check:
             return
         self._next_client_check = t + CLIENT_CHECK_INTERVAL_S
-        clients = sorted({s.request.client_id for s in self.running} | {s.request.client_id for s in self.waiting})
+        clients = sorted({s.request.client_id for s in [*self.running, *self.waiting, *self.prefilling]})
         if not clients:
             return
         alive = self.redis.mget([api_alive_key(self.prefix, c) for c in clients])
         dead = {c for c, v in zip(clients, alive) if v is None}
         if dead:
-            ids = {s.request_id for s in list(self.waiting) + self.running if s.request.client_id in dead}
+            ids = {s.request_id for s in [*self.waiting, *self.running, *self.prefilling]
+                   if s.request.client_id in dead}
             log.warning("aborting %d request(s) of vanished api process(es) %s", len(ids), sorted(dead))
             self._abort(ids)
             for c in dead:
@@ -520,8 +530,8 @@ class EngineCore:
         return new if old == 0 else (1 - EMA_ALPHA) * old + EMA_ALPHA * new
 
     def _prefill(self, group: list[Sequence]) -> None:
-        """Prefill ``group`` in one runner call, add it to the batch and sample its first tokens; a failed
-        forward fails only this group."""
+        """Prefill the whole prompts of ``group`` in one runner call, add it to the running batch and sample its
+        first tokens; a failed forward fails only this group."""
         t0 = time.perf_counter()
         ahead = self._mask_ahead(group)
         try:
@@ -529,16 +539,21 @@ class EngineCore:
         except Exception as exc:  # fail this group only
             _settle(ahead)
             log.exception("prefill failed")
-            # the runner merges only after a successful forward, so the batch is intact
+            # the runner gives the group's KV slots back on an error; the running batch is intact
             for s in group:
                 self._finish_out(s, FINISH_ERROR, f"prefill failed: {exc}")
             return
+        self._prefilled(group, logits, ahead, t0,
+                        sum(len(s.request.prompt_token_ids) - s.num_cached_tokens for s in group))
+
+    def _prefilled(self, group: list[Sequence], logits: torch.Tensor,
+                   ahead: concurrent.futures.Future[GrammarMask | None] | None, t0: float, ntok: int) -> None:
+        """``group``'s prompts are in the KV cache: it joins the running batch and its first tokens are sampled."""
         self.running.extend(group)
         for s in group:
             self.stats.prompt_tokens += len(s.request.prompt_token_ids)
             self.stats.prefix_hit_tokens += s.num_cached_tokens
         dt = time.perf_counter() - t0
-        ntok = sum(len(s.request.prompt_token_ids) - s.num_cached_tokens for s in group)
         self.stats.prefill_tokens_per_s = self._ema(self.stats.prefill_tokens_per_s, ntok / max(dt, 1e-9))
         try:
             self._apply(group, logits, ahead)
@@ -546,34 +561,40 @@ class EngineCore:
             log.exception("sampling failed")
             self._fail_all_running(f"sampling failed: {exc}")
 
-    def step(self) -> None:
-        """One engine iteration: prefill what fits, decode the rest, publish outputs."""
-        decode_seqs = list(self.running)
-        # 1. decode the sequences already in the batch
-        if decode_seqs:
-            t0 = time.perf_counter()
-            ahead = self._mask_ahead(decode_seqs)
-            try:
-                logits = self.runner.decode(
-                    [s.output_token_ids[-1] for s in decode_seqs],
-                    [s.num_computed for s in decode_seqs])
-                for s in decode_seqs:
-                    s.num_computed += 1
-                self._apply(decode_seqs, logits, ahead)
-            except Exception as exc:
-                _settle(ahead)
-                log.exception("decode step failed")
-                self._fail_all_running(f"engine step failed: {exc}")
-                decode_seqs = []
-            else:
-                dt = time.perf_counter() - t0
-                self.stats.decode_tokens_per_s = self._ema(self.stats.decode_tokens_per_s,
-                                                           len(decode_seqs) / max(dt, 1e-9))
-        # 2. prefill newcomers that fit
+    def _prefill_chunk(self, seq: Sequence, budget: int) -> int:
+        """Prefill the next chunk (at most ``budget`` tokens) of ``seq``'s prompt; when it completes the prompt,
+        ``seq`` moves from ``prefilling`` to the running batch with its first token. A failed forward fails only
+        ``seq`` (its KV slot is given back). Returns the prompt tokens computed (0 on a failure)."""
+        before = max(seq.num_computed, seq.num_cached_tokens)
+        t0 = time.perf_counter()
+        done = len(seq.request.prompt_token_ids) - before <= budget  # else no token is sampled this step
+        ahead = self._mask_ahead([seq]) if done else None
+        try:
+            logits = self.runner.prefill_chunk(seq, budget)
+        except Exception as exc:
+            _settle(ahead)
+            log.exception("prefill failed")
+            self.prefilling.remove(seq)
+            self.runner.release([seq])
+            self._finish_out(seq, FINISH_ERROR, f"prefill failed: {exc}")
+            return 0
+        ntok = seq.num_computed - before
+        if logits is None:
+            _settle(ahead)
+            return ntok
+        self.prefilling.remove(seq)
+        self._prefilled([seq], logits, ahead, t0, ntok)
+        return ntok
+
+    def _admit(self, budget: int) -> tuple[list[Sequence], Sequence | None]:
+        """Take waiting requests in order while KV slots (``max_num_seqs``) and the token ``budget`` allow: the
+        whole prompts that fit, then -- with chunked prefill -- the first one that does not (it starts a chunk at
+        a time). Without chunked prefill, a prompt longer than the budget runs whole when it is the first of the
+        group (as before chunking existed). Requests whose grammar is still compiling stay waiting, in order."""
         group: list[Sequence] = []
-        budget = self.max_prefill_tokens
-        compiling: list[Sequence] = []  # requests whose grammar is not compiled yet wait, in order, out of the way
-        while self.waiting and len(self.running) + len(group) < self.max_num_seqs:
+        partial: Sequence | None = None
+        compiling: list[Sequence] = []
+        while self.waiting and len(self.running) + len(self.prefilling) + len(group) < self.max_num_seqs:
             head = self.waiting[0]
             if head.grammar is not None:
                 if not head.grammar.ready():
@@ -586,31 +607,71 @@ class EngineCore:
                     self._finish_out(head, FINISH_ERROR, f"structured output constraint {exc}")
                     continue
             n = len(head.request.prompt_token_ids)
-            if group and n > budget:
-                break
-            group.append(self.waiting.popleft())
-            budget -= n
+            if n <= budget or (not group and not self.enable_chunked_prefill):
+                group.append(self.waiting.popleft())
+                budget -= n
+                continue
+            if self.enable_chunked_prefill and budget > 0:
+                partial = self.waiting.popleft()
+            break
         self.waiting.extendleft(reversed(compiling))
+        return group, partial
+
+    def step(self) -> None:
+        """One engine iteration: decode every running sequence, then prefill prompt tokens within the step's
+        budget (chunks of prompts already started, then newcomers), and drop finished sequences."""
+        # 1. decode the sequences already in the batch (slot order: the runner's rows)
+        decode_seqs = sorted(self.running, key=lambda s: s.slot if s.slot is not None else -1)
+        if decode_seqs:
+            t0 = time.perf_counter()
+            ahead = self._mask_ahead(decode_seqs)
+            try:
+                logits = self.runner.decode(decode_seqs)
+                for s in decode_seqs:
+                    s.num_computed += 1
+                self._apply(decode_seqs, logits, ahead)
+            except Exception as exc:
+                _settle(ahead)
+                log.exception("decode step failed")
+                self._fail_all_running(f"engine step failed: {exc}")
+                decode_seqs = []
+            else:
+                dt = time.perf_counter() - t0
+                self.stats.decode_tokens_per_s = self._ema(self.stats.decode_tokens_per_s,
+                                                           len(decode_seqs) / max(dt, 1e-9))
+        budget = self.max_num_batched_tokens - len(decode_seqs)
+        # 2. the next chunks of prompts prefilled a chunk at a time, oldest first
+        for seq in list(self.prefilling):
+            if budget <= 0:
+                break
+            budget -= self._prefill_chunk(seq, budget)
+        # 3. newcomers that fit
+        group, partial = self._admit(budget)
+        ts = now()
+        for s in group + ([partial] if partial is not None else []):
+            s.scheduled_ts = ts
         if group:
-            ts = now()
-            for s in group:
-                s.scheduled_ts = ts
             # prompts with a cached prefix run on their own, after the batched ones (prefix_cache.py)
             for sub in self.runner.prefill_groups(group):
                 self._prefill(sub)
-        # 3. drop finished rows
-        keep = [i for i, s in enumerate(self.running) if s.finish_reason is None]
-        if len(keep) != len(self.running):
-            self.runner.remove_rows(keep)
-            self.running = [self.running[i] for i in keep]
+            budget -= sum(len(s.request.prompt_token_ids) for s in group)
+        if partial is not None:
+            self.runner.prefill_groups([partial])  # its cached prefix, if any
+            self.prefilling.append(partial)
+            self._prefill_chunk(partial, max(budget, 1))
+        # 4. drop finished sequences
+        finished = [s for s in self.running if s.finish_reason is not None]
+        if finished:
+            self.runner.release(finished)
+            self.running = [s for s in self.running if s.finish_reason is None]
 
     def _fail_all_running(self, message: str) -> None:
         for s in self.running:
             if s.finish_reason is None:
                 s.finish_reason = FINISH_ERROR
                 self._finish_out(s, FINISH_ERROR, message)
+        self.runner.release(self.running)
         self.running = []
-        self.runner.remove_rows([])
 
     # ------------------------------------------------------------------ lifecycle
     def request_stop(self, *_args: object) -> None:
@@ -633,7 +694,7 @@ class EngineCore:
                     self._drop_dead_clients()
                     if self.FLUSH_BEFORE_STEP:
                         self._flush()  # acceptance outputs go out before the (maybe long) step
-                    if self.running or self.waiting:
+                    if self.running or self.waiting or self.prefilling:
                         self.step()
                     self._flush()
                     if self.waiting:
@@ -648,11 +709,12 @@ class EngineCore:
                 self._masker.shutdown()
             if self._grammars is not None:
                 self._grammars.shutdown()
-            for s in list(self.waiting) + self.running:
+            for s in [*self.waiting, *self.running, *self.prefilling]:
                 if s.finish_reason is None:
                     self._finish_out(s, FINISH_ABORT, "engine shut down")
             self.waiting.clear()
             self.running = []
+            self.prefilling = []
             try:
                 self._flush()
                 # gone at once for the api processes; expired (not removed) in the index, so a live replica takes

@@ -4,7 +4,7 @@ A pooling replica reads the same request stream as a generation replica (DESIGN.
 ``EngineCoreRequest`` (``pooling=True``) with exactly one ``EngineCoreOutput`` that carries the pooled
 vector (``pooled``: float32 little-endian bytes) and ``finish_reason="stop"``. Concurrent requests (the
 inputs of one ``/v1/embeddings`` call, and those of concurrent calls) are batched: each step takes up to
-``max_num_seqs`` waiting requests whose padded size fits ``max_prefill_tokens`` and runs one forward.
+``max_num_seqs`` waiting requests whose padded size fits ``max_num_batched_tokens`` and runs one forward.
 
 The pooling recipe comes from the model directory, the way sentence-transformers stores it:
 
@@ -162,7 +162,7 @@ class PoolingEngineCore(EngineCore):
     """``EngineCore`` whose step is one batched encoder forward instead of prefill + decode.
 
     Batching: each step takes waiting requests in arrival order while ``len(group) < max_num_seqs`` and the
-    padded size ``len(group) × longest`` stays within ``max_prefill_tokens`` (the first always runs).
+    padded size ``len(group) × longest`` stays within ``max_num_batched_tokens`` (the first always runs).
     Every request leaves the engine in the step that runs it, so ``running`` stays empty. Acceptance outputs go
     out with the step's results (one Redis round trip per step, one message per api process): a step is a
     single forward, far inside the api's acceptance grace.
@@ -179,7 +179,7 @@ class PoolingEngineCore(EngineCore):
         longest = 0
         while self.waiting and len(group) < self.max_num_seqs:
             n = len(self.waiting[0].request.prompt_token_ids)
-            if group and (len(group) + 1) * max(longest, n) > self.max_prefill_tokens:
+            if group and (len(group) + 1) * max(longest, n) > self.max_num_batched_tokens:
                 break
             group.append(self.waiting.popleft())
             longest = max(longest, n)

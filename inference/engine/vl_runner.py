@@ -1,6 +1,6 @@
 """Model runner for Qwen-VL-architecture vision-language models.
 
-Extends ``ModelRunner`` (same right-aligned batch KV cache, same sampling) with:
+Extends ``ModelRunner`` (same slot KV cache, same sampling; prompts are prefilled whole, never in chunks) with:
 
 * loading through ``AutoModelForImageTextToText``;
 * images: each request's ``mm_cache_keys`` name processed features in the shared cache
@@ -13,7 +13,7 @@ Extends ``ModelRunner`` (same right-aligned batch KV cache, same sampling) with:
   with the same text and the same images reuses the K/V; images wholly inside the reused prefix are not
   encoded at all;
 * M-RoPE: prefill positions come from the model's own ``get_rope_index`` (3 × B × T, vision tokens get
-  temporal/height/width positions); each row keeps its ``rope_delta`` so decode positions are
+  temporal/height/width positions); each sequence keeps its ``rope_delta`` so decode positions are
   ``num_computed + rope_delta`` in all three sections.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -31,10 +31,6 @@ from inference.media.cache import FeatureCache, ImageFeatures
 from .encoder_cache import EncodedImage, EncoderCache
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB, ImageSpan
 from .runner import ModelRunner, RequestError, Sequence, _last_logits, left_padded
-
-if TYPE_CHECKING:
-    from transformers import DynamicCache
-
 
 def is_vision_language(model_dir: str) -> bool:
     """True when ``config.json`` describes a model with a vision tower (``vision_config``)."""
@@ -61,7 +57,6 @@ class VLModelRunner(ModelRunner):
                          auto_class=AutoModelForImageTextToText, prefix_cache_mb=prefix_cache_mb)
         cfg = self.config
         self.image_token_id = int(cfg.image_token_id)
-        self.row_deltas: torch.Tensor | None = None  # [B] long, M-RoPE delta per batch row
         self.features = FeatureCache(redis.Redis.from_url(redis_url), link_prefix)
         self.encoder_cache = EncoderCache()
 
@@ -107,34 +102,34 @@ class VLModelRunner(ModelRunner):
             at += count
         return spans
 
-    def remove_rows(self, keep: list[int]) -> None:
-        """As ``ModelRunner.remove_rows``, keeping the rows' M-RoPE deltas aligned."""
-        if self.row_deltas is not None:
-            self.row_deltas = self.row_deltas[keep] if keep else None
-        super().remove_rows(keep)
+    # M-RoPE positions and image embeddings are computed for the whole prompt: no chunked prefill
+    supports_chunked_prefill = False
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Left-padded forward of ``seqs`` with their images; appends them to the batch. Returns float32
-        logits ``[len(seqs), vocab]``."""
-        from transformers import DynamicCache
+        """Left-padded forward of ``seqs`` with their images into their KV slots (or, for one sequence with a cached
+        prefix, ``_prefill_cached``). Returns float32 logits ``[len(seqs), vocab]``; gives the slots back on an
+        error."""
+        try:
+            if len(seqs) == 1 and seqs[0].prefix_entry is not None:
+                return self._prefill_cached(seqs[0])
+            return self._prefill_fresh(seqs)
+        except BaseException:
+            self.release(seqs)
+            raise
 
-        if len(seqs) == 1 and seqs[0].prefix_entry is not None:
-            return self._prefill_cached(seqs[0])
+    def _prefill_fresh(self, seqs: list[Sequence]) -> torch.Tensor:
         ids, mask = left_padded(seqs, self.device)
-        width = ids.shape[1]
         images = [img for s in seqs for img in getattr(s, "mm_images", [])]
         mm_types = (ids == self.image_token_id).to(torch.int32) * mask.to(torch.int32)
         encoded = self._encode(images)
         grid = torch.tensor([e.grid_thw for e in encoded], dtype=torch.long, device=self.device) if images else None
         pos, deltas = self.model.model.get_rope_index(ids, mm_token_type_ids=mm_types, image_grid_thw=grid,
                                                       attention_mask=mask)
-        cache = DynamicCache(config=self.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                         logits_to_keep=1, **self._mm_kwargs(encoded))
+        out = self._forward_fresh(seqs, ids, mask, position_ids=pos, **self._mm_kwargs(encoded))
         for s in seqs:
             s.num_computed = len(s.request.prompt_token_ids)
-        self._finish_prefill(seqs, cache, mask, deltas, width)
+        self._finish_prefill(seqs, deltas)
         return _last_logits(out)
 
     def _prefill_cached(self, seq: Sequence) -> torch.Tensor:
@@ -146,23 +141,21 @@ class VLModelRunner(ModelRunner):
         images = getattr(seq, "mm_images", [])
         spans = self.image_spans(seq)
         ids = torch.tensor([ids_list], dtype=torch.long, device=self.device)
-        mask = torch.ones((1, n), dtype=torch.long, device=self.device)
         grid = None
         if images:
             grid = torch.tensor([enc.grid_thw if enc is not None else list(f.grid_thw) for _k, enc, f in images],
                                 dtype=torch.long, device=self.device)
         mm_types = (ids == self.image_token_id).to(torch.int32)
         pos, deltas = self.model.model.get_rope_index(ids, mm_token_type_ids=mm_types, image_grid_thw=grid,
-                                                      attention_mask=mask)
+                                                      attention_mask=torch.ones_like(ids))
         # images wholly in the prefix are not needed; one that straddles its end gives its remaining rows
         after = [(img, sp) for img, sp in zip(images, spans) if sp.end > p]
         encoded = [EncodedImage(embeds=e.embeds[max(0, p - sp.start):], grid_thw=e.grid_thw)
                    for e, (_img, sp) in zip(self._encode([img for img, _sp in after]), after)]
-        cache = self._prefix_cache_of(seq)
-        out = self.model(input_ids=ids[:, p:], attention_mask=mask, position_ids=pos[..., p:], cache=cache,
-                         use_cache=True, logits_to_keep=1, **self._mm_kwargs(encoded))
+        self._load_prefix(seq)
+        out = self._forward_single(seq, ids[0, p:], p, position_ids=pos[..., p:], **self._mm_kwargs(encoded))
         seq.num_computed = n
-        self._finish_prefill([seq], cache, mask, deltas, n)
+        self._finish_prefill([seq], deltas)
         return _last_logits(out)
 
     @staticmethod
@@ -176,16 +169,12 @@ class VLModelRunner(ModelRunner):
         return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(
             pooler_output=cast(Any, tuple(e.embeds for e in encoded)))}}
 
-    def _finish_prefill(self, seqs: list[Sequence], cache: DynamicCache, mask: torch.Tensor, deltas: torch.Tensor,
-                        width: int) -> None:
-        """Offer the prompts to the prefix cache, drop their images, keep the rows' M-RoPE deltas and merge the
-        group into the batch."""
-        self._store_prefixes(seqs, cache, width)
-        for s in seqs:
+    def _finish_prefill(self, seqs: list[Sequence], deltas: torch.Tensor) -> None:
+        """Offer the prompts to the prefix cache, drop their images and keep their M-RoPE deltas."""
+        self._store_prefixes(seqs)
+        for s, d in zip(seqs, deltas.view(-1).tolist()):
             s.mm_images = []  # type: ignore[attr-defined]  # pixels are not needed after prefill
-        deltas = deltas.view(-1).to(torch.long)
-        self.row_deltas = deltas if self.row_deltas is None else torch.cat([self.row_deltas, deltas])
-        self._merge(cache, mask)
+            s.rope_delta = int(d)
 
     def _encode(self, images: list[_Image]) -> list[EncodedImage]:
         """``EncodedImage`` per image, in order: cached ones as they are, the others from one vision-tower
@@ -203,16 +192,6 @@ class VLModelRunner(ModelRunner):
                 self.encoder_cache.put(images[i][0], enc)
         return out  # type: ignore[return-value]
 
-    @torch.inference_mode()
-    def decode(self, last_tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One decode step; positions are shifted by each row's M-RoPE delta and repeated over the three
-        sections. Returns float32 logits ``[B, vocab]``."""
-        b = self.batch_size
-        assert self.mask is not None and self.row_deltas is not None  # a decode step runs on a held batch
-        ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device).view(b, 1)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device) + self.row_deltas
-        pos = pos.view(1, b, 1).expand(3, b, 1)
-        self.mask = torch.cat([self.mask, self.mask.new_ones((b, 1))], 1)
-        out = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, cache=self.cache,
-                         use_cache=True, logits_to_keep=1)
-        return _last_logits(out)
+    def _positions(self, pos: torch.Tensor) -> torch.Tensor:
+        """Decode positions ``[B, 1]`` (``num_computed + rope_delta``) repeated over the three M-RoPE sections."""
+        return pos.view(1, *pos.shape).expand(3, *pos.shape)

@@ -85,7 +85,7 @@ class EngineProc:
     def hb_key(self) -> str:
         return replica_key(self.prefix, MODEL, self.engine_id)
 
-    def wait_ready(self, timeout: float = 60) -> None:
+    def wait_ready(self, timeout: float = 180) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.r.exists(self.hb_key):
@@ -158,9 +158,11 @@ class EngineProc:
 
 @pytest.fixture(scope="session")
 def engine(redis_url, link_prefix, model_dir, tmp_path_factory):
-    """One shared engine (max_num_seqs 8, max_model_len 512) for most tests."""
+    """One shared engine (max_num_seqs 8, max_model_len 512) for most tests; its step budget of 32 tokens makes every
+    prompt longer than that go through chunked prefill (prefix cache, prompt logprobs, penalties and so on)."""
     log = tmp_path_factory.mktemp("engine") / "engine.log"
-    eng = EngineProc(redis_url, link_prefix, model_dir, log, "--max-num-seqs", "8", "--max-model-len", "512")
+    eng = EngineProc(redis_url, link_prefix, model_dir, log, "--max-num-seqs", "8", "--max-model-len", "512",
+                     "--max-num-batched-tokens", "32")
     yield eng
     eng.stop()
 

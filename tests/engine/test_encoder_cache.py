@@ -58,7 +58,7 @@ def test_cached_image_gives_the_same_logits_as_its_pixels(redis_url):
             seq = Sequence(request=req, queued_ts=0.0, rng=random.Random(0))
             runner.prepare(seq)
             logits = runner.prefill([seq])
-            runner.remove_rows([])
+            runner.reset()
             return logits
 
         first = run()

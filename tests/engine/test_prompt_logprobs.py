@@ -52,7 +52,7 @@ def _seq(runner: ModelRunner, prompt: list[int], **sp) -> Sequence:
 
 def test_runner_prompt_logprobs_equal_a_full_forward_even_with_a_cached_prefix(runner, monkeypatch):
     monkeypatch.setattr(runner_mod, "PROMPT_LOGPROBS_CHUNK", 7)  # several chunks, one ending mid-prompt
-    runner.remove_rows([])
+    runner.reset()
     plain = _seq(runner, PROMPT, temperature=0.0)
     (group,) = runner.prefill_groups([plain])
     plain_logits = runner.prefill(group)  # stores the prompt's full blocks in the prefix cache
@@ -79,9 +79,11 @@ def test_runner_prompt_logprobs_equal_a_full_forward_even_with_a_cached_prefix(r
         assert [v for _, v in top] == pytest.approx(want_v.tolist(), abs=1e-4)
     # both rows decode on from the same state
     nxt = int(plain_logits.argmax())
-    step = runner.decode([nxt, nxt], [len(PROMPT), len(PROMPT)])
+    plain.output_token_ids.append(nxt)
+    asking.output_token_ids.append(nxt)
+    step = runner.decode([plain, asking])
     assert torch.allclose(step[0], step[1], atol=1e-4)
-    runner.remove_rows([])
+    runner.reset()
 
 
 def test_engine_sends_prompt_logprobs_with_the_first_token(engine):
