@@ -71,6 +71,7 @@ def served_model_register(
     device: str | None = None,
     max_num_seqs: int | None = None,
     task: str | None = None,
+    backend: str | None = None,
     enabled: bool | None = None,
 ) -> ServedModel:
     """Create or update (idempotently, keyed on ``served_model_name``) a ``ServedModel``.
@@ -97,6 +98,7 @@ def served_model_register(
         "device": device,
         "max_num_seqs": max_num_seqs,
         "task": task,
+        "backend": backend,
         "enabled": enabled,
     }
     with transaction.atomic():
