@@ -90,9 +90,10 @@ class LivePlatform:
         return [EngineStats.from_wire(v) for v in r.mget(keys) if v] if keys else []
 
     def start_engine(self, name: str = "engine", model: str = DEMO_MODEL, model_dir: Path = MODEL_DIR,
-                     backend: str = "native"):
+                     backend: str = "native", extra_args: tuple[str, ...] = ()):
         """Start one engine replica and wait for its heartbeat. ``backend="vllm"``: vLLM's engine behind the link
-        (``python -m inference.engine.vllm_backend`` run by ``VLLM_PYTHON``, the repository on its path)."""
+        (``python -m inference.engine.vllm_backend`` run by ``VLLM_PYTHON``, the repository on its path).
+        ``extra_args``: more engine options (e.g. ``("--dtype", "bfloat16")``)."""
         before = {s.engine_id for s in self.replicas(model)}
         if backend == "vllm":
             cmd, extra, env_extra = ([str(VLLM_PYTHON), "-m", "inference.engine.vllm_backend"], ["--kv-cache-gb", "1"],
@@ -102,7 +103,7 @@ class LivePlatform:
         child = self.sup.start(name, [*cmd, "--model", model, "--model-dir",
                                       str(model_dir), "--redis-url", self.redis_url, "--link-prefix", self.prefix,
                                       "--max-num-seqs", "32", "--max-model-len", str(self.max_model_len), *extra,
-                                      *os.environ.get("ENGINE_EXTRA_ARGS", "").split()], env_extra=env_extra)
+                                      *extra_args, *os.environ.get("ENGINE_EXTRA_ARGS", "").split()], env_extra=env_extra)
         wait_until(lambda: {s.engine_id for s in self.replicas(model)} - before, 300 if backend == "vllm" else 180,
                    f"{name} heartbeat", self.sup)
         return child

@@ -105,14 +105,18 @@ class EngineProc:
         self.client_id = f"c{uuid.uuid4().hex[:6]}"
         self.log_path = log_path
         env = dict(os.environ, PYTHONPATH=str(ROOT))
-        cmd = ([str(VLLM_PYTHON), "-m", "inference.engine.vllm_backend", "--kv-cache-gb", "1"]
+        cmd = ([str(VLLM_PYTHON), "-m", "inference.engine.vllm_backend", "--kv-cache-gb", "1", "--dtype", "float32"]
                if backend == "vllm" else [sys.executable, "-m", "inference.engine"])
         self.proc = subprocess.Popen(
             [*cmd, "--model", MODEL, "--model-dir", str(model_dir),
              "--redis-url", redis_url, "--link-prefix", prefix, "--engine-id", self.engine_id, *extra],
-            cwd=ROOT, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+            cwd=ROOT, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
         self._last = "0-0"
-        self.wait_ready(timeout=300 if backend == "vllm" else 60)  # vLLM starts in ~30 s alone, minutes on a busy box
+        try:
+            self.wait_ready(timeout=900 if backend == "vllm" else 180)  # vLLM: ~30 s alone, minutes on a busy box
+        except BaseException:
+            self.stop(timeout=5)  # never leave an engine (and vLLM's engine-core process) behind
+            raise
 
     @property
     def hb_key(self) -> str:
@@ -179,6 +183,8 @@ class EngineProc:
         raise TimeoutError(f"unfinished: {want - done}")
 
     def stop(self, timeout: float = 20) -> int:
+        """SIGTERM the engine, SIGKILL it after ``timeout``, then whatever is left of its process group (vLLM's
+        engine-core process); its exit status."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -186,6 +192,18 @@ class EngineProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+        deadline = time.time() + 10
+        while time.time() < deadline:  # the engine's own children get a moment to leave on their own
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         return self.proc.returncode
 
 

@@ -75,10 +75,12 @@ class VllmRunner:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         # structured outputs with llguidance ("guidance"), the library our own engine masks with: the same Lark /
-        # GBNF grammars and JSON-schema coverage as on the native backend (xgrammar, vLLM's default, reads neither)
+        # GBNF grammars and JSON-schema coverage as on the native backend (xgrammar, vLLM's default, reads neither);
+        # JSON compact, as ours (D-112: a model may otherwise spend its whole budget on whitespace)
         args = EngineArgs(model=model_dir, tokenizer=tokenizer_dir or model_dir, dtype=dtype,
                           max_model_len=max_model_len, max_num_seqs=max_num_seqs, enable_prefix_caching=True,
-                          disable_log_stats=True, structured_outputs_config=StructuredOutputsConfig(backend="guidance"),
+                          disable_log_stats=True, structured_outputs_config=StructuredOutputsConfig(
+                              backend="guidance", disable_any_whitespace=True),
                           **engine_kwargs)
         self.engine = LLMEngine.from_engine_args(args)
         config = self.engine.vllm_config.model_config

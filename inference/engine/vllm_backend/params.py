@@ -26,13 +26,18 @@ def sampling_kwargs(sp: SamplingParams, *, vocab_size: int) -> dict[str, Any]:
     EOS: vLLM stops on the tokenizer's own EOS and the generation config's ids unless ``ignore_eos``; ours are
     explicit (``sp.eos_token_ids``, chosen by the gateway), so vLLM's are switched off (``ignore_eos=True``) and ours
     are added to ``stop_token_ids`` (vLLM masks those below ``min_tokens`` too; ``stop_reason_of`` reports an EOS
-    finish without a stop reason, as the native engine does). ``sp.vocab_size`` (ids the served tokenizer can
+    finish without a stop reason, as the native engine does). Under a structured-output constraint the grammar allows
+    EOS only once the structure is complete, and such an EOS ends the output even with ``ignore_eos`` or
+    ``min_tokens`` (as on the native engine): the EOS ids stay stop ids and ``min_tokens`` is not passed (vLLM's
+    would mask the one token the grammar allows; so under a constraint it does not hold back ``stop_token_ids``
+    either). ``sp.vocab_size`` (ids the served tokenizer can
     decode, below the model's ``vocab_size``): the ids past it get a ``-inf`` bias. Structured outputs go in
     ``structured_outputs`` (``structured_outputs_kwargs``; the caller wraps them in ``StructuredOutputsParams``).
     Raises ``UnsupportedRequestError`` for a constraint that starts after reasoning.
     """
+    constrained = sp.structured_kind is not None
     stop_ids = list(sp.stop_token_ids)
-    if not sp.ignore_eos:
+    if not sp.ignore_eos or constrained:
         stop_ids += [t for t in sp.eos_token_ids if t not in sp.stop_token_ids]
     bias: dict[int, float] = {int(k): float(v) for k, v in sp.logit_bias.items()}
     if 0 < sp.vocab_size < vocab_size:
@@ -49,7 +54,7 @@ def sampling_kwargs(sp: SamplingParams, *, vocab_size: int) -> dict[str, Any]:
         "frequency_penalty": sp.frequency_penalty,
         "repetition_penalty": sp.repetition_penalty,
         "max_tokens": sp.max_tokens,
-        "min_tokens": sp.min_tokens,
+        "min_tokens": 0 if constrained else sp.min_tokens,
         "stop_token_ids": stop_ids,
         "ignore_eos": True,
         "logit_bias": bias or None,
@@ -101,8 +106,8 @@ def stop_reason_of(sp: SamplingParams, stop_reason: object) -> int | None:
     (an EOS finish, as the native engine reports it) or vLLM gave none or a stop string."""
     if not isinstance(stop_reason, int) or isinstance(stop_reason, bool):
         return None
-    if not sp.ignore_eos and stop_reason in sp.eos_token_ids:
-        return None  # the native engine checks EOS first
+    if (not sp.ignore_eos or sp.structured_kind is not None) and stop_reason in sp.eos_token_ids:
+        return None  # the native engine checks EOS first (and a complete grammar's EOS ends it whatever ignore_eos)
     return stop_reason if stop_reason in sp.stop_token_ids else None
 
 
