@@ -90,6 +90,11 @@ class VllmRunner:
         self.vocab_size = int(config.get_vocab_size())
 
 
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop vLLM's engine-core process (and its worker), at most ``timeout_s`` before they are killed."""
+        self.engine.engine_core.shutdown(timeout=timeout_s)
+
+
 class VllmEngineCore(EngineCore):
     """A replica of one served model whose model half is vLLM's engine (module docstring). Same arguments as
     ``EngineCore``; ``runner`` is a ``VllmRunner``."""
@@ -101,6 +106,17 @@ class VllmEngineCore(EngineCore):
         self.vllm = runner
         self._by_id: dict[str, Sequence] = {}  # requests handed to vLLM, by request id
         self._params: dict[str, Any] = {}  # vLLM's SamplingParams of the waiting requests, by request id
+
+    def run(self) -> None:
+        """``EngineCore.run`` (held requests end with ``abort``, the heartbeat is deleted), then vLLM's engine-core
+        process is stopped."""
+        try:
+            super().run()
+        finally:
+            try:
+                self.vllm.shutdown()
+            except Exception:  # stopping anyway (logged); the process exit takes its children with it
+                log.exception("vLLM shutdown failed")
 
     # ------------------------------------------------------------------ requests
     def _accept_one(self, req: EngineCoreRequest) -> None:
