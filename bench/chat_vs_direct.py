@@ -53,8 +53,8 @@ def pct(values: list[float], q: float) -> float:
     return values[k]
 
 
-async def run_platform(base_url: str, api_key: str, convs, max_tokens: int) -> dict:
-    """Stream every conversation at once through the HTTP API; TTFT = first content chunk.
+async def run_platform(base_url: str, api_key: str, convs, max_tokens: int, model: str = DEMO_MODEL) -> dict:
+    """Stream every conversation at once through the HTTP API (``model``); TTFT = first content chunk.
 
     The client is a lean ``httpx`` SSE reader (the bench process shares the 2 cores with the platform, so a
     heavy client would measure itself); the official ``openai`` client is exercised by the test suite.
@@ -65,7 +65,7 @@ async def run_platform(base_url: str, api_key: str, convs, max_tokens: int) -> d
     limits = httpx.Limits(max_connections=len(convs) + 4, max_keepalive_connections=len(convs) + 4)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=300, limits=limits) as http:
         async def one(messages):
-            body = {"model": DEMO_MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                     "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
             t0 = time.perf_counter()
             ttft = None

@@ -148,3 +148,11 @@ class InferenceSettings:
 
 
 SETTINGS = InferenceSettings.from_env()
+
+
+def set_engine_environ(values: Mapping[str, str]) -> None:
+    """Set variables an engine library reads from the environment of its own process (vLLM's
+    ``VLLM_CPU_KVCACHE_SPACE``, ``VLLM_CPU_OMP_THREADS_BIND``, ``HF_HUB_OFFLINE``, ...) before it is imported;
+    one the operator set already is kept (``inference.engine.vllm_backend``)."""
+    for name, value in values.items():
+        os.environ.setdefault(name, value)

@@ -4,7 +4,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
-bash scripts/setup.sh all
+bash scripts/setup.sh --vllm all  # --vllm: the vLLM backend tests need .peer/vllm
 # The dashboard test drives Debian's Chromium (never a downloaded browser build).
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   echo "installing Debian's chromium for the dashboard browser test"

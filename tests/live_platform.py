@@ -33,6 +33,8 @@ from tests.support.redis import delete_prefix  # noqa: E402
 DEMO_MODEL = "tiny-qwen3"
 MODEL_DIR = REPO / ".cache" / "models" / "tiny-qwen3"
 TOKENIZER_DIR = REPO / ".cache" / "tokenizers" / "qwen3"
+# vLLM's own environment (scripts/setup.sh --vllm): runs the engines of backend=vllm models
+VLLM_PYTHON = Path(os.environ.get("VLLM_PYTHON") or REPO / ".peer" / "vllm" / "bin" / "python")
 
 
 def free_port() -> int:
@@ -87,14 +89,23 @@ class LivePlatform:
         keys = list(r.scan_iter(match=replica_pattern(self.prefix, model)))
         return [EngineStats.from_wire(v) for v in r.mget(keys) if v] if keys else []
 
-    def start_engine(self, name: str = "engine", model: str = DEMO_MODEL, model_dir: Path = MODEL_DIR):
-        """Start one engine replica and wait for its heartbeat."""
+    def start_engine(self, name: str = "engine", model: str = DEMO_MODEL, model_dir: Path = MODEL_DIR,
+                     backend: str = "native", extra_args: tuple[str, ...] = ()):
+        """Start one engine replica and wait for its heartbeat. ``backend="vllm"``: vLLM's engine behind the link
+        (``python -m inference.engine.vllm_backend`` run by ``VLLM_PYTHON``, the repository on its path).
+        ``extra_args``: more engine options (e.g. ``("--dtype", "bfloat16")``)."""
         before = {s.engine_id for s in self.replicas(model)}
-        child = self.sup.start(name, [sys.executable, "-m", "inference.engine", "--model", model, "--model-dir",
+        if backend == "vllm":
+            cmd, extra, env_extra = ([str(VLLM_PYTHON), "-m", "inference.engine.vllm_backend"], ["--kv-cache-gb", "1"],
+                                     {"PYTHONPATH": str(REPO)})
+        else:
+            cmd, extra, env_extra = [sys.executable, "-m", "inference.engine"], [], {}
+        child = self.sup.start(name, [*cmd, "--model", model, "--model-dir",
                                       str(model_dir), "--redis-url", self.redis_url, "--link-prefix", self.prefix,
-                                      "--max-num-seqs", "32", "--max-model-len", str(self.max_model_len),
-                                      *os.environ.get("ENGINE_EXTRA_ARGS", "").split()])
-        wait_until(lambda: {s.engine_id for s in self.replicas(model)} - before, 180, f"{name} heartbeat", self.sup)
+                                      "--max-num-seqs", "32", "--max-model-len", str(self.max_model_len), *extra,
+                                      *extra_args, *os.environ.get("ENGINE_EXTRA_ARGS", "").split()], env_extra=env_extra)
+        wait_until(lambda: {s.engine_id for s in self.replicas(model)} - before, 900 if backend == "vllm" else 180,
+                   f"{name} heartbeat", self.sup)
         return child
 
     def start_api(self, name: str = "api", port: int | None = None, env_extra: dict[str, str] | None = None):

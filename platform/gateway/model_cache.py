@@ -47,13 +47,17 @@ class ModelSnapshot:
     dtype: str = ""
     device: str = ""
     max_num_seqs: int | None = None
+    unsupported_features: tuple[str, ...] = ()
     revision: str = ""
 
     @classmethod
     def from_dict(cls, snap: dict[str, Any]) -> ModelSnapshot:
         """From the registry's snapshot dict (unknown keys, e.g. ``name``, are ignored)."""
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in snap.items() if k in names})
+        kept = {k: v for k, v in snap.items() if k in names}
+        if "unsupported_features" in kept:
+            kept["unsupported_features"] = tuple(kept["unsupported_features"])
+        return cls(**kept)
 
 
 _cache: OrderedDict[str, tuple[float, ModelSnapshot | None]] = OrderedDict()

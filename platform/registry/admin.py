@@ -45,16 +45,16 @@ class ServedModelAdmin(admin.ModelAdmin):
 
     form = ServedModelAdminForm
     list_display = (
-        "served_model_name", "task", "enabled", "device", "dtype", "max_model_len", "max_num_seqs",
+        "served_model_name", "task", "backend", "enabled", "device", "dtype", "max_model_len", "max_num_seqs",
         "num_replicas", "model_dir", "updated_at",
     )
-    list_filter = ("enabled", "task", "device", "dtype", "allow_request_chat_template")
+    list_filter = ("enabled", "task", "backend", "device", "dtype", "allow_request_chat_template")
     search_fields = ("served_model_name", "model_dir", "tokenizer_dir")
     readonly_fields = ("created_at", "updated_at")
     fieldsets = (
         (None, {"fields": ("served_model_name", "task", "enabled")}),
         ("Files", {"fields": ("model_dir", "tokenizer_dir")}),
-        ("Serving", {"fields": ("max_model_len", "max_num_seqs", "num_replicas", "dtype", "device")}),
+        ("Serving", {"fields": ("backend", "max_model_len", "max_num_seqs", "num_replicas", "dtype", "device")}),
         ("Chat template", {"fields": ("chat_template", "allow_request_chat_template",
                                        "allow_control_tokens_in_content")}),
         ("Output parsing", {"fields": ("reasoning_parser", "tool_call_parser")}),

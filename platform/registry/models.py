@@ -54,6 +54,10 @@ class ServedModel(models.Model):
         GENERATE = "generate", "generate"
         EMBED = "embed", "embed"
 
+    class Backend(models.TextChoices):
+        NATIVE = "native", "native (our torch engine)"
+        VLLM = "vllm", "vllm (vLLM's engine behind the same link)"
+
     served_model_name = models.CharField(max_length=128, unique=True, validators=[served_model_name_validator])
     model_dir = models.CharField(max_length=1024, help_text="Directory with config.json and the weights.")
     tokenizer_dir = models.CharField(
@@ -95,6 +99,12 @@ class ServedModel(models.Model):
                   "request to one of them by prompt-prefix cache hit and load (inference/router.py).",
     )
     task = models.CharField(max_length=16, choices=Task.choices, default=Task.GENERATE)
+    backend = models.CharField(
+        max_length=16, choices=Backend.choices, default=Backend.NATIVE,
+        help_text="Engine that serves it: 'native' (inference.engine) or 'vllm' (vLLM's engine in its own "
+                  "environment, .peer/vllm; text generation only). Clients see no difference; what a backend "
+                  "cannot do is refused with a 400 (README, 'Engine backends').",
+    )
     enabled = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -104,6 +114,13 @@ class ServedModel(models.Model):
 
     def __str__(self) -> str:
         return self.served_model_name
+
+    def clean(self) -> None:
+        """A vLLM-backed model serves text generation only (the link's pooling mode and image features are the
+        native engine's)."""
+        super().clean()
+        if self.backend == self.Backend.VLLM and self.task != self.Task.GENERATE:
+            raise ValidationError({"backend": "The vllm backend serves task 'generate' only."})
 
     @property
     def tokenizer_dir_resolved(self) -> str:

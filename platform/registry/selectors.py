@@ -6,6 +6,7 @@ from typing import Any
 
 from django.db.models import QuerySet
 
+from .backends import unsupported_features
 from .models import ServedModel
 
 
@@ -26,7 +27,8 @@ def served_model_snapshot_from(served_model: ServedModel) -> dict[str, Any]:
     never blank), ``max_model_len``, ``chat_template`` (``None`` = the tokenizer's own),
     ``allow_request_chat_template``, ``allow_control_tokens_in_content``, ``reasoning_parser`` and
     ``tool_call_parser`` (the registry's setting: ``auto``, ``none`` or a parser name), ``task``, ``enabled``, ``dtype``, ``device``, ``max_num_seqs``,
-    ``revision`` (``updated_at`` as ISO-8601; changes on every edit, usable as a cache key).
+    ``unsupported_features`` (what the model's engine backend cannot serve: ``registry.backends``; the backend
+    itself is not in the snapshot, the request path never branches on it), ``revision`` (``updated_at`` as ISO-8601; changes on every edit, usable as a cache key).
     """
     return {
         "name": served_model.served_model_name,
@@ -44,6 +46,7 @@ def served_model_snapshot_from(served_model: ServedModel) -> dict[str, Any]:
         "dtype": served_model.dtype,
         "device": served_model.device,
         "max_num_seqs": served_model.max_num_seqs,
+        "unsupported_features": unsupported_features(served_model.backend),
         "revision": served_model.updated_at.isoformat() if served_model.updated_at else "",
     }
 

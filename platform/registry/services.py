@@ -71,6 +71,7 @@ def served_model_register(
     device: str | None = None,
     max_num_seqs: int | None = None,
     task: str | None = None,
+    backend: str | None = None,
     enabled: bool | None = None,
     num_replicas: int | None = None,
 ) -> ServedModel:
@@ -99,6 +100,7 @@ def served_model_register(
         "max_num_seqs": max_num_seqs,
         "num_replicas": num_replicas,
         "task": task,
+        "backend": backend,
         "enabled": enabled,
     }
     with transaction.atomic():

@@ -3,6 +3,12 @@
 Nothing is mocked: the engine runs as ``python -m inference.engine`` in a subprocess against the
 Redis at ``REDIS_URL`` (default ``redis://127.0.0.1:6379/3``) under a random link prefix that is
 deleted afterwards.
+
+``engine`` (and ``fresh_engine``) are parametrised over the engine backends: ``native`` (our engine) and
+``vllm`` (vLLM's engine behind the same link, ``python -m inference.engine.vllm_backend`` run by vLLM's own
+environment, ``.peer/vllm`` or ``$VLLM_PYTHON``; skipped when that environment is missing: ``scripts/setup.sh
+--vllm``). The tests that go through the link run on both; a test of what only our engine does is marked
+``native_only`` (the reason in the marker) and skipped on vLLM.
 """
 
 from __future__ import annotations
@@ -36,6 +42,29 @@ MODEL_DIR = ROOT / ".cache" / "models" / "tiny-qwen3"
 TOKENIZER_DIR = ROOT / ".cache" / "tokenizers" / "qwen3"
 MODEL = "tiny-qwen3"
 EOS_IDS = [151645, 151643]
+VLLM_PYTHON = Path(os.environ.get("VLLM_PYTHON") or ROOT / ".peer" / "vllm" / "bin" / "python")
+BACKENDS = ["native", "vllm"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "native_only(reason): a test of what only the native engine does")
+
+
+@pytest.fixture(autouse=True)
+def _native_only(request):
+    """Skip a ``native_only`` test on the vLLM backend (its reason shows in the skip)."""
+    marker = request.node.get_closest_marker("native_only")
+    callspec = getattr(request.node, "callspec", None)
+    if marker is not None and callspec is not None and callspec.params.get("backend") == "vllm":
+        pytest.skip(f"native engine only: {marker.args[0] if marker.args else ''}")
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def backend(request) -> str:
+    """The engine backend under test (``vllm`` skipped when vLLM's environment is missing)."""
+    if request.param == "vllm" and not os.access(VLLM_PYTHON, os.X_OK):
+        pytest.skip(f"vLLM backend: no vLLM environment at {VLLM_PYTHON} (scripts/setup.sh --vllm)")
+    return request.param
 
 
 @pytest.fixture(scope="session")
@@ -59,7 +88,7 @@ def link_prefix(redis_url):
     prefix = f"t{uuid.uuid4().hex[:8]}"
     yield prefix
     r = redis.Redis.from_url(redis_url)
-    keys = list(r.scan_iter(f"{prefix}:*", count=1000))
+    keys = list(r.scan_iter(f"{prefix}*", count=1000))  # the backends' own prefixes start with it
     if keys:
         r.delete(*keys)
 
@@ -67,19 +96,27 @@ def link_prefix(redis_url):
 class EngineProc:
     """A running engine subprocess plus helpers to talk to it over the real Redis link."""
 
-    def __init__(self, redis_url: str, prefix: str, model_dir: Path, log_path: Path, *extra: str):
+    def __init__(self, redis_url: str, prefix: str, model_dir: Path, log_path: Path, *extra: str,
+                 backend: str = "native"):
         self.r = redis.Redis.from_url(redis_url)
         self.prefix = prefix
+        self.backend = backend
         self.engine_id = f"e{uuid.uuid4().hex[:6]}"
         self.client_id = f"c{uuid.uuid4().hex[:6]}"
         self.log_path = log_path
         env = dict(os.environ, PYTHONPATH=str(ROOT))
+        cmd = ([str(VLLM_PYTHON), "-m", "inference.engine.vllm_backend", "--kv-cache-gb", "1", "--dtype", "float32"]
+               if backend == "vllm" else [sys.executable, "-m", "inference.engine"])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "inference.engine", "--model", MODEL, "--model-dir", str(model_dir),
+            [*cmd, "--model", MODEL, "--model-dir", str(model_dir),
              "--redis-url", redis_url, "--link-prefix", prefix, "--engine-id", self.engine_id, *extra],
-            cwd=ROOT, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+            cwd=ROOT, env=env, stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
         self._last = "0-0"
-        self.wait_ready()
+        try:
+            self.wait_ready(timeout=900 if backend == "vllm" else 180)  # vLLM: ~30 s alone, minutes on a busy box
+        except BaseException:
+            self.stop(timeout=5)  # never leave an engine (and vLLM's engine-core process) behind
+            raise
 
     @property
     def hb_key(self) -> str:
@@ -146,6 +183,8 @@ class EngineProc:
         raise TimeoutError(f"unfinished: {want - done}")
 
     def stop(self, timeout: float = 20) -> int:
+        """SIGTERM the engine, SIGKILL it after ``timeout``, then whatever is left of its process group (vLLM's
+        engine-core process); its exit status."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -153,27 +192,42 @@ class EngineProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+        deadline = time.time() + 10
+        while time.time() < deadline:  # the engine's own children get a moment to leave on their own
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         return self.proc.returncode
 
 
 @pytest.fixture(scope="session")
-def engine(redis_url, link_prefix, model_dir, tmp_path_factory):
-    """One shared engine (max_num_seqs 8, max_model_len 512) for most tests; its step budget of 32 tokens makes every
+def engine(backend, redis_url, link_prefix, model_dir, tmp_path_factory):
+    """One shared engine per backend (max_num_seqs 8, max_model_len 512) for most tests; each backend has its own
+    link prefix, so the two never share a request stream. The native engine's step budget of 32 tokens makes every
     prompt longer than that go through chunked prefill (prefix cache, prompt logprobs, penalties and so on)."""
-    log = tmp_path_factory.mktemp("engine") / "engine.log"
-    eng = EngineProc(redis_url, link_prefix, model_dir, log, "--max-num-seqs", "8", "--max-model-len", "512",
-                     "--max-num-batched-tokens", "32")
+    log = tmp_path_factory.mktemp(f"engine-{backend}") / "engine.log"
+    budget = ["--max-num-batched-tokens", "32"] if backend == "native" else []
+    eng = EngineProc(redis_url, f"{link_prefix}{backend[0]}", model_dir, log, "--max-num-seqs", "8",
+                     "--max-model-len", "512", *budget, backend=backend)
     yield eng
     eng.stop()
 
 
 @pytest.fixture
-def fresh_engine(redis_url, link_prefix, model_dir, tmp_path):
-    """A private engine for tests that stop it; its own model name prefix keeps queues apart."""
-    eng = EngineProc(redis_url, link_prefix + "x", model_dir, tmp_path / "engine.log")
+def fresh_engine(backend, redis_url, link_prefix, model_dir, tmp_path):
+    """A private engine for tests that stop it; its own link prefix keeps queues apart."""
+    prefix = f"{link_prefix}x{backend[0]}"
+    eng = EngineProc(redis_url, prefix, model_dir, tmp_path / "engine.log", backend=backend)
     yield eng
     eng.stop()
     r = redis.Redis.from_url(redis_url)
-    keys = list(r.scan_iter(f"{link_prefix}x:*", count=1000))
+    keys = list(r.scan_iter(f"{prefix}:*", count=1000))
     if keys:
         r.delete(*keys)

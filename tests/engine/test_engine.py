@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from inference.protocol.engine import api_alive_key, FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
 
 EOS_IDS = [151645, 151643]
@@ -236,6 +238,8 @@ def _first_cached(outs) -> int:
     return next(o.num_cached_tokens for o in outs if o.new_token_ids)
 
 
+@pytest.mark.native_only("our prefix cache's 16-token blocks (64 and 79 cached); vLLM's CPU blocks are 128 tokens: "
+                        "test_prefix_cache_reports_whole_blocks_on_every_backend")
 def test_prefix_cache_reuses_prompt_kv_with_the_same_output(engine):
     """A repeated 80-token prompt reuses 79 positions (the last one is recomputed for its logits), a prompt
     sharing its first 64 tokens reuses those 64 (four full 16-token blocks), and the outputs and logprobs equal
@@ -258,3 +262,19 @@ def test_prefix_cache_reuses_prompt_kv_with_the_same_output(engine):
     for c, w in zip([o for o in cold_outs if o.new_token_ids], [o for o in got[warm] if o.new_token_ids]):
         assert abs(c.new_logprobs[0][0] - w.new_logprobs[0][0]) < 1e-4
         assert [t for t, _ in c.new_logprobs[0][1]] == [t for t, _ in w.new_logprobs[0][1]]
+
+
+def test_prefix_cache_reports_whole_blocks_on_every_backend(engine):
+    """A repeated 300-token prompt is served from the prefix cache on both backends: ``num_cached_tokens`` (vLLM's
+    own on the vLLM backend) reports at least two 128-token blocks, the output and logprobs equal the cold run's."""
+    prompt = [52000 + 7 * i for i in range(300)]  # no other test sends these ids
+    kw = dict(temperature=0, max_tokens=6, logprobs=1)
+    cold = engine.send(prompt, **kw)
+    cold_outs = engine.collect([cold])[cold]
+    assert _first_cached(cold_outs) == 0
+    warm = engine.send(prompt, **kw)
+    warm_outs = engine.collect([warm])[warm]
+    assert 256 <= _first_cached(warm_outs) < 300
+    assert tokens(warm_outs) == tokens(cold_outs)
+    for c, w in zip([o for o in cold_outs if o.new_token_ids], [o for o in warm_outs if o.new_token_ids]):
+        assert abs(c.new_logprobs[0][0] - w.new_logprobs[0][0]) < 1e-3

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from tenancy.selectors import AuthContext
+from gateway.errors import bad_request
 from gateway.model_cache import ModelSnapshot
 from gateway.pipeline.failures import api_error_from
 from inference.input_processor import (
@@ -26,6 +27,7 @@ from inference.protocol.openai import RequestValidationError
 from inference.renderer.tokenizer_cache import LoadedTokenizer
 from inference.tool_parsers.forced import ToolChoiceConstraint, tool_choice_constraint
 from inference.structured import Constraint, resolve
+from registry.backends import STRUCTURED_AFTER_REASONING
 
 
 def cache_salt_for(ctx: AuthContext, request_salt: str | None = None) -> str:
@@ -97,6 +99,14 @@ def process(req: Any, model: ModelSnapshot, tokenizer: LoadedTokenizer, *, exter
             constraint = tool_choice_constraint(req, reasoning_end_ids=end_ids)
             if constraint is None and structured is not None:  # response_format / structured_outputs
                 constraint = replace(structured, after_token_ids=tuple(end_ids))
+            if (constraint is not None and constraint.after_token_ids
+                    and STRUCTURED_AFTER_REASONING in model.unsupported_features):
+                raise bad_request(
+                    f"The model '{model.served_model_name}' is served by an engine backend that cannot start an "
+                    "output constraint (response_format, structured_outputs, tool_choice 'required' or a named "
+                    "tool) after the model's reasoning; turn thinking off (chat_template_kwargs "
+                    '{"enable_thinking": false}) or drop the constraint',
+                    "response_format" if structured is not None else "tool_choice")
         processed = process_inputs(
             req, external_id=external_id, prompt_token_ids=prompt_token_ids, prompt_param=prompt_param,
             max_model_len=model.max_model_len, vocab_size=vocab_size_of(tokenizer, model),

@@ -28,6 +28,7 @@ from django.conf import settings
 
 from config.celery import app as celery_app
 from gateway.errors import ApiError, ErrorCode, ErrorType, bad_request, unavailable
+from registry.backends import IMAGES
 from gateway.model_cache import ModelSnapshot
 from gateway.pipeline.clients import redis
 from gateway.pipeline.rendering import call_render
@@ -179,6 +180,9 @@ async def render_chat_media(model: ModelSnapshot, payload: dict[str, Any], *, ca
     if vc is None:
         raise bad_request(f"The model '{model.served_model_name}' does not accept images", "messages",
                           ErrorCode.IMAGES_NOT_SUPPORTED)
+    if IMAGES in model.unsupported_features:
+        raise bad_request(f"The model '{model.served_model_name}' is served by an engine backend that does not take "
+                          "image inputs", "messages", ErrorCode.IMAGES_NOT_SUPPORTED)
     try:
         messages, items = extract_images(payload["messages"])
     except ImageError as exc:

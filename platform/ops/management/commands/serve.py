@@ -21,6 +21,7 @@ from ops.supervisor import (RestartPolicy, Supervisor, http_ok, parse_cpu_list, 
 from inference.admission import reap as admission_reap
 from inference.config import SETTINGS
 from inference.protocol.engine import replicas_index_key
+from registry.models import ServedModel
 from registry.selectors import served_models_enabled
 
 
@@ -165,14 +166,10 @@ class Command(BaseCommand):
                               f"{layout.threads} torch thread(s) each")
         for m in models:
             # the engine reads REDIS_URL from its environment (a --redis-url would show the password in ps)
-            threads = ["--num-threads", str(layout.threads)] if m.device == "cpu" else []
+            argv, env_extra = engine_command(py, m, layout.threads)
             for i in range(m.num_replicas):  # replicas: engine-NAME, engine-NAME-2, ... (the api routes between them)
-                sup.start(f"engine-{m.served_model_name}" + (f"-{i + 1}" if i else ""), [
-                    py, "-m", "inference.engine", "--model", m.served_model_name, "--model-dir", m.model_dir,
-                    "--device", m.device, "--dtype", m.dtype if m.dtype != "auto" else "float32",
-                    "--max-num-seqs", str(m.max_num_seqs), "--max-model-len", str(m.max_model_len),
-                    "--link-prefix", settings.LINK_PREFIX, "--task", m.task, *threads], cpus=back_cpus,
-                    nice=layout.nice)
+                sup.start(f"engine-{m.served_model_name}" + (f"-{i + 1}" if i else ""), argv, env_extra=env_extra,
+                          cpus=back_cpus, nice=layout.nice)
         front_env, mm_socket = {}, None
         if opts["mm_api_workers"] > 0:
             mm_socket = _mm_socket_path(var_dir)
@@ -302,6 +299,27 @@ def _core_split(frontend_cores: str) -> tuple[frozenset[int] | None, frozenset[i
     if not back:
         raise CommandError(f"--frontend-cores {frontend_cores} leaves no CPU for the engines and workers")
     return front, back
+
+
+def engine_command(py: str, m: ServedModel, threads: int) -> tuple[list[str], dict[str, str]]:
+    """Command line and extra environment of ``m``'s engine replica. ``backend=native``: ``python -m
+    inference.engine`` in this environment; ``backend=vllm``: ``python -m inference.engine.vllm_backend`` run by
+    ``settings.VLLM_PYTHON`` (vLLM's own environment) with this repository on ``PYTHONPATH`` (the link code comes
+    from here, not from an install there). ``threads``: CPU threads of a CPU engine. Raises ``CommandError`` when
+    vLLM's interpreter is missing."""
+    threads_arg = ["--num-threads", str(threads)] if m.device == "cpu" else []
+    common = ["--model", m.served_model_name, "--model-dir", m.model_dir, "--device", m.device,
+              "--max-num-seqs", str(m.max_num_seqs), "--max-model-len", str(m.max_model_len),
+              "--link-prefix", settings.LINK_PREFIX, *threads_arg]
+    if m.backend == ServedModel.Backend.VLLM:
+        if not os.access(settings.VLLM_PYTHON, os.X_OK):
+            raise CommandError(f"model {m.served_model_name} has backend=vllm but vLLM's interpreter "
+                               f"{settings.VLLM_PYTHON} is missing: run scripts/setup.sh --vllm (or set VLLM_PYTHON)")
+        return ([settings.VLLM_PYTHON, "-m", "inference.engine.vllm_backend", *common,
+                 "--tokenizer-dir", m.tokenizer_dir_resolved, "--dtype", m.dtype],
+                {"PYTHONPATH": str(settings.REPO_DIR)})
+    return [py, "-m", "inference.engine", *common, "--dtype", m.dtype if m.dtype != "auto" else "float32",
+            "--task", m.task], {}
 
 
 def _engine_layout(opts: dict, models: list, front_cpus: frozenset[int] | None,

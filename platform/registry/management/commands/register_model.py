@@ -44,6 +44,8 @@ class Command(AuditedCommand):
         parser.add_argument("--num-replicas", type=int, default=None,
                             help="engine processes `manage.py serve` runs for this model (default 1)")
         parser.add_argument("--task", choices=ServedModel.Task.values, default=None)
+        parser.add_argument("--backend", choices=ServedModel.Backend.values, default=None,
+                            help="engine backend: native (default) or vllm (README, 'Engine backends')")
         parser.add_argument("--enabled", type=_bool, default=None, metavar="BOOL")
 
     def handle(self, *args, **options):
@@ -66,6 +68,7 @@ class Command(AuditedCommand):
                 max_num_seqs=options["max_num_seqs"],
                 num_replicas=options["num_replicas"],
                 task=options["task"],
+                backend=options["backend"],
                 enabled=options["enabled"],
             )
         except ValidationError as exc:
@@ -74,5 +77,5 @@ class Command(AuditedCommand):
             f"registered {served_model.served_model_name}: model_dir={served_model.model_dir} "
             f"tokenizer_dir={served_model.tokenizer_dir_resolved} max_model_len={served_model.max_model_len} "
             f"device={served_model.device} dtype={served_model.dtype} task={served_model.task} "
-            f"enabled={served_model.enabled}"
+            f"backend={served_model.backend} enabled={served_model.enabled}"
         )

@@ -1,0 +1,7 @@
+"""vLLM's engine as an engine backend behind our Redis link (DESIGN.md §12, README 'Engine backends').
+
+``python -m inference.engine.vllm_backend --model NAME --model-dir DIR ...`` runs in the virtual environment
+that holds vLLM (``.peer/vllm``, made by ``scripts/setup.sh --vllm``; its pins clash with ours), with this
+repository on ``PYTHONPATH``: the link needs only ``redis``, ``msgpack``, ``numpy``, ``llguidance`` and torch, all
+there. ``core.VllmEngineCore`` is the link; ``params`` maps the wire types (importable without vLLM).
+"""
