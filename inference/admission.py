@@ -109,6 +109,8 @@ TIER_HIGH, TIER_STANDARD, TIER_LOW = 0, 1, 2
 TIERS = (TIER_HIGH, TIER_STANDARD, TIER_LOW)
 TIER_NAMES = {TIER_HIGH: "high", TIER_STANDARD: "standard", TIER_LOW: "low"}
 TIER_STRIDE = 1_000_000
+RANK_STRIDE = 10_000
+FAIR_RANK_MAX = 99
 
 # TTFT histogram bucket upper bounds in seconds (shared in Redis; +Inf implicit).
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0,
@@ -148,11 +150,16 @@ def tenant_counts_key(prefix: str, model: str) -> str:
     return f"{prefix}:adm:m:{model}:tcount"
 
 
-def engine_priority(tier: int, requested: int | None = None) -> int:
-    """The engine's ``EngineCoreRequest.priority`` for a request of tier ``tier`` whose body asked for
-    ``requested`` (vLLM's ``priority`` field, ≥ 0, validated at the API): ``tier × TIER_STRIDE + requested``
-    capped inside the tier, so a request can only go later within its own tier, never into a better one."""
-    return int(tier) * TIER_STRIDE + min(max(int(requested or 0), 0), TIER_STRIDE - 1)
+def engine_priority(tier: int, requested: int | None = None, fair_rank: int = 0) -> int:
+    """The engine's ``EngineCoreRequest.priority`` (lower runs first) for a request of tier ``tier``, admitted with
+    ``fair_rank`` (``Reservation.fair_rank``: 0..``FAIR_RANK_MAX``, how far its tenant is into its weighted share),
+    whose body asked for ``requested`` (vLLM's ``priority`` field, ≥ 0, validated at the API):
+    ``tier × TIER_STRIDE + fair_rank × RANK_STRIDE + requested`` with ``requested`` capped below ``RANK_STRIDE``.
+    So the engine orders by tier, then by how much of its share the tenant held (a tenant within its share
+    overtakes a backlog of one above it), then by the request's own wish, then by arrival; a request can only go
+    later within its own tier, never into a better one."""
+    rank = min(max(int(fair_rank), 0), FAIR_RANK_MAX)
+    return int(tier) * TIER_STRIDE + rank * RANK_STRIDE + min(max(int(requested or 0), 0), RANK_STRIDE - 1)
 
 
 def tier_ceilings_pct(high_tier_reserve_pct: int, low_tier_ceiling_pct: int) -> dict[int, int]:
@@ -215,7 +222,9 @@ end
 
 # KEYS: limits, state, refused, reservation, holder set, holders zset, models set, tenants, tenant counts
 # ARGV: n, per-child tokens, holder, lease_ms, reservation id, model, request id, tenant ('' = none), weight, tier
-# Returns {1, reqs, tokens} admitted, {0, reason, limit, reqs, tokens, measure, tenant reqs, tenant tokens} refused.
+# Returns {1, reqs, tokens, fair rank} admitted, {0, reason, limit, reqs, tokens, measure, tenant reqs, tenant tokens}
+# refused. Fair rank (0..99, 0 without fairness): 10 × what the tenant holds after admission / its share of the
+# limit (tokens when bounded, else requests), the engine's order within a tier (``engine_priority``).
 _RESERVE = _CHECK + """
 local n = tonumber(ARGV[1])
 local ptok = tonumber(ARGV[2])
@@ -262,7 +271,16 @@ end
 redis.call('SADD', KEYS[5], ARGV[5])
 redis.call('ZADD', KEYS[6], now_ms() + tonumber(ARGV[4]), ARGV[3])
 redis.call('SADD', KEYS[7], ARGV[6])
-return {1, reqs + n, toks + add}
+local rank = 0
+if tenant ~= '' then
+  local lim = redis.call('HMGET', KEYS[1], 'max_num_queued_reqs', 'max_num_queued_tokens', 'fair_share_threshold_pct')
+  local mr, mt, soft = tonumber(lim[1]), tonumber(lim[2]), tonumber(lim[3]) or 100
+  local frac = nil
+  if soft < 100 and mt and mt > 0 then frac = (ttoks + add) / (mt * share)
+  elseif soft < 100 and mr and mr > 0 then frac = (treqs + n) / (mr * share) end
+  if frac then rank = math.min(99, math.floor(frac * 10)) end
+end
+return {1, reqs + n, toks + add, rank}
 """
 
 # Release everything a reservation still holds. Used by RELEASE, SETTLE and REAP.
@@ -441,7 +459,8 @@ class Reservation:
     """One API request's admission reservation (``n`` children of ``prompt_tokens`` each).
 
     ``tenant`` (the caller's tenant id, ``""`` = none: no fairness accounting), ``weight`` (its fair-share
-    weight ≥ 1) and ``tier`` (its priority tier) come from the API key, never from the request body.
+    weight ≥ 1) and ``tier`` (its priority tier) come from the API key, never from the request body;
+    ``fair_rank`` is set when admitted (see ``engine_priority``).
 
     ``reservation_id`` keys the Redis hash; ``provisional`` is True until ``reserve`` settled it to the
     exact prompt length. Release methods on ``Admission`` are idempotent per reservation and child.
@@ -455,6 +474,7 @@ class Reservation:
     tenant: str = ""
     weight: int = 1
     tier: int = TIER_STANDARD
+    fair_rank: int = 0
     provisional: bool = False
     prefill_released: set[int] = field(default_factory=set)
     released: bool = False
@@ -620,6 +640,7 @@ class Admission:
         if int(out[0]) != 1:
             res.released = True
             raise await self._refusal(m, out, res.tier)
+        res.fair_rank = int(out[3])
 
     async def _refusal(self, model: str, out: list[Any], tier: int) -> AdmissionRefused:
         def text(v: Any) -> str:
@@ -724,6 +745,26 @@ def _snapshot_parse(raw: list[Any]) -> dict[str, Any]:
         "tier_ceilings_pct": {tier: limits.get(f"tier_ceiling_pct:{tier}", 100) for tier in TIERS},
         "tenants": _tenants_parse(tenants, counts),
     }
+
+
+TENANT_SERIES_MAX = 200
+
+
+def tenant_series(tenants: dict[str, dict[str, int]], cap: int = TENANT_SERIES_MAX) -> list[tuple[str, dict[str, int]]]:
+    """``(label, figures)`` per tenant of a snapshot's ``tenants`` for metrics with a bounded label set: the
+    ``cap`` tenants of smallest id keep their own label (the tenant id: ids only grow, so the set is stable and
+    counters stay monotonic), the rest are summed under ``other``."""
+    def order(t: str) -> tuple[int, int | str]:
+        return (0, int(t)) if t.isdigit() else (1, t)
+    names = sorted(tenants, key=order)
+    out = [(t, tenants[t]) for t in names[:cap]]
+    if len(names) > cap:
+        rest: dict[str, int] = {}
+        for t in names[cap:]:
+            for k, v in tenants[t].items():
+                rest[k] = rest.get(k, 0) + v
+        out.append(("other", rest))
+    return out
 
 
 def model_snapshot(r: redis.Redis, prefix: str, model: str) -> dict[str, Any]:

@@ -41,8 +41,10 @@ async def test_tenant_over_its_share_is_refused_at_the_soft_threshold(prefix, sy
     try:
         # A alone may fill past the threshold (its share is the whole limit while nobody else queues)
         held_a = [await a.reserve(M, f"a{i}", 1, 100, tenant="A") for i in range(6)]
+        assert [r.fair_rank for r in held_a] == [1, 2, 3, 4, 5, 6]  # 10 × held / share (the whole 1000, alone)
         # B holds nothing: admitted although the model is above the threshold
         held_b = [await a.reserve(M, "b0", 1, 100, tenant="B")]
+        assert held_b[0].fair_rank == 2  # 100 of its 500: the engine runs it before A's backlog
         # A holds 600 > its half (500): refused, though 300 tokens of the limit are free
         with pytest.raises(AdmissionRefused) as ei:
             await a.reserve(M, "a-more", 1, 100, tenant="A")
@@ -206,5 +208,7 @@ async def test_reaper_corrects_the_tenant_counters(prefix, sync_r, monkeypatch):
 def test_engine_priority_stays_within_the_tier():
     assert adm.engine_priority(adm.TIER_HIGH) == 0
     assert adm.engine_priority(adm.TIER_STANDARD, 5) == adm.TIER_STRIDE + 5
-    assert adm.engine_priority(adm.TIER_HIGH, 10**12) == adm.TIER_STRIDE - 1 < adm.engine_priority(adm.TIER_STANDARD)
+    assert adm.engine_priority(adm.TIER_HIGH, 10**12) == adm.RANK_STRIDE - 1 < adm.engine_priority(adm.TIER_HIGH, 0, 1)
+    top = adm.engine_priority(adm.TIER_HIGH, 10**12, 10**6)  # whatever the rank and the wish: still the high tier
+    assert top == adm.FAIR_RANK_MAX * adm.RANK_STRIDE + adm.RANK_STRIDE - 1 < adm.engine_priority(adm.TIER_STANDARD)
     assert adm.engine_priority(adm.TIER_LOW, -3) == 2 * adm.TIER_STRIDE
