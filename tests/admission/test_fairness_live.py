@@ -11,7 +11,7 @@ import pytest
 from tests.admission.test_admission_live import MODEL, counters, in_background, set_limits, snap, wait_for
 from tests.live_platform import engine_paused
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(600)  # run alone it starts the package platform: minutes on a loaded box
 
 
 def _tenant(live, name: str, *opts: str) -> tuple[str, str]:
