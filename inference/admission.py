@@ -441,8 +441,8 @@ class AdmissionRefused(Exception):
             what = (f"model '{model}' has {held} {unit} queued and admits requests of the "
                     f"'{TIER_NAMES.get(tier, tier)}' priority tier up to {limit} (the rest is kept for higher tiers)")
         elif reason == REASON_FAIR:
-            what = (f"model '{model}' is busy and this tenant holds {tenant_held} queued {unit}, over its weighted "
-                    f"share of {limit}; other tenants' requests go first")
+            what = (f"model '{model}' is busy and this tenant holds {tenant_held} queued {unit}; with this request it "
+                    f"would exceed its weighted share of {limit}, so other tenants' requests go first")
         else:
             what = (f"the prefill backlog of model '{model}' is full: {queued_tokens} prompt tokens are "
                     f"waiting for their first token and max_num_queued_tokens is {limit}")

@@ -43,7 +43,10 @@ def test_the_tenant_over_its_share_is_refused_and_the_other_finds_room(live):
             over = _send(api2, greedy)  # greedy holds 3 = its half of 6: refused though 2 slots are free
             for i in range(2):  # modest, within its share, gets them
                 background.append(in_background(_send, api1 if i else api2, modest))
-            wait_for(lambda: counters(live)[0] == 6, 60, "modest's share admitted")
+            try:
+                wait_for(lambda: counters(live)[0] == 6, 60, "modest's share admitted")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}: {snap(live)}") from None
             full = _send(api1, modest)  # the hard limit still holds for everyone
         assert over.status_code == 503, over.text
         err = over.json()["error"]
