@@ -12,7 +12,7 @@ model, uvicorn) with two tenants' keys (``modest`` and ``greedy``, weight 1 each
 
 Printed per phase and tenant: offered, accepted, refused, refusal rate, p50/p99 TTFT of accepted requests; then
 the modest tenant's refusal rate (goal ≤ 5 %) and its p99 TTFT over the ``alone`` p99 (goal ≤ 1.5×), fair vs fcfs.
-TTFT is the latency of a ``max_tokens=1`` request.
+TTFT is the latency of a ``max_tokens=1`` request. Figures and what bounds them: docs/DECISIONS.md D-202.
 
     REDIS_URL=redis://127.0.0.1:6379/12 .venv/bin/python bench/fairness.py [--duration 20] [--prompt-len 512]
 """
