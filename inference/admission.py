@@ -226,6 +226,12 @@ end
 # refused. Fair rank (0..99, 0 without fairness): 10 × what the tenant holds after admission / its share of the
 # limit (tokens when bounded, else requests), the engine's order within a tier (``engine_priority``).
 _RESERVE = _CHECK + """
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  -- already taken: redis-py re-sends a script whose reply timed out (its Retry), so a take that ran is not
+  -- counted twice (the reservation hash records it once, and releases it once)
+  local st0 = redis.call('HMGET', KEYS[2], 'reqs', 'tokens')
+  return {1, tonumber(st0[1]) or 0, tonumber(st0[2]) or 0, 0}
+end
 local n = tonumber(ARGV[1])
 local ptok = tonumber(ARGV[2])
 local tenant = ARGV[8]

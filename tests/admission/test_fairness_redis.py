@@ -205,6 +205,21 @@ async def test_reaper_corrects_the_tenant_counters(prefix, sync_r, monkeypatch):
         await dead.redis.aclose()
 
 
+async def test_a_take_sent_twice_counts_once(prefix, sync_r):
+    """redis-py re-sends a script whose reply timed out: the same reservation taken again changes nothing."""
+    adm.limits_publish(sync_r, prefix, M, 10, None, fair_share_threshold_pct=50)
+    a = await make(prefix)
+    try:
+        res = await a.precheck(M, "twice", 2, 30, tenant="A")
+        await a._take(res)  # the re-sent script
+        assert adm.model_snapshot(sync_r, prefix, M)["queued_reqs"] == 2
+        assert tenants(sync_r, prefix)["A"]["admitted"] == 1 and tenants(sync_r, prefix)["A"]["queued_tokens"] == 60
+        await a.release(res)
+        assert adm.model_snapshot(sync_r, prefix, M)["queued_reqs"] == 0 and wsum(sync_r, prefix) == 0
+    finally:
+        await a.close()
+
+
 def test_engine_priority_stays_within_the_tier():
     assert adm.engine_priority(adm.TIER_HIGH) == 0
     assert adm.engine_priority(adm.TIER_STANDARD, 5) == adm.TIER_STRIDE + 5
