@@ -122,7 +122,7 @@ async def offer(base, key, length, rate_rps, duration_s) -> dict:
     refused = [lat for status, lat in results if status == 503]
     other = [status for status, _ in results if status not in (200, 503)]
     return {"offered": len(results), "accepted": len(ok), "refused": len(refused), "other": len(other),
-            "worst": max(ok, default=float("nan")), "p99": pct(ok, 0.99), "p99_503_ms": pct(refused, 0.99) * 1000}
+            "worst": max(ok, default=float("nan")), "p50": pct(ok, 0.5), "p99": pct(ok, 0.99), "p99_503_ms": pct(refused, 0.99) * 1000}
 
 
 LIMITED_MODEL = "tiny-qwen3-limited"

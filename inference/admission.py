@@ -18,6 +18,23 @@ The scripts read that hash on every check, so an admin change is in force at onc
   always admissible when no other prompt tokens are queued for the model (otherwise a long prompt could
   never run).
 
+Tiers and fairness (DESIGN.md §12; operator settings published into the same limits hash), checked after
+the hard limits in the same script, so atomic with them:
+
+* Priority tier (``TIER_HIGH`` 0, ``TIER_STANDARD`` 1, ``TIER_LOW`` 2; from the API key's tenant, a key can only
+  lower it): each tier may fill ``tier_ceiling_pct:<tier>`` percent of each limit (absent = 100). Lower tiers
+  are refused first (reason ``priority_tier``), and the top of each limit stays free for higher tiers. The
+  ``queued == 0`` exemptions of the hard limits apply.
+* Weighted fair share: the tenants holding reservations for the model share each limit in proportion to
+  their weights (``share = weight / Σ active weights``, the caller included). Above
+  ``fair_share_threshold_pct`` percent of a limit (absent = 100 = first come, first served), a request is
+  refused (reason ``fair_share``) when its tenant would hold more than ``share × limit`` after it; a tenant
+  holding nothing is never refused by fairness. So a tenant over its share is refused early, at the soft
+  threshold, and the room between the threshold and the limit is left to tenants within their share: the
+  refusal falls on the tenant furthest over its share, not on whoever arrives next. Per tenant, the script
+  keeps queued requests and tokens and the active weight (``tenants_key``), released with the reservation
+  (also by the reaper), and admitted/refused counters (``tenant_counts_key``).
+
 Two steps per request:
 
 1. ``precheck(model, request_id, n, estimated_tokens)`` before the Celery render: a *provisional*
@@ -43,7 +60,7 @@ Refusals raise ``AdmissionRefused`` (reason ``max_num_queued_reqs`` / ``max_num_
 naming the limit, ``retry_after_s`` = queued tokens / measured prefill throughput of the model's live
 engines, at least 1 s, at most ``RETRY_AFTER_MAX_S``) and are counted per model and reason in Redis.
 
-Redis keys (``{p}`` = LINK_PREFIX): ``{p}:adm:m:{model}:limits|state|refused|ttft``,
+Redis keys (``{p}`` = LINK_PREFIX): ``{p}:adm:m:{model}:limits|state|refused|ttft|tenants|tcount``,
 ``{p}:adm:r:{reservation_id}``, ``{p}:adm:h:{holder}``, ``{p}:adm:holders``, ``{p}:adm:models``.
 Scripts build keys from the prefix (not Redis-Cluster safe; one Redis, as DESIGN.md §1).
 """
@@ -80,7 +97,20 @@ ESTIMATE_OVERHEAD_TOKENS = 16
 
 REASON_REQS = "max_num_queued_reqs"
 REASON_TOKENS = "max_num_queued_tokens"
-REASONS = (REASON_REQS, REASON_TOKENS)
+REASON_TIER = "priority_tier"
+REASON_FAIR = "fair_share"
+REASONS = (REASON_REQS, REASON_TOKENS, REASON_TIER, REASON_FAIR)
+
+# Priority tiers (lower = more important; vLLM's convention for ``priority``). The tier comes from the API key's
+# tenant (or the key, only ever lower), never from the request. ``TIER_STRIDE``: engine priorities of one tier
+# span ``[tier × TIER_STRIDE, (tier + 1) × TIER_STRIDE)``; a request's own ``priority`` (≥ 0) moves it later
+# within its tier only (``engine_priority``).
+TIER_HIGH, TIER_STANDARD, TIER_LOW = 0, 1, 2
+TIERS = (TIER_HIGH, TIER_STANDARD, TIER_LOW)
+TIER_NAMES = {TIER_HIGH: "high", TIER_STANDARD: "standard", TIER_LOW: "low"}
+TIER_STRIDE = 1_000_000
+RANK_STRIDE = 10_000
+FAIR_RANK_MAX = 99
 
 # TTFT histogram bucket upper bounds in seconds (shared in Redis; +Inf implicit).
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0,
@@ -108,6 +138,39 @@ def ttft_key(prefix: str, model: str) -> str:
     return f"{prefix}:adm:m:{model}:ttft"
 
 
+def tenants_key(prefix: str, model: str) -> str:
+    """Hash of the tenants holding reservations: ``r:<tenant>`` queued requests, ``t:<tenant>`` queued prompt
+    tokens, ``w:<tenant>`` the tenant's weight (the state hash's ``wsum`` is their sum). Fields leave with the
+    tenant's last reservation."""
+    return f"{prefix}:adm:m:{model}:tenants"
+
+
+def tenant_counts_key(prefix: str, model: str) -> str:
+    """Hash of per-tenant counters: ``a:<tenant>`` admitted, ``x:<tenant>`` refused (any reason)."""
+    return f"{prefix}:adm:m:{model}:tcount"
+
+
+def engine_priority(tier: int, requested: int | None = None, fair_rank: int = 0) -> int:
+    """The engine's ``EngineCoreRequest.priority`` (lower runs first) for a request of tier ``tier``, admitted with
+    ``fair_rank`` (``Reservation.fair_rank``: 0..``FAIR_RANK_MAX``, how far its tenant is into its weighted share),
+    whose body asked for ``requested`` (vLLM's ``priority`` field, ≥ 0, validated at the API):
+    ``tier × TIER_STRIDE + fair_rank × RANK_STRIDE + requested`` with ``requested`` capped below ``RANK_STRIDE``.
+    So the engine orders by tier, then by how much of its share the tenant held (a tenant within its share
+    overtakes a backlog of one above it), then by the request's own wish, then by arrival; a request can only go
+    later within its own tier, never into a better one."""
+    rank = min(max(int(fair_rank), 0), FAIR_RANK_MAX)
+    return int(tier) * TIER_STRIDE + rank * RANK_STRIDE + min(max(int(requested or 0), 0), RANK_STRIDE - 1)
+
+
+def tier_ceilings_pct(high_tier_reserve_pct: int, low_tier_ceiling_pct: int) -> dict[int, int]:
+    """Percent of each admission limit a tier may fill: ``high`` 100; ``standard`` 100 − the reserve kept for
+    ``high``; ``low`` the smaller of its own ceiling and standard's. Inputs are clamped to 0..100."""
+    reserve = min(100, max(0, int(high_tier_reserve_pct)))
+    standard = 100 - reserve
+    return {TIER_HIGH: 100, TIER_STANDARD: standard,
+            TIER_LOW: min(standard, min(100, max(0, int(low_tier_ceiling_pct))))}
+
+
 def models_key(prefix: str) -> str:
     """Set of model names admission has seen (for ``/metrics``)."""
     return f"{prefix}:adm:models"
@@ -119,14 +182,36 @@ def holders_key(prefix: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ Lua
-# Shared check. Returns nil when admissible, else {reason, limit}.
+# Shared check. Returns nil when admissible, else {reason, limit, measure}: the hard limits first (as before
+# fairness existed), then the tier's ceiling, then the tenant's weighted share above the soft threshold.
+# ``tier``: the caller's priority tier; ``treqs``/``ttoks``: what the caller's tenant holds already; ``share``: the
+# tenant's weighted share (0..1] of each limit among the tenants holding reservations (1 = alone / no tenant).
 _CHECK = """
-local function check(limits_key, reqs, toks, n, add)
-  local lim = redis.call('HMGET', limits_key, 'max_num_queued_reqs', 'max_num_queued_tokens')
+local function check(limits_key, reqs, toks, n, add, tier, treqs, ttoks, share)
+  local lim = redis.call('HMGET', limits_key, 'max_num_queued_reqs', 'max_num_queued_tokens',
+                         'fair_share_threshold_pct', 'tier_ceiling_pct:' .. tier)
   local mr = tonumber(lim[1])
   local mt = tonumber(lim[2])
-  if mr and reqs + n > mr and not (reqs == 0 and mr > 0) then return {'max_num_queued_reqs', mr} end
-  if mt and add > 0 and toks > 0 and toks + add > mt then return {'max_num_queued_tokens', mt} end
+  local soft = tonumber(lim[3]) or 100
+  local ceil = tonumber(lim[4]) or 100
+  if mr and reqs + n > mr and not (reqs == 0 and mr > 0) then return {'max_num_queued_reqs', mr, 'reqs'} end
+  if mt and add > 0 and toks > 0 and toks + add > mt then return {'max_num_queued_tokens', mt, 'tokens'} end
+  if ceil < 100 then
+    if mr and reqs > 0 and (reqs + n) * 100 > mr * ceil then
+      return {'priority_tier', math.floor(mr * ceil / 100), 'reqs'}
+    end
+    if mt and add > 0 and toks > 0 and (toks + add) * 100 > mt * ceil then
+      return {'priority_tier', math.floor(mt * ceil / 100), 'tokens'}
+    end
+  end
+  if soft < 100 and share < 1 then
+    if mr and treqs > 0 and (reqs + n) * 100 > mr * soft and treqs + n > mr * share then
+      return {'fair_share', math.floor(mr * share), 'reqs'}
+    end
+    if mt and add > 0 and ttoks > 0 and (toks + add) * 100 > mt * soft and ttoks + add > mt * share then
+      return {'fair_share', math.floor(mt * share), 'tokens'}
+    end
+  end
   return nil
 end
 local function now_ms()
@@ -135,44 +220,95 @@ local function now_ms()
 end
 """
 
-# KEYS: limits, state, refused, reservation, holder set, holders zset, models set
-# ARGV: n, per-child tokens, holder, lease_ms, reservation id, model, request id
-# Returns {1, reqs, tokens} admitted, {0, reason, limit, reqs, tokens} refused.
+# KEYS: limits, state, refused, reservation, holder set, holders zset, models set, tenants, tenant counts
+# ARGV: n, per-child tokens, holder, lease_ms, reservation id, model, request id, tenant ('' = none), weight, tier
+# Returns {1, reqs, tokens, fair rank} admitted, {0, reason, limit, reqs, tokens, measure, tenant reqs, tenant tokens}
+# refused. Fair rank (0..99, 0 without fairness): 10 × what the tenant holds after admission / its share of the
+# limit (tokens when bounded, else requests), the engine's order within a tier (``engine_priority``).
 _RESERVE = _CHECK + """
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  -- already taken: redis-py re-sends a script whose reply timed out (its Retry), so a take that ran is not
+  -- counted twice (the reservation hash records it once, and releases it once)
+  local st0 = redis.call('HMGET', KEYS[2], 'reqs', 'tokens')
+  return {1, tonumber(st0[1]) or 0, tonumber(st0[2]) or 0, 0}
+end
 local n = tonumber(ARGV[1])
 local ptok = tonumber(ARGV[2])
-local st = redis.call('HMGET', KEYS[2], 'reqs', 'tokens')
+local tenant = ARGV[8]
+local weight = tonumber(ARGV[9])
+local st = redis.call('HMGET', KEYS[2], 'reqs', 'tokens', 'wsum')
 local reqs = tonumber(st[1]) or 0
 local toks = tonumber(st[2]) or 0
+local wsum = tonumber(st[3]) or 0
 local add = n * ptok
-local bad = check(KEYS[1], reqs, toks, n, add)
+local treqs, ttoks, wold, share = 0, 0, nil, 1
+if tenant ~= '' then
+  local tv = redis.call('HMGET', KEYS[8], 'r:' .. tenant, 't:' .. tenant, 'w:' .. tenant)
+  treqs = tonumber(tv[1]) or 0
+  ttoks = tonumber(tv[2]) or 0
+  wold = tonumber(tv[3])
+  local others = wsum - (wold or 0)
+  if others > 0 then share = weight / (others + weight) end
+end
+local bad = check(KEYS[1], reqs, toks, n, add, ARGV[10], treqs, ttoks, share)
 if bad then
   redis.call('HINCRBY', KEYS[3], bad[1], 1)
-  return {0, bad[1], bad[2], reqs, toks}
+  if tenant ~= '' then redis.call('HINCRBY', KEYS[9], 'x:' .. tenant, 1) end
+  return {0, bad[1], bad[2], reqs, toks, bad[3], treqs, ttoks}
 end
 redis.call('HINCRBY', KEYS[2], 'reqs', n)
 redis.call('HINCRBY', KEYS[2], 'tokens', add)
-local fields = {'model', ARGV[6], 'holder', ARGV[3], 'reqs', n, 'ptok', ptok, 'tokens', add, 'rid', ARGV[7]}
+local fields = {'model', ARGV[6], 'holder', ARGV[3], 'reqs', n, 'ptok', ptok, 'tokens', add, 'rid', ARGV[7],
+                'tenant', tenant}
 for i = 0, n - 1 do
   fields[#fields + 1] = 'c' .. i
   fields[#fields + 1] = 1
 end
 redis.call('HSET', KEYS[4], unpack(fields))
+if tenant ~= '' then
+  redis.call('HINCRBY', KEYS[8], 'r:' .. tenant, n)
+  redis.call('HINCRBY', KEYS[8], 't:' .. tenant, add)
+  if wold ~= weight then
+    redis.call('HSET', KEYS[8], 'w:' .. tenant, weight)
+    redis.call('HINCRBY', KEYS[2], 'wsum', weight - (wold or 0))
+  end
+  redis.call('HINCRBY', KEYS[9], 'a:' .. tenant, 1)
+end
 redis.call('SADD', KEYS[5], ARGV[5])
 redis.call('ZADD', KEYS[6], now_ms() + tonumber(ARGV[4]), ARGV[3])
 redis.call('SADD', KEYS[7], ARGV[6])
-return {1, reqs + n, toks + add}
+local rank = 0
+if tenant ~= '' then
+  local lim = redis.call('HMGET', KEYS[1], 'max_num_queued_reqs', 'max_num_queued_tokens', 'fair_share_threshold_pct')
+  local mr, mt, soft = tonumber(lim[1]), tonumber(lim[2]), tonumber(lim[3]) or 100
+  local frac = nil
+  if soft < 100 and mt and mt > 0 then frac = (ttoks + add) / (mt * share)
+  elseif soft < 100 and mr and mr > 0 then frac = (treqs + n) / (mr * share) end
+  if frac then rank = math.min(99, math.floor(frac * 10)) end
+end
+return {1, reqs + n, toks + add, rank}
 """
 
 # Release everything a reservation still holds. Used by RELEASE, SETTLE and REAP.
 _RELEASE_FN = """
 local function release_res(prefix, rid)
   local rkey = prefix .. ':adm:r:' .. rid
-  local v = redis.call('HMGET', rkey, 'model', 'holder', 'reqs', 'tokens')
+  local v = redis.call('HMGET', rkey, 'model', 'holder', 'reqs', 'tokens', 'tenant')
   if not v[1] then return 0 end
   local skey = prefix .. ':adm:m:' .. v[1] .. ':state'
   redis.call('HINCRBY', skey, 'reqs', 0 - tonumber(v[3]))
   redis.call('HINCRBY', skey, 'tokens', 0 - tonumber(v[4]))
+  local t = v[5]
+  if t and t ~= '' then
+    local tkey = prefix .. ':adm:m:' .. v[1] .. ':tenants'
+    local left = redis.call('HINCRBY', tkey, 'r:' .. t, 0 - tonumber(v[3]))
+    redis.call('HINCRBY', tkey, 't:' .. t, 0 - tonumber(v[4]))
+    if left <= 0 then
+      local w = tonumber(redis.call('HGET', tkey, 'w:' .. t)) or 0
+      redis.call('HDEL', tkey, 'r:' .. t, 't:' .. t, 'w:' .. t)
+      redis.call('HINCRBY', skey, 'wsum', 0 - w)
+    end
+  end
   redis.call('DEL', rkey)
   redis.call('SREM', prefix .. ':adm:h:' .. v[2], rid)
   return 1
@@ -203,21 +339,26 @@ if ARGV[4] ~= '' then
   redis.call('HINCRBYFLOAT', hkey, 'sum', ARGV[4])
 end
 if redis.call('HDEL', rkey, 'c' .. ARGV[3]) == 0 then return 0 end
-local ptok = tonumber(redis.call('HGET', rkey, 'ptok'))
+local rv = redis.call('HMGET', rkey, 'ptok', 'tenant')
+local ptok = tonumber(rv[1])
 redis.call('HINCRBY', rkey, 'tokens', 0 - ptok)
 redis.call('HINCRBY', prefix .. ':adm:m:' .. model .. ':state', 'tokens', 0 - ptok)
+if rv[2] and rv[2] ~= '' then
+  redis.call('HINCRBY', prefix .. ':adm:m:' .. model .. ':tenants', 't:' .. rv[2], 0 - ptok)
+end
 return 1
 """
 
-# Settle a provisional reservation to the exact per-child prompt length.
-# KEYS: limits, state, refused. ARGV: prefix, reservation id, exact per-child tokens.
+# Settle a provisional reservation to the exact per-child prompt length. Growing past the estimate rechecks the
+# hard limits only (the tier and fair-share checks were passed on the estimate, an upper bound as a rule).
+# KEYS: limits, state, refused. ARGV: prefix, reservation id, exact per-child tokens, model.
 # Returns {1, reqs, tokens} settled, {0, reason, limit, reqs, tokens} refused (reservation released),
 # {-1} when the reservation no longer exists (reaped).
 _SETTLE = _CHECK + _RELEASE_FN + """
 local prefix = ARGV[1]
 local rid = ARGV[2]
 local rkey = prefix .. ':adm:r:' .. rid
-local v = redis.call('HMGET', rkey, 'reqs', 'ptok', 'tokens')
+local v = redis.call('HMGET', rkey, 'reqs', 'ptok', 'tokens', 'tenant')
 if not v[1] then return {-1} end
 local n = tonumber(v[1])
 local old = tonumber(v[3])
@@ -232,15 +373,21 @@ local reqs = tonumber(st[1]) or 0
 local toks = tonumber(st[2]) or 0
 if new > old then
   local others = toks - old
-  local bad = check(KEYS[1], 0, others, 0, new)
+  local bad = check(KEYS[1], 0, others, 0, new, '0', 0, 0, 1)
   if bad then
     redis.call('HINCRBY', KEYS[3], bad[1], 1)
+    if v[4] and v[4] ~= '' then
+      redis.call('HINCRBY', prefix .. ':adm:m:' .. ARGV[4] .. ':tcount', 'x:' .. v[4], 1)
+    end
     release_res(prefix, rid)
-    return {0, bad[1], bad[2], reqs - n, others}
+    return {0, bad[1], bad[2], reqs - n, others, bad[3], 0, 0}
   end
 end
 redis.call('HSET', rkey, 'ptok', exact, 'tokens', new)
 redis.call('HINCRBY', KEYS[2], 'tokens', new - old)
+if v[4] and v[4] ~= '' then
+  redis.call('HINCRBY', prefix .. ':adm:m:' .. ARGV[4] .. ':tenants', 't:' .. v[4], new - old)
+end
 return {1, reqs, toks + new - old}
 """
 
@@ -275,22 +422,33 @@ return now
 class AdmissionRefused(Exception):
     """The request does not fit the model's admission limits (HTTP 503 + ``Retry-After``).
 
-    ``reason``: ``max_num_queued_reqs`` or ``max_num_queued_tokens``; ``limit``: the limit's value;
-    ``queued_reqs`` / ``queued_tokens``: the model's counters when refused; ``retry_after_s``: whole
-    seconds ≥ 1 (queued tokens / measured prefill tokens per second).
+    ``reason``: ``max_num_queued_reqs`` or ``max_num_queued_tokens`` (the hard limits), ``priority_tier`` (the
+    caller's tier may fill only part of the limit), ``fair_share`` (above the soft threshold, the caller's tenant
+    is over its weighted share); ``limit``: the value hit (the limit, the tier's ceiling or the tenant's share, in
+    ``measure``: ``reqs`` or ``tokens``); ``queued_reqs`` / ``queued_tokens``: the model's counters when refused;
+    ``retry_after_s``: whole seconds ≥ 1 (queued tokens / measured prefill tokens per second).
     """
 
     def __init__(self, model: str, reason: str, limit: int, queued_reqs: int, queued_tokens: int,
-                 retry_after_s: int):
+                 retry_after_s: int, measure: str = "", tenant_held: int = 0, tier: int = TIER_STANDARD):
         self.model = model
         self.reason = reason
         self.limit = limit
         self.queued_reqs = queued_reqs
         self.queued_tokens = queued_tokens
         self.retry_after_s = retry_after_s
+        self.measure = measure
+        unit = "requests" if measure == "reqs" else "prompt tokens"
         if reason == REASON_REQS:
             what = (f"the queue of model '{model}' is full: {queued_reqs} requests are queued or running "
                     f"and max_num_queued_reqs is {limit}")
+        elif reason == REASON_TIER:
+            held = queued_reqs if measure == "reqs" else queued_tokens
+            what = (f"model '{model}' has {held} {unit} queued and admits requests of the "
+                    f"'{TIER_NAMES.get(tier, tier)}' priority tier up to {limit} (the rest is kept for higher tiers)")
+        elif reason == REASON_FAIR:
+            what = (f"model '{model}' is busy and this tenant holds {tenant_held} queued {unit}; with this request it "
+                    f"would exceed its weighted share of {limit}, so other tenants' requests go first")
         else:
             what = (f"the prefill backlog of model '{model}' is full: {queued_tokens} prompt tokens are "
                     f"waiting for their first token and max_num_queued_tokens is {limit}")
@@ -306,6 +464,10 @@ class AdmissionRefused(Exception):
 class Reservation:
     """One API request's admission reservation (``n`` children of ``prompt_tokens`` each).
 
+    ``tenant`` (the caller's tenant id, ``""`` = none: no fairness accounting), ``weight`` (its fair-share
+    weight ≥ 1) and ``tier`` (its priority tier) come from the API key, never from the request body;
+    ``fair_rank`` is set when admitted (see ``engine_priority``).
+
     ``reservation_id`` keys the Redis hash; ``provisional`` is True until ``reserve`` settled it to the
     exact prompt length. Release methods on ``Admission`` are idempotent per reservation and child.
     """
@@ -315,6 +477,10 @@ class Reservation:
     n: int
     prompt_tokens: int
     reservation_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    tenant: str = ""
+    weight: int = 1
+    tier: int = TIER_STANDARD
+    fair_rank: int = 0
     provisional: bool = False
     prefill_released: set[int] = field(default_factory=set)
     released: bool = False
@@ -415,42 +581,48 @@ class Admission:
         return int(await self._reap(args=[self.prefix, 100]))
 
     # --------------------------------------------------------------------------------- checks
-    async def precheck(self, model: str, request_id: str, n: int, estimated_tokens: int) -> Reservation:
-        """Provisional reservation of ``n`` requests × ``estimated_tokens`` before rendering.
+    async def precheck(self, model: str, request_id: str, n: int, estimated_tokens: int, *, tenant: str = "",
+                       weight: int = 1, tier: int = TIER_STANDARD) -> Reservation:
+        """Provisional reservation of ``n`` requests × ``estimated_tokens`` before rendering, for ``tenant``
+        (weight, tier: see ``Reservation``).
 
         Raises ``AdmissionRefused`` when it does not fit (nothing was reserved then).
         """
         res = Reservation(model=model, request_id=request_id, n=int(n), prompt_tokens=int(estimated_tokens),
-                          provisional=True)
+                          tenant=str(tenant), weight=max(1, int(weight)), tier=int(tier), provisional=True)
         return await self._take_for_caller(res)
 
     async def reserve(self, model: str, request_id: str, n: int, prompt_tokens: int, *,
-                      reservation: Reservation | None = None) -> Reservation:
+                      reservation: Reservation | None = None, tenant: str = "", weight: int = 1,
+                      tier: int = TIER_STANDARD) -> Reservation:
         """Exact reservation of ``n`` requests × ``prompt_tokens`` after tokenizing.
 
         With ``reservation`` (from ``precheck``) the provisional reservation is settled in place (never
         double counted); without, a fresh one is taken. Raises ``AdmissionRefused`` when it does not fit
-        (the provisional reservation is then released).
+        (the provisional reservation is then released). ``tenant``/``weight``/``tier`` are for a fresh one (a
+        settled reservation keeps its own).
         """
         if reservation is None:
-            res = Reservation(model=model, request_id=request_id, n=int(n), prompt_tokens=int(prompt_tokens))
+            res = Reservation(model=model, request_id=request_id, n=int(n), prompt_tokens=int(prompt_tokens),
+                              tenant=str(tenant), weight=max(1, int(weight)), tier=int(tier))
             return await self._take_for_caller(res)
         if reservation.released:
             raise RuntimeError("reserve() on a released reservation")
         out = await self._settle(keys=[limits_key(self.prefix, model), state_key(self.prefix, model),
                                        refused_key(self.prefix, model)],
-                                 args=[self.prefix, reservation.reservation_id, int(prompt_tokens)])
+                                 args=[self.prefix, reservation.reservation_id, int(prompt_tokens), model])
         status = int(out[0])
         if status == -1:  # reaped (this process stalled past its lease): take a fresh one
             fresh = Reservation(model=model, request_id=request_id, n=int(n), prompt_tokens=int(prompt_tokens),
-                                reservation_id=reservation.reservation_id)
+                                reservation_id=reservation.reservation_id, tenant=reservation.tenant,
+                                weight=reservation.weight, tier=reservation.tier)
             await self._take_for_caller(fresh)
             reservation.prompt_tokens = fresh.prompt_tokens
             reservation.provisional = False
             return reservation
         if status == 0:
             reservation.released = True
-            raise await self._refusal(model, out)
+            raise await self._refusal(model, out, reservation.tier)
         reservation.prompt_tokens = int(prompt_tokens)
         reservation.provisional = False
         return reservation
@@ -467,18 +639,24 @@ class Admission:
         p, m = self.prefix, res.model
         out = await self._reserve(
             keys=[limits_key(p, m), state_key(p, m), refused_key(p, m), f"{p}:adm:r:{res.reservation_id}",
-                  f"{p}:adm:h:{self.holder}", holders_key(p), models_key(p)],
+                  f"{p}:adm:h:{self.holder}", holders_key(p), models_key(p), tenants_key(p, m),
+                  tenant_counts_key(p, m)],
             args=[res.n, res.prompt_tokens, self.holder, int(LEASE_TTL_S * 1000), res.reservation_id, m,
-                  res.request_id])
+                  res.request_id, res.tenant, res.weight, res.tier])
         if int(out[0]) != 1:
             res.released = True
-            raise await self._refusal(m, out)
+            raise await self._refusal(m, out, res.tier)
+        res.fair_rank = int(out[3])
 
-    async def _refusal(self, model: str, out: list[Any]) -> AdmissionRefused:
-        reason = out[1].decode() if isinstance(out[1], bytes) else str(out[1])
+    async def _refusal(self, model: str, out: list[Any], tier: int) -> AdmissionRefused:
+        def text(v: Any) -> str:
+            return v.decode() if isinstance(v, bytes) else str(v)
+        reason, measure = text(out[1]), text(out[5])
         limit, reqs, toks = int(out[2]), int(out[3]), int(out[4])
+        held = int(out[6]) if measure == "reqs" else int(out[7])
         tps = await self.prefill_throughput(model)
-        return AdmissionRefused(model, reason, limit, reqs, toks, retry_after_for(toks, tps))
+        return AdmissionRefused(model, reason, limit, reqs, toks, retry_after_for(toks, tps), measure=measure,
+                                tenant_held=held, tier=tier)
 
     # --------------------------------------------------------------------------------- releases
     async def release_prefill(self, reservation: Reservation | None, child: int,
@@ -534,6 +712,22 @@ def _snapshot_cmds(pipe: Pipeline | AsyncPipeline, prefix: str, model: str) -> N
     pipe.hgetall(limits_key(prefix, model))
     pipe.hgetall(refused_key(prefix, model))
     pipe.hgetall(ttft_key(prefix, model))
+    pipe.hgetall(tenants_key(prefix, model))
+    pipe.hgetall(tenant_counts_key(prefix, model))
+
+
+def _tenants_parse(active: dict[Any, Any], counts: dict[Any, Any]) -> dict[str, dict[str, int]]:
+    """``{tenant: {queued_reqs, queued_tokens, weight, admitted, refused}}`` from the two tenant hashes (a tenant
+    without reservations has zeros and weight 0)."""
+    out: dict[str, dict[str, int]] = {}
+    names = {"r": "queued_reqs", "t": "queued_tokens", "w": "weight", "a": "admitted", "x": "refused"}
+    for h in (active, counts):
+        for k, v in _ints(h).items():
+            kind, _, tenant = k.partition(":")
+            if kind in names and tenant:
+                row = out.setdefault(tenant, dict.fromkeys(names.values(), 0))
+                row[names[kind]] = v
+    return out
 
 
 def _ints(h: dict[Any, Any]) -> dict[str, int]:
@@ -541,7 +735,7 @@ def _ints(h: dict[Any, Any]) -> dict[str, int]:
 
 
 def _snapshot_parse(raw: list[Any]) -> dict[str, Any]:
-    state, limits, refused, ttft = raw
+    state, limits, refused, ttft, tenants, counts = raw
     state, limits, refused = _ints(state), _ints(limits), _ints(refused)
     t = {(k.decode() if isinstance(k, bytes) else k): float(v) for k, v in ttft.items()}
     return {
@@ -553,7 +747,30 @@ def _snapshot_parse(raw: list[Any]) -> dict[str, Any]:
         "ttft_buckets": [int(t.get(f"b{i}", 0)) for i in range(len(TTFT_BUCKETS_S) + 1)],
         "ttft_sum": t.get("sum", 0.0),
         "ttft_count": int(t.get("count", 0)),
+        "fair_share_threshold_pct": limits.get("fair_share_threshold_pct", 100),
+        "tier_ceilings_pct": {tier: limits.get(f"tier_ceiling_pct:{tier}", 100) for tier in TIERS},
+        "tenants": _tenants_parse(tenants, counts),
     }
+
+
+TENANT_SERIES_MAX = 200
+
+
+def tenant_series(tenants: dict[str, dict[str, int]], cap: int = TENANT_SERIES_MAX) -> list[tuple[str, dict[str, int]]]:
+    """``(label, figures)`` per tenant of a snapshot's ``tenants`` for metrics with a bounded label set: the
+    ``cap`` tenants of smallest id keep their own label (the tenant id: ids only grow, so the set is stable and
+    counters stay monotonic), the rest are summed under ``other``."""
+    def order(t: str) -> tuple[int, int | str]:
+        return (0, int(t)) if t.isdigit() else (1, t)
+    names = sorted(tenants, key=order)
+    out = [(t, tenants[t]) for t in names[:cap]]
+    if len(names) > cap:
+        rest: dict[str, int] = {}
+        for t in names[cap:]:
+            for k, v in tenants[t].items():
+                rest[k] = rest.get(k, 0) + v
+        out.append(("other", rest))
+    return out
 
 
 def model_snapshot(r: redis.Redis, prefix: str, model: str) -> dict[str, Any]:
@@ -561,7 +778,9 @@ def model_snapshot(r: redis.Redis, prefix: str, model: str) -> dict[str, Any]:
 
     Returns ``queued_reqs``, ``queued_tokens`` (ints), ``max_num_queued_reqs`` / ``max_num_queued_tokens``
     (int or None = unbounded), ``refused`` ({reason: count}), ``ttft_buckets`` (non-cumulative counts, one
-    per ``TTFT_BUCKETS_S`` bound plus +Inf), ``ttft_sum`` (s), ``ttft_count``.
+    per ``TTFT_BUCKETS_S`` bound plus +Inf), ``ttft_sum`` (s), ``ttft_count``, ``fair_share_threshold_pct``
+    (100 = fairness off), ``tier_ceilings_pct`` ({tier: percent}), ``tenants`` ({tenant id: {queued_reqs,
+    queued_tokens, weight, admitted, refused}}; admitted/refused are counts since Redis started).
     """
     with r.pipeline(transaction=False) as pipe:
         _snapshot_cmds(pipe, prefix, model)
@@ -569,8 +788,13 @@ def model_snapshot(r: redis.Redis, prefix: str, model: str) -> dict[str, Any]:
 
 
 def limits_publish(r: redis.Redis, prefix: str, model: str, max_num_queued_reqs: int | None,
-                   max_num_queued_tokens: int | None) -> None:
-    """Publish a model's limits (``None`` = unbounded) in one MULTI; in force at the next check."""
+                   max_num_queued_tokens: int | None, *, fair_share_threshold_pct: int = 100,
+                   tier_ceilings: dict[int, int] | None = None) -> None:
+    """Publish a model's limits (``None`` = unbounded) in one MULTI; in force at the next check.
+
+    ``fair_share_threshold_pct``: above this percent of a limit, a tenant holding more than its weighted share
+    is refused (100 = first come, first served); ``tier_ceilings``: {tier: percent of each limit the tier may
+    fill} (absent = 100, see ``tier_ceilings_pct``)."""
     with r.pipeline(transaction=True) as pipe:
         key = limits_key(prefix, model)
         pipe.delete(key)
@@ -579,6 +803,11 @@ def limits_publish(r: redis.Redis, prefix: str, model: str, max_num_queued_reqs:
             mapping[REASON_REQS] = int(max_num_queued_reqs)
         if max_num_queued_tokens is not None:
             mapping[REASON_TOKENS] = int(max_num_queued_tokens)
+        if int(fair_share_threshold_pct) < 100:
+            mapping["fair_share_threshold_pct"] = max(0, int(fair_share_threshold_pct))
+        for tier, pct in (tier_ceilings or {}).items():
+            if int(pct) < 100:
+                mapping[f"tier_ceiling_pct:{int(tier)}"] = max(0, int(pct))
         if mapping:
             pipe.hset(key, mapping=mapping)
         pipe.sadd(models_key(prefix), model)

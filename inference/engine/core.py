@@ -12,7 +12,9 @@ One iteration ("step"):
    (chunked prefill), then waiting requests that fit (``max_num_seqs``) -- whole prompts in one batched
    forward, and the first one that does not fit in the budget left starts a chunk at a time (a prompt whose
    prefix K/V is cached runs on its own from there: ``prefix_cache.py``). So a long prompt never stalls the
-   running decodes for more than one chunk's forward;
+   running decodes for more than one chunk's forward. Waiting requests go in order of ``priority`` (the caller's tier, set by the gateway
+   from the API key: ``inference.admission.engine_priority``), then arrival (``enqueue_by_priority``: vLLM's
+   priority scheduling order, without its preemption);
 4. sample (batched), apply stop rules, publish one ``EngineCoreOutputs`` message per client_id.
 
 A heartbeat thread SETs ``replica_key`` (``EngineStats``) with a TTL so api processes notice a dead
@@ -96,6 +98,20 @@ class _OutputBase(TypedDict):
     request_id: str
     queued_ts: float
     engine_id: str
+
+
+def enqueue_by_priority(waiting: deque[Sequence], seq: Sequence) -> None:
+    """Insert ``seq`` into ``waiting`` ordered by ``(request.priority, request.arrival_time)`` (vLLM's priority
+    scheduling order: a lower value first), after any equal key, so requests of one priority (the children of one
+    request among them) keep their arrival order. O(1) for the common case (the newcomer goes last)."""
+    key = (seq.request.priority, seq.request.arrival_time)
+    if not waiting or (waiting[-1].request.priority, waiting[-1].request.arrival_time) <= key:
+        waiting.append(seq)
+        return
+    i = len(waiting)
+    while i > 0 and (waiting[i - 1].request.priority, waiting[i - 1].request.arrival_time) > key:
+        i -= 1
+    waiting.insert(i, seq)
 
 
 class EngineCore:
@@ -417,7 +433,7 @@ class EngineCore:
         if self._early_aborts.pop(req.request_id, None) is not None:
             self._finish_out(seq, FINISH_ABORT)
             return
-        self.waiting.append(seq)
+        enqueue_by_priority(self.waiting, seq)
 
     def _abort(self, ids: set[str]) -> None:
         # An abort may overtake its request (still unread in the request stream): remember it a while.

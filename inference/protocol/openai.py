@@ -454,6 +454,13 @@ class _SamplingFields(_Base):
     # prefix cache so only requests with the same salt share cached prefixes. Here it narrows sharing further
     # within the caller's cache group; it never replaces the tenant salt the gateway adds.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    # vLLM's ``priority`` (lower = earlier). Here the priority tier comes from the API key's tenant; this field
+    # can only order the request later within that tier (0 = the tier's first), so it is ≥ 0: a client cannot
+    # raise its own priority (``inference.admission.engine_priority``).
+    priority: int | None = Field(
+        default=0, ge=0, le=2**31 - 1,
+        description="Orders the request later within its priority tier (0 = earliest). The tier itself is set by "
+                    "the operator for the API key's tenant; a request cannot raise it.")
     return_token_ids: bool | None = False
     # Structured outputs (the engine masks the logits to a grammar, ``inference.structured``): OpenAI's
     # ``response_format`` and vLLM's ``structured_outputs`` request extension; not both.

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from django.contrib import admin, messages
+from django.utils.html import format_html_join
 
 from .models import AdmissionPolicy
-from .selectors import model_admission_state, model_prefill_throughput
+from .selectors import model_admission_state, model_prefill_throughput, tenant_rows
 from .services import admission_policy_apply_suggested, suggested_max_num_queued_tokens
 
 
@@ -17,13 +18,16 @@ def _unbounded(value):
 class AdmissionPolicyAdmin(admin.ModelAdmin):
     """Per-model limits; each row also shows live counters from Redis (not the database)."""
 
-    list_display = ("served_model", "limit_reqs", "limit_tokens", "target_ttft_ms", "queued_reqs",
-                    "queued_tokens", "refused_reqs", "refused_tokens", "prefill_tokens_per_s",
-                    "suggested_tokens", "updated_at")
-    fields = ("served_model", "max_num_queued_reqs", "max_num_queued_tokens", "target_ttft_ms", "queued_reqs",
-              "queued_tokens", "refused_reqs", "refused_tokens", "prefill_tokens_per_s", "suggested_tokens")
-    readonly_fields = ("queued_reqs", "queued_tokens", "refused_reqs", "refused_tokens", "prefill_tokens_per_s",
-                       "suggested_tokens")
+    list_display = ("served_model", "limit_reqs", "limit_tokens", "target_ttft_ms", "fair_share_threshold_pct",
+                    "high_tier_reserve_pct", "low_tier_ceiling_pct", "queued_reqs", "queued_tokens", "refused_reqs",
+                    "refused_tokens", "refused_tier", "refused_fair", "prefill_tokens_per_s", "suggested_tokens",
+                    "updated_at")
+    fields = ("served_model", "max_num_queued_reqs", "max_num_queued_tokens", "target_ttft_ms",
+              "fair_share_threshold_pct", "high_tier_reserve_pct", "low_tier_ceiling_pct", "queued_reqs",
+              "queued_tokens", "refused_reqs", "refused_tokens", "refused_tier", "refused_fair", "tenants_live",
+              "prefill_tokens_per_s", "suggested_tokens")
+    readonly_fields = ("queued_reqs", "queued_tokens", "refused_reqs", "refused_tokens", "refused_tier",
+                       "refused_fair", "tenants_live", "prefill_tokens_per_s", "suggested_tokens")
     actions = ["apply_suggested"]
 
     def _state(self, obj) -> dict:
@@ -71,6 +75,26 @@ class AdmissionPolicyAdmin(admin.ModelAdmin):
     @admin.display(description="refused: max_num_queued_tokens")
     def refused_tokens(self, obj):
         return self._state(obj)["refused"]["max_num_queued_tokens"] if obj and obj.pk else "-"
+
+    @admin.display(description="refused: priority_tier")
+    def refused_tier(self, obj):
+        return self._state(obj)["refused"]["priority_tier"] if obj and obj.pk else "-"
+
+    @admin.display(description="refused: fair_share")
+    def refused_fair(self, obj):
+        return self._state(obj)["refused"]["fair_share"] if obj and obj.pk else "-"
+
+    @admin.display(description="tenants (live: queued reqs / prompt tokens, weight, admitted, refused)")
+    def tenants_live(self, obj):
+        if not (obj and obj.pk):
+            return "-"
+        rows = tenant_rows(self._state(obj)["tenants"])
+        if not rows:
+            return "none yet"
+        return format_html_join(
+            "\n", "<div>{} (id {}): {} reqs / {} tokens queued, weight {}, admitted {}, refused {}</div>",
+            ((r["name"], r["tenant"], r["queued_reqs"], r["queued_tokens"], r["weight"], r["admitted"], r["refused"])
+             for r in rows))
 
     @admin.display(description="prefill tokens/s (engines)")
     def prefill_tokens_per_s(self, obj):

@@ -13,10 +13,15 @@ from .redis import redis_client
 from .selectors import model_prefill_throughput
 
 
+POLICY_FIELDS = ("max_num_queued_reqs", "max_num_queued_tokens", "target_ttft_ms", "fair_share_threshold_pct",
+                 "high_tier_reserve_pct", "low_tier_ceiling_pct")
+
+
 def admission_policy_publish(*, policy: AdmissionPolicy) -> None:
     """Publish ``policy``'s limits for its model to Redis (in force at the next admission check)."""
     adm.limits_publish(redis_client(), settings.LINK_PREFIX, policy.served_model.served_model_name,
-                       policy.max_num_queued_reqs, policy.max_num_queued_tokens)
+                       policy.max_num_queued_reqs, policy.max_num_queued_tokens,
+                       fair_share_threshold_pct=policy.fair_share_threshold_pct, tier_ceilings=policy.tier_ceilings())
 
 
 def admission_limits_clear(*, served_model_name: str) -> None:
@@ -33,17 +38,18 @@ def admission_policies_publish_all() -> int:
     count = 0
     for sm in ServedModel.objects.all():
         p = policies.get(sm.pk)
-        adm.limits_publish(redis_client(), settings.LINK_PREFIX, sm.served_model_name,
-                           p.max_num_queued_reqs if p else None, p.max_num_queued_tokens if p else None)
+        if p is not None:
+            admission_policy_publish(policy=p)
+        else:
+            adm.limits_publish(redis_client(), settings.LINK_PREFIX, sm.served_model_name, None, None)
         count += 1
     return count
 
 
 def admission_policy_update(*, policy: AdmissionPolicy, **fields) -> AdmissionPolicy:
-    """Set ``fields`` (``max_num_queued_reqs``, ``max_num_queued_tokens``, ``target_ttft_ms``) and save;
-    the ``post_save`` hook publishes after commit."""
+    """Set ``fields`` (``POLICY_FIELDS``) and save; the ``post_save`` hook publishes after commit."""
     for name, value in fields.items():
-        if name not in ("max_num_queued_reqs", "max_num_queued_tokens", "target_ttft_ms"):
+        if name not in POLICY_FIELDS:
             raise ValueError(f"unknown admission policy field {name!r}")
         setattr(policy, name, value)
     policy.full_clean()

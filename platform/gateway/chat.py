@@ -33,7 +33,7 @@ class ChatCompletionsConsumer(GatewayConsumer):
                                  n, grant=pre.grant) as scope:
             model = await preamble.resolve_model(ctx, req.model)
             await hold_before_render(self, scope, ctx, model, n=n, size=len(body), exact=False,
-                                     max_tokens=req.requested_max_tokens[0])
+                                     max_tokens=req.requested_max_tokens[0], request_priority=req.priority)
             tokenizer, rendered, processed = await flow.render_chat_input(
                 ctx, model, req, external_id=pre.external_id, client_id=link().client_id, arrival_time=arrival)
             inputs.attach_media(processed, rendered)

@@ -42,7 +42,7 @@ class CompletionsConsumer(GatewayConsumer):
             model = await preamble.resolve_model(ctx, req.model)
             await hold_before_render(self, scope, ctx, model, n=n, exact=ids_prompt,
                                      size=len(req.prompt) if ids_prompt else len(req.prompt.encode()),
-                                     max_tokens=req.requested_max_tokens[0])
+                                     max_tokens=req.requested_max_tokens[0], request_priority=req.priority)
             structured = await inputs.structured_constraint(req)
             tokenizer = await rendering.load_tokenizer(model)
             rendering.check_prompt_chars(model, tokenizer, 0 if ids_prompt else len(req.prompt), "prompt")

@@ -127,7 +127,10 @@ class EmbeddingsConsumer(GatewayConsumer):
             total = run.prompt_tokens = sum(len(t) for t in token_ids)
             # n inputs × their mean length (rounded up) ≥ the real total
             await admission.reserve(scope.reservation, len(token_ids), math.ceil(total / len(token_ids)))
-            vectors = await run_pooling(model, pooling_requests(external_id, token_ids, link().client_id, arrival))
+            requests = pooling_requests(external_id, token_ids, link().client_id, arrival)
+            for request in requests:
+                request.priority = scope.priority  # the caller's tier (set by hold_before_render)
+            vectors = await run_pooling(model, requests)
             if not all(np.isfinite(v).all() for v in vectors):
                 raise engine_error("the engine returned a non-finite embedding", retry_after=True)
             run.first_token_time = run.finished_time = time.time()

@@ -10,6 +10,10 @@ Every value comes from Redis, so all api processes answer the same numbers (DESI
 * ``engine_prefill_tokens_per_second{model}`` (gauge) — summed measured prefill throughput;
 * ``time_to_first_token_seconds{model}`` (histogram) — TTFT of admitted requests, shared across processes
   (bucket counts kept in Redis by ``inference.admission``);
+* ``admission_tenant_admitted_total{model,tenant}`` / ``admission_tenant_refused_total{model,tenant}``
+  (counters) and ``admission_tenant_queued_requests{model,tenant}`` /
+  ``admission_tenant_queued_prompt_tokens{model,tenant}`` (gauges) — per tenant (label: the tenant id; at most
+  ``inference.admission.TENANT_SERIES_MAX`` per model, the rest as ``tenant="other"``);
 * ``gateway_handoffs_total{outcome}`` (counter) — image requests the front api relayed to the multimodal api
   (``forwarded``), served itself because that api was down (``fallback``), or lost with it (``failed``):
   gateway/handoff.py;
@@ -80,6 +84,15 @@ async def collect_families(redis: Redis, prefix: str) -> list[Metric]:
                             labels=["model"])
     ttft = HistogramMetricFamily("time_to_first_token_seconds", "Time to first token of admitted requests",
                                  labels=["model"])
+    t_adm = CounterMetricFamily("admission_tenant_admitted", "Requests admitted by admission control, per tenant",
+                                labels=["model", "tenant"])
+    t_ref = CounterMetricFamily("admission_tenant_refused", "Requests refused by admission control (503), per tenant",
+                                labels=["model", "tenant"])
+    t_reqs = GaugeMetricFamily("admission_tenant_queued_requests", "Admitted, unfinished requests, per tenant",
+                               labels=["model", "tenant"])
+    t_toks = GaugeMetricFamily("admission_tenant_queued_prompt_tokens",
+                               "Prompt tokens of admitted requests without a first token yet, per tenant",
+                               labels=["model", "tenant"])
     adm_client = admission()
     for model in models:
         snap = await adm_client.snapshot(model)
@@ -97,6 +110,11 @@ async def collect_families(redis: Redis, prefix: str) -> list[Metric]:
             cumulative += count
             buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
         ttft.add_metric([model], buckets, snap["ttft_sum"])
+        for tenant, row in adm.tenant_series(snap["tenants"]):
+            t_adm.add_metric([model, tenant], row["admitted"])
+            t_ref.add_metric([model, tenant], row["refused"])
+            t_reqs.add_metric([model, tenant], row["queued_reqs"])
+            t_toks.add_metric([model, tenant], row["queued_tokens"])
     handoffs = CounterMetricFamily("gateway_handoffs", "Image requests handed to the multimodal api, by outcome",
                                    labels=["outcome"])
     counts = await redis.hgetall(handoff.handoff_key(prefix))
@@ -115,7 +133,8 @@ async def collect_families(redis: Redis, prefix: str) -> list[Metric]:
     seg_misses = CounterMetricFamily("render_segment_cache_misses", "Prompt segments encoded and then stored in "
                                      "the segment tokenization cache")
     seg_misses.add_metric([], int(seg.get(b"misses", seg.get("misses", 0))))
-    return [rejections, q_reqs, q_toks, lim_reqs, lim_toks, tps, ttft, handoffs, refusals, seg_hits, seg_misses,
+    return [rejections, q_reqs, q_toks, lim_reqs, lim_toks, tps, ttft, t_adm, t_ref, t_reqs, t_toks, handoffs, refusals,
+            seg_hits, seg_misses,
             *await _replica_families(redis, prefix, models)]
 
 async def _replica_families(redis: Redis, prefix: str, models: list[str]) -> list[Metric]:

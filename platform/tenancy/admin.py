@@ -33,7 +33,7 @@ class ApiKeyAdminForm(forms.ModelForm):
 
     class Meta:
         model = ApiKey
-        fields = ("tenant", "name", "allowed_models", "scopes", "expires_at", *LIMIT_FIELDS)
+        fields = ("tenant", "name", "allowed_models", "scopes", "expires_at", *LIMIT_FIELDS, "priority_tier")
 
     def clean_name(self):
         """The name rule of ``tenancy.services.api_key_name_validate`` (a form error, not a 500)."""
@@ -67,9 +67,9 @@ class ApiKeyInline(admin.TabularInline):
 
 @admin.register(Tenant)
 class TenantAdmin(admin.ModelAdmin):
-    list_display = ("name", "is_active", "owner", "cache_group", "rpm_limit", "tpm_limit",
-                    "max_concurrent_requests", "token_budget", "created_at")
-    list_filter = ("is_active",)
+    list_display = ("name", "is_active", "owner", "cache_group", "priority_tier", "fair_share_weight", "rpm_limit",
+                    "tpm_limit", "max_concurrent_requests", "token_budget", "created_at")
+    list_filter = ("is_active", "priority_tier")
     search_fields = ("name", "owner__username", "cache_group")
     raw_id_fields = ("owner",)
     inlines = [ApiKeyInline]
@@ -104,9 +104,9 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
     def get_fields(self, request, obj=None):
         if obj is None:
-            return ("tenant", "name", "allowed_models", "scopes", "expires_at", *LIMIT_FIELDS)
-        return ("tenant", "prefix", "name", "allowed_models", "scopes", "expires_at", *LIMIT_FIELDS, "revoked_at",
-                "last_used_at", "replaced_by", "created_at")
+            return ("tenant", "name", "allowed_models", "scopes", "expires_at", *LIMIT_FIELDS, "priority_tier")
+        return ("tenant", "prefix", "name", "allowed_models", "scopes", "expires_at", *LIMIT_FIELDS, "priority_tier",
+                "revoked_at", "last_used_at", "replaced_by", "created_at")
 
     def save_model(self, request, obj, form, change):
         if change:
@@ -118,7 +118,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
             allowed_models=form.cleaned_data.get("allowed_models") or [],
             scopes=form.cleaned_data.get("scopes") or None,
             expires_at=form.cleaned_data.get("expires_at"),
-            limits={f: form.cleaned_data.get(f) for f in LIMIT_FIELDS if f in form.cleaned_data},
+            limits={f: form.cleaned_data.get(f) for f in (*LIMIT_FIELDS, "priority_tier") if f in form.cleaned_data},
         )
         # The admin goes on to log and redirect with ``obj``: make it the saved row.
         obj.__dict__.update({k: v for k, v in api_key.__dict__.items() if k != "_state"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.conf import settings
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.utils import timezone
 
@@ -14,6 +15,11 @@ def _default_scopes() -> list[str]:
 
 
 BUDGET_PERIOD_CHOICES = [("day", "day (UTC)"), ("week", "week (UTC, from Monday)"), ("month", "month (UTC)")]
+
+# Priority tiers of admission and engine scheduling (inference.admission.TIERS: lower = more important).
+PRIORITY_TIER_CHOICES = [(0, "high"), (1, "standard"), (2, "low")]
+PRIORITY_TIER_DEFAULT = 1
+FAIR_SHARE_WEIGHT_MAX = 1000
 
 
 class LimitFields(models.Model):
@@ -49,6 +55,16 @@ class Tenant(LimitFields):
         help_text="Prompt and image caches are shared only within a cache group. Blank = this tenant "
                   "alone; tenants given the same non-blank group share cached prefixes and image features (and "
                   "can tell, from cached_tokens and latency, what the others recently sent).")
+    priority_tier = models.PositiveSmallIntegerField(
+        choices=PRIORITY_TIER_CHOICES, default=PRIORITY_TIER_DEFAULT,
+        help_text="Admission refuses lower tiers first (each model's admission policy sets how much of its limits "
+                  "each tier may fill) and engines run waiting requests by tier, then arrival. Requests cannot "
+                  "raise it (their 'priority' only orders them later within the tier).")
+    fair_share_weight = models.PositiveIntegerField(
+        default=1, validators=[MinValueValidator(1), MaxValueValidator(FAIR_SHARE_WEIGHT_MAX)],
+        help_text="When a model is busy (above its policy's fair-share threshold), the tenants queueing for it "
+                  "share its admission limits in proportion to their weights; a tenant over its share is refused "
+                  "first.")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -78,6 +94,10 @@ class ApiKey(LimitFields):
     replaced_by = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.SET_NULL, related_name="replaces", editable=False,
         help_text="the key this one was rotated into")
+    priority_tier = models.PositiveSmallIntegerField(
+        choices=PRIORITY_TIER_CHOICES, null=True, blank=True,
+        help_text="Blank = the tenant's tier. A key's tier can only lower its tenant's (the lower of the two "
+                  "applies).")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -86,6 +106,12 @@ class ApiKey(LimitFields):
 
     def __str__(self) -> str:
         return f"{self.prefix} ({self.name})"
+
+    @property
+    def effective_priority_tier(self) -> int:
+        """The tier its requests get: the key's when set, but never better than its tenant's."""
+        tenant_tier = self.tenant.priority_tier
+        return tenant_tier if self.priority_tier is None else max(tenant_tier, self.priority_tier)
 
     def is_usable(self, now=None) -> bool:
         """Not revoked, not expired and its tenant active (``now`` defaults to the current time)."""

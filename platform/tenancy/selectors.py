@@ -20,7 +20,9 @@ _DUMMY_HASH = "0" * 64
 class AuthContext:
     """Who is calling: the authenticated key and its tenant. Immutable, safe to cache (<= 1 s).
 
-    ``key_limits``/``tenant_limits`` carry the limits so ``tenancy.limits.limits_acquire`` needs no DB hit.
+    ``key_limits``/``tenant_limits`` carry the limits so ``tenancy.limits.limits_acquire`` needs no DB hit;
+    ``priority_tier`` (the key's effective tier) and ``fair_share_weight`` (the tenant's) go to admission and
+    the engine (``inference.admission``), never taken from the request.
     """
 
     key_id: int
@@ -33,6 +35,8 @@ class AuthContext:
     key_limits: Limits = UNLIMITED
     tenant_limits: Limits = UNLIMITED
     cache_group: str = ""
+    priority_tier: int = 1
+    fair_share_weight: int = 1
 
     @property
     def cache_scope(self) -> str:
@@ -111,6 +115,8 @@ def api_key_check(secret: str) -> AuthContext | AuthRefusal:
         key_limits=api_key.limits(),
         tenant_limits=api_key.tenant.limits(),
         cache_group=api_key.tenant.cache_group or "",
+        priority_tier=api_key.effective_priority_tier,
+        fair_share_weight=api_key.tenant.fair_share_weight,
     )
 
 

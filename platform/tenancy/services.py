@@ -55,6 +55,20 @@ def tenant_get_or_create(*, name: str) -> Tenant:
     return tenant
 
 
+def tenant_priority_update(*, tenant: Tenant, priority_tier: int | None = None,
+                           fair_share_weight: int | None = None) -> Tenant:
+    """Set the tenant's priority tier (0 high, 1 standard, 2 low) and/or fair-share weight (1..1000); an operator's
+    action (never the tenant's). In force in every api process at once (the save invalidates its keys' cached
+    ``AuthContext``s, ``tenancy.invalidation``). Raises ``django.core.exceptions.ValidationError`` for bad values."""
+    if priority_tier is not None:
+        tenant.priority_tier = priority_tier
+    if fair_share_weight is not None:
+        tenant.fair_share_weight = fair_share_weight
+    tenant.full_clean(validate_unique=False)
+    tenant.save(update_fields=["priority_tier", "fair_share_weight"])
+    return tenant
+
+
 class KeyRuleError(Exception):
     """A key change that breaks a rule. ``param``: the field at fault (or None); ``code``: machine-readable."""
 
@@ -114,7 +128,10 @@ def _str_list(values, field: str) -> list[str]:
     return list(dict.fromkeys(v.strip() for v in values))
 
 
-LIMIT_FIELDS = ("rpm_limit", "tpm_limit", "max_concurrent_requests", "token_budget", "budget_period")
+# ``priority_tier`` (0 high, 1 standard, 2 low; None = the tenant's) travels with the limits: a key can only lower
+# its tenant's tier (``ApiKey.effective_priority_tier``), and a tenant-side caller only set a tier no better than
+# the acting key's (``key_wider_than``).
+LIMIT_FIELDS = ("rpm_limit", "tpm_limit", "max_concurrent_requests", "token_budget", "budget_period", "priority_tier")
 SCOPES_TENANT = ("inference", "usage:read", "keys:write")
 SCOPES_OPERATOR = ("metrics", "operator")
 
@@ -128,6 +145,9 @@ def _limits_clean(limits: dict | None) -> dict:
         if name == "budget_period":
             if value not in (None, "", "day", "week", "month"):
                 raise ValueError("budget_period must be day, week or month")
+        elif name == "priority_tier":
+            if value is not None and (isinstance(value, bool) or value not in (0, 1, 2)):
+                raise ValueError("priority_tier must be 0 (high), 1 (standard), 2 (low) or null (the tenant's)")
         elif value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise ValueError(f"{name} must be a non-negative integer or null")
     if not values.get("budget_period"):
@@ -143,7 +163,8 @@ def key_wider_than(actor: ApiKey, *, scopes, allowed_models, expires_at, limits:
 
     Wider means: a scope the actor lacks; a model outside the actor's ``allowed_models`` (or every model when
     the actor has a list); no expiry or a later one than the actor's; any of ``rpm_limit``, ``tpm_limit``,
-    ``max_concurrent_requests``, ``token_budget`` unset or higher where the actor has it; with a token budget,
+    ``max_concurrent_requests``, ``token_budget`` unset or higher where the actor has it; a ``priority_tier``
+    unset or better (smaller) than the actor's where the actor has one; with a token budget,
     a shorter ``budget_period`` (the same budget per day is looser than per week). ``limits`` maps
     ``LIMIT_FIELDS`` to values (missing = unset).
     """
@@ -162,6 +183,11 @@ def key_wider_than(actor: ApiKey, *, scopes, allowed_models, expires_at, limits:
         mine, theirs = getattr(actor, field), limits.get(field)
         if mine is not None and (theirs is None or theirs > mine):
             return field, f"must be set and at most {mine}, the acting API key's {field}"
+    if actor.priority_tier is not None:
+        theirs = limits.get("priority_tier")
+        if theirs is None or theirs < actor.priority_tier:
+            return "priority_tier", (f"must be set and at least {actor.priority_tier}, the acting API key's tier "
+                                     "(a larger number is a lower priority)")
     if actor.token_budget is not None:
         mine = _PERIOD_DAYS[actor.budget_period or "month"]
         if _PERIOD_DAYS[limits.get("budget_period") or "month"] < mine:

@@ -29,6 +29,7 @@ from django.views.decorators.http import require_GET
 from django.views.static import serve
 
 from inference.protocol.errors import ErrorType, error_dict
+from admission.selectors import admission_tenant_table
 from tenancy.models import ApiKey, Tenant
 
 from .selectors import RANGES, usage_key_table, usage_range, usage_series
@@ -259,6 +260,7 @@ def operator_dashboard_context(request) -> dict:
         "title": "Usage dashboard (all tenants)", "operator": True, "keys": keys, "range": range_name,
         "api_key_id": key_id, "ranges": list(RANGES), "data_url": data_url, "ws_path": "/ws/usage/",
         "data": data, "q": q or "", "tenant_id": tenant_id,
+        "admission_tenants": admission_tenant_table(),
     }
 
 

@@ -60,7 +60,8 @@ async def test_reqs_limit_boundary_and_n(prefix, sync_r):
         await a.release(r3)
         assert state(sync_r, prefix) == (0, 0)
         snap = adm.model_snapshot(sync_r, prefix, M)
-        assert snap["refused"] == {"max_num_queued_reqs": 2, "max_num_queued_tokens": 0}
+        assert snap["refused"] == {"max_num_queued_reqs": 2, "max_num_queued_tokens": 0, "priority_tier": 0,
+                                   "fair_share": 0}
     finally:
         await a.close()
 

@@ -122,7 +122,7 @@ class EngineProc:
     def hb_key(self) -> str:
         return replica_key(self.prefix, MODEL, self.engine_id)
 
-    def wait_ready(self, timeout: float = 180) -> None:
+    def wait_ready(self, timeout: float = 180) -> None:  # torch import and load: a minute on a loaded 2-core box
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.r.exists(self.hb_key):
@@ -136,13 +136,13 @@ class EngineProc:
         raw = self.r.get(self.hb_key)
         return EngineStats.from_wire(raw) if raw else None
 
-    def send(self, prompt: list[int], request_id: str | None = None, **sampling) -> str:
-        """XADD one EngineCoreRequest; returns its request id."""
+    def send(self, prompt: list[int], request_id: str | None = None, priority: int = 0, **sampling) -> str:
+        """XADD one EngineCoreRequest (of ``priority``: lower runs first); returns its request id."""
         rid = request_id or f"req-{uuid.uuid4().hex[:8]}"
         sampling.setdefault("eos_token_ids", EOS_IDS)
         req = EngineCoreRequest(request_id=rid, external_req_id=rid, prompt_token_ids=prompt,
                                 sampling_params=SamplingParams(**sampling), client_id=self.client_id,
-                                arrival_time=time.time())
+                                arrival_time=time.time(), priority=priority)
         # like an api process, keep this client's liveness key fresh while it has requests in flight
         self.r.set(api_alive_key(self.prefix, self.client_id), b"1", ex=120)
         self.r.xadd(requests_stream(self.prefix, MODEL), {"r": req.to_wire()})

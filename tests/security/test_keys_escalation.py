@@ -196,3 +196,29 @@ def test_safe_key_names_are_accepted(tenant):
     r = bearer_client(admin_secret).post("/api/v1/keys", {"name": name}, format="json")
     assert r.status_code == 201 and r.json()["name"] == name
     assert api_key_create(tenant=tenant, name="a" * 100)[0].name == "a" * 100
+
+
+def test_priority_tier_can_only_be_lowered(tenant):
+    """A key's tier never beats its tenant's (even set by an operator), a key sets no better tier than its own,
+    and the tenant's tier and weight are not in the tenant-side API at all."""
+    tenant.priority_tier, tenant.fair_share_weight = 1, 3
+    tenant.save()
+    boosted, secret = api_key_create(tenant=tenant, name="op-boosted", limits={"priority_tier": 0})  # an operator
+    ctx = api_key_authenticate(secret)
+    assert boosted.effective_priority_tier == 1 and ctx.priority_tier == 1 and ctx.fair_share_weight == 3
+    actor, c = _limited_admin(tenant, limits={"priority_tier": 1})
+    _refused(c.post("/api/v1/keys", _ok_child(priority_tier=0), format="json"), 403, "priority_tier")
+    _refused(c.post("/api/v1/keys", _ok_child(), format="json"), 403, "priority_tier")  # unset = the tenant's
+    _refused(c.post("/api/v1/keys", _ok_child(priority_tier=3), format="json"), 400, "priority_tier")
+    r = c.post("/api/v1/keys", _ok_child(priority_tier=2), format="json")
+    assert r.status_code == 201, r.content
+    assert r.json()["priority_tier"] == 2 and r.json()["effective_priority_tier"] == 2
+    assert api_key_authenticate(r.json()["key"]).priority_tier == 2
+    child = r.json()["id"]
+    _refused(c.patch(f"/api/v1/keys/{child}", {"priority_tier": 0}, format="json"), 403, "priority_tier")
+    _refused(c.patch(f"/api/v1/keys/{child}", {"priority_tier": -1}, format="json"), 400, "priority_tier")
+    r = c.patch(f"/api/v1/keys/{child}", {"fair_share_weight": 100}, format="json")  # not a key field: ignored
+    assert ApiKey.objects.get(pk=child).tenant.fair_share_weight == 3
+    rotated = c.post(f"/api/v1/keys/{child}/rotate", {}, format="json")
+    assert rotated.status_code in (200, 201), rotated.content
+    assert rotated.json()["priority_tier"] == 2  # a rotation keeps the tier

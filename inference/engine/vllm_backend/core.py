@@ -29,7 +29,7 @@ from inference.protocol.engine import (
     EngineCoreRequest,
 )
 
-from ..core import EngineCore, _OutputBase
+from ..core import EngineCore, _OutputBase, enqueue_by_priority
 from ..runner import RequestError, Sequence, check_token_ids, now
 from .params import (
     UnsupportedRequestError,
@@ -137,7 +137,7 @@ class VllmEngineCore(EngineCore):
             self._finish_out(seq, FINISH_ABORT)
             return
         self._params[req.request_id] = params
-        self.waiting.append(seq)
+        enqueue_by_priority(self.waiting, seq)  # tier, then arrival, as the native engine
 
     def _validate(self, req: EngineCoreRequest) -> Any:
         """vLLM's ``SamplingParams`` for ``req``; ``RequestError`` with the native engine's message for what it

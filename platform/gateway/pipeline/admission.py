@@ -12,20 +12,25 @@ from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutErr
 
 from gateway.pipeline.clients import admission, retry_later
 from gateway.pipeline.failures import api_error_from
-from inference.admission import AdmissionRefused, Reservation, estimate_prompt_tokens
+from inference.admission import TIER_STANDARD, AdmissionRefused, Reservation, estimate_prompt_tokens
+from tenancy.selectors import AuthContext
 
 log = logging.getLogger(__name__)
 
 
-async def precheck(model: ModelSnapshot, request_id: str, n: int, size: int, exact: bool = False) -> Reservation:
+async def precheck(model: ModelSnapshot, request_id: str, n: int, size: int, exact: bool = False,
+                   ctx: AuthContext | None = None) -> Reservation:
     """Provisional reservation before rendering; 503 when refused.
 
     ``size``: an upper bound of the prompt's tokens known before rendering (the body's or the prompt
-    text's bytes, or with ``exact`` the length of a token-id prompt); see ``estimate_prompt_tokens``.
+    text's bytes, or with ``exact`` the length of a token-id prompt); see ``estimate_prompt_tokens``. ``ctx``: the
+    caller, whose tenant, fair-share weight and priority tier admission counts (None: no tenant accounting).
     """
     try:
-        return await admission().precheck(model.served_model_name, request_id, n,
-                                          estimate_prompt_tokens(size, model.max_model_len, exact=exact))
+        return await admission().precheck(
+            model.served_model_name, request_id, n, estimate_prompt_tokens(size, model.max_model_len, exact=exact),
+            tenant="" if ctx is None else str(ctx.tenant_id), weight=1 if ctx is None else ctx.fair_share_weight,
+            tier=TIER_STANDARD if ctx is None else ctx.priority_tier)
     except AdmissionRefused as exc:
         raise api_error_from(exc) from None
 

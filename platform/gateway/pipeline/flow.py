@@ -11,6 +11,7 @@ from gateway.pipeline import admission, inputs, limits, rendering
 from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.media import render_chat_media
 from gateway.pipeline.scope import RequestScope
+from inference.admission import engine_priority
 from inference.input_processor import ProcessedInput
 from inference.protocol.openai import ChatCompletionRequest
 from inference.renderer.tokenizer_cache import LoadedTokenizer
@@ -18,26 +19,33 @@ from tenancy.selectors import AuthContext
 
 
 async def hold_before_render(consumer: GatewayConsumer, scope: RequestScope, ctx: AuthContext, model: ModelSnapshot, *, n: int, size: int,
-                             exact: bool, max_tokens: int | None = None, tokens: int | None = None) -> None:
+                             exact: bool, max_tokens: int | None = None, tokens: int | None = None,
+                             request_priority: int | None = None) -> None:
     """Steps 2-3, before any render or image work: the key's limits on an estimate (``tokens``, else
     ``limits.estimate(model, size, n, max_tokens)``; 429): added to ``scope.grant`` when the preamble took the
     request and concurrency limits already (``limits.add_tokens``), else taken whole (``limits.acquire``); then the admission pre-check of ``n`` requests of at
-    most ``size`` (bytes, or with ``exact`` token ids; 503). Both are recorded on ``scope`` as soon as taken."""
+    most ``size`` (bytes, or with ``exact`` token ids; 503), counted for the caller's tenant (fair share, tier). Both
+    are recorded on ``scope`` as soon as taken; ``scope.priority`` becomes the engine priority of the caller's tier,
+    its tenant's standing against its fair share at admission, and the request's own ``priority`` (which only orders
+    it later within the tier)."""
     if tokens is None:
         tokens = limits.estimate(model, size, n, max_tokens, exact=exact)
     if scope.grant is None:
         scope.grant = await limits.acquire(consumer, ctx, tokens)
     else:
         await limits.add_tokens(consumer, ctx, scope.grant, tokens)
-    scope.reservation = await admission.precheck(model, scope.recorder.request_id, n, size, exact=exact)
+    scope.reservation = await admission.precheck(model, scope.recorder.request_id, n, size, exact=exact, ctx=ctx)
+    scope.priority = engine_priority(ctx.priority_tier, request_priority, scope.reservation.fair_rank)
 
 
 async def admit_and_start(scope: RequestScope, model: ModelSnapshot, tokenizer: LoadedTokenizer, processed: ProcessedInput, *,
                           stop: list[str] | None, include_stop_str_in_output: bool, skip_special_tokens: bool,
                           arrival_time: float) -> GenerationRun:
     """Steps 3 (exact reserve: ``n`` × real prompt tokens; 503) and 7 (engine hand-off; 503): returns the
-    started run, recorded on ``scope``."""
+    started run, recorded on ``scope``. The engine requests get ``scope.priority`` (tier, then arrival)."""
     await admission.reserve(scope.reservation, len(processed.requests), len(processed.prompt_token_ids))
+    for request in processed.requests:
+        request.priority = scope.priority
     run = scope.run = GenerationRun(model, processed, tokenizer, stop=stop,
                                     include_stop_str_in_output=include_stop_str_in_output,
                                     skip_special_tokens=skip_special_tokens, arrival_time=arrival_time,

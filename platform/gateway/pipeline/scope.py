@@ -23,9 +23,11 @@ class RequestScope:
 
     ``reservation``: admission (``inference.admission.Reservation``); ``grant``: key limits
     (``tenancy.limits.LimitGrant``); ``run``: the engine work (a ``GenerationRun``, or an object with the token
-    counts of ``UsageRecorder.run`` and optionally an async ``close()``)."""
+    counts of ``UsageRecorder.run`` and optionally an async ``close()``); ``priority``: the engine priority of
+    its requests (``inference.admission.engine_priority``: the key's tier, then the request's own ``priority``)."""
 
     recorder: UsageRecorder
+    priority: int = 0
     reservation: Any = None
     grant: Any = None
     run: Any = None

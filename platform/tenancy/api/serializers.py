@@ -39,12 +39,15 @@ class ApiKeySerializer(serializers.ModelSerializer):
     """A key as listed: no secret, no hash."""
 
     status = serializers.SerializerMethodField()
+    effective_priority_tier = serializers.IntegerField(
+        read_only=True, help_text="the tier its requests get: 0 high, 1 standard, 2 low (the lower of the key's and "
+                                  "its tenant's; the tenant's tier and fair-share weight are set by an operator)")
 
     class Meta:
         model = ApiKey
         fields = ("id", "prefix", "name", "scopes", "allowed_models", "rpm_limit", "tpm_limit",
-                  "max_concurrent_requests", "token_budget", "budget_period", "expires_at", "revoked_at",
-                  "last_used_at", "replaced_by", "created_at", "status")
+                  "max_concurrent_requests", "token_budget", "budget_period", "priority_tier", "effective_priority_tier",
+                  "expires_at", "revoked_at", "last_used_at", "replaced_by", "created_at", "status")
         read_only_fields = fields
 
     def get_status(self, obj: ApiKey) -> str:
@@ -86,6 +89,10 @@ class ApiKeyWriteSerializer(serializers.Serializer):
     max_concurrent_requests = StrictIntegerField(required=False, allow_null=True, min_value=1, max_value=2**31 - 1)
     token_budget = StrictIntegerField(required=False, allow_null=True, min_value=1, max_value=2**63 - 1)
     budget_period = serializers.ChoiceField(choices=[c for c, _ in BUDGET_PERIOD_CHOICES], required=False)
+    priority_tier = StrictIntegerField(
+        required=False, allow_null=True, min_value=0, max_value=2,
+        help_text="0 high, 1 standard, 2 low; null = the tenant's tier. A key never gets a better tier than its "
+                  "tenant's, nor (set by a key) than the acting key's.")
 
 
 class RotateSerializer(serializers.Serializer):
