@@ -24,6 +24,8 @@ from tenancy.services import api_key_create
 pytestmark = pytest.mark.django_db
 
 
+FAIRNESS_DEFAULTS = {"fair_share_threshold_pct": "50", "high_tier_reserve_pct": "0", "low_tier_ceiling_pct": "75"}
+
 def _client(secret: str | None = None) -> APIClient:
     client = APIClient()
     if secret:
@@ -167,6 +169,7 @@ def test_admin_changes_leave_entries_naming_the_user(tenant, operator, model_dir
     r = client.post(reverse("admin:tenancy_tenant_change", args=[tenant.pk]),
                     {"name": "acme", "is_active": "on", "owner": "", "cache_group": "", "rpm_limit": "50",
                      "tpm_limit": "1000", "max_concurrent_requests": "", "token_budget": "", "budget_period": "month",
+                     "priority_tier": str(tenant.priority_tier), "fair_share_weight": "1",
                      "api_keys-TOTAL_FORMS": "0", "api_keys-INITIAL_FORMS": "0", "api_keys-MIN_NUM_FORMS": "0",
                      "api_keys-MAX_NUM_FORMS": "1000"})
     assert r.status_code == 302, r.content.decode()[:3000]
@@ -175,7 +178,7 @@ def test_admin_changes_leave_entries_naming_the_user(tenant, operator, model_dir
     assert tenant_entry.changes_dict == {"rpm_limit": [100, 50], "tpm_limit": [None, 1000]}
 
     data = {"served_model_name": "m1", "task": "generate", "enabled": "on", "model_dir": str(model_dir),
-            "tokenizer_dir": "", "max_model_len": "", "max_num_seqs": "32", "dtype": "auto", "device": "cpu",
+            "tokenizer_dir": "", "max_model_len": "", "max_num_seqs": "32", "num_replicas": "1", "backend": "native", "dtype": "auto", "device": "cpu",
             "chat_template": ""}
     assert client.post(reverse("admin:registry_servedmodel_add"), data).status_code == 302
     sm = ServedModel.objects.get(served_model_name="m1")
@@ -185,11 +188,12 @@ def test_admin_changes_leave_entries_naming_the_user(tenant, operator, model_dir
 
     r = client.post(reverse("admin:admission_admissionpolicy_add"),
                     {"served_model": sm.pk, "max_num_queued_reqs": "4", "max_num_queued_tokens": "",
-                     "target_ttft_ms": "2000"})
+                     "target_ttft_ms": "2000", **FAIRNESS_DEFAULTS})
     assert r.status_code == 302, r.content.decode()[:3000]
     policy = AdmissionPolicy.objects.get()
     r = client.post(reverse("admin:admission_admissionpolicy_change", args=[policy.pk]),
-                    {"max_num_queued_reqs": "2", "max_num_queued_tokens": "64", "target_ttft_ms": "2000"})
+                    {"max_num_queued_reqs": "2", "max_num_queued_tokens": "64", "target_ttft_ms": "2000",
+                     **FAIRNESS_DEFAULTS})
     assert r.status_code == 302, r.content.decode()[:3000]
     assert _last(policy).changes_dict == {"max_num_queued_reqs": [4, 2], "max_num_queued_tokens": [None, 64]}
     assert _last(policy).actor_id == user.pk and _last(policy).additional_data["source"] == "admin"

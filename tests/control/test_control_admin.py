@@ -81,7 +81,7 @@ def test_revoke_action(admin_client_logged):
 def test_add_served_model_in_admin_reads_config(admin_client_logged, model_dir, tmp_path):
     data = {
         "served_model_name": "qwen3-tiny", "task": "generate", "enabled": "on", "model_dir": str(model_dir),
-        "tokenizer_dir": "", "max_model_len": "", "max_num_seqs": "32", "dtype": "auto", "device": "cpu",
+        "tokenizer_dir": "", "max_model_len": "", "max_num_seqs": "32", "num_replicas": "1", "backend": "native", "dtype": "auto", "device": "cpu",
         "chat_template": "",
     }
     response = admin_client_logged.post(reverse("admin:registry_servedmodel_add"), data)

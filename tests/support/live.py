@@ -7,6 +7,7 @@ import json
 import sys
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -42,9 +43,33 @@ def ensure_model(live: LivePlatform, name: str, model_dir: str | Path, *register
     done = live.extra.setdefault("registered", set())
     if name not in done:
         live.manage("register_model", name, str(model_dir), *register_args)
+        if "embed" not in register_args:
+            warm_tokenizer(live, name)
         done.add(name)
     if engine and f"engine-{name}" not in {child.name for child in live.sup.children}:
         live.start_engine(name=f"engine-{name}", model=name)
+
+
+def warm_tokenizer(live: LivePlatform, model: str, rounds: int = 30) -> None:
+    """Have every render worker load ``model``'s tokenizer: rounds of 4 concurrent ``/tokenize`` calls until one
+    round is all 200. A worker's first render of a newly registered model loads its tokenizer inside the render
+    time limit (5 s), which a loaded machine can exceed (503 ``render_unavailable``, retryable)."""
+    body = json.dumps({"model": model, "prompt": "warm up"}).encode()
+
+    def one() -> int:
+        req = urllib.request.Request(live.base_url + "/tokenize", data=body, method="POST", headers={
+            "Authorization": f"Bearer {live.api_key}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(rounds):
+            if all(code == 200 for code in pool.map(lambda _i: one(), range(4))):
+                return
+    raise AssertionError(f"/tokenize of {model} did not answer 200 after {rounds} rounds")
 
 
 def ensure_inline_api(live: LivePlatform) -> str:
