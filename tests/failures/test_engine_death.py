@@ -105,8 +105,14 @@ def test_two_replicas_keep_a_conversation_on_one_and_take_over_from_a_stopped_on
     assert len(grew) == 1 and sum(grew.values()) == 3, grew  # every turn on one replica
     assert cached[1] > 0 and cached[2] > cached[1], cached  # the history was not prefilled again
     (holder,) = grew
+    # the replica reports its counters with its heartbeat (about once a second): wait for the one after the turns
+    def hits() -> int:
+        return next((s.prefix_hit_tokens for s in live.replicas() if s.engine_id == holder), 0)
+    deadline = time.monotonic() + 10
+    while hits() < cached[1] + cached[2] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert hits() >= cached[1] + cached[2], (hits(), cached)
     st = {s.engine_id: s for s in live.replicas()}
-    assert st[holder].prefix_hit_tokens >= cached[1] + cached[2]
     metrics_key = live.new_key(scopes="metrics")
     text = httpx.get(live.base_url + "/metrics", headers={"Authorization": f"Bearer {metrics_key}"}).text
     assert f'engine_routed_requests_total{{engine_id="{holder}",model="{MODEL}"}}' in text

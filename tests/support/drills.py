@@ -502,11 +502,17 @@ def run_drill(plat: DrillPlatform, name: str, *, requests: int = 12, spread_s: f
     return result
 
 
+def _recordable(o: Outcome) -> bool:
+    """Whether a request's end must leave exactly one usage record: an answer (``ok`` or an error envelope), except a
+    503 ``database_unavailable``, which is answered while the database (where the key is read) is down."""
+    return o.kind in ("ok", "error") and o.code != "database_unavailable"
+
+
 def usage_check(plat: DrillPlatform, results: list[DrillResult], timeout_s: float = 60.0) -> None:
     """Fill in ``lost`` and ``doubled`` of every drill: each request that got an answer (``ok`` or ``error``) needs
     exactly one usage record. Waits up to ``timeout_s`` for the usage worker to write what is still in the stream
     (entries a killed worker held are claimed again after 30 s, usage/services.py)."""
-    answered = {o.client_id for res in results for o in res.outcomes if o.kind in ("ok", "error")}
+    answered = {o.client_id for res in results for o in res.outcomes if _recordable(o)}
     deadline = time.monotonic() + timeout_s
     counts: dict[str, int] = {}
     while True:
@@ -515,7 +521,7 @@ def usage_check(plat: DrillPlatform, results: list[DrillResult], timeout_s: floa
             break
         time.sleep(1)
     for res in results:
-        mine = [o for o in res.outcomes if o.kind in ("ok", "error")]
+        mine = [o for o in res.outcomes if _recordable(o)]
         res.lost = sum(1 for o in mine if counts.get(o.client_id, 0) == 0)
         res.doubled = sum(1 for o in res.outcomes if counts.get(o.client_id, 0) > 1)
 

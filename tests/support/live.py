@@ -51,8 +51,8 @@ def ensure_model(live: LivePlatform, name: str, model_dir: str | Path, *register
 
 
 def warm_tokenizer(live: LivePlatform, model: str, rounds: int = 30) -> None:
-    """Have every render worker load ``model``'s tokenizer: rounds of 4 concurrent ``/tokenize`` calls until one
-    round is all 200. A worker's first render of a newly registered model loads its tokenizer inside the render
+    """Have every render worker load ``model``'s tokenizer: rounds of 8 concurrent ``/tokenize`` calls until three
+    rounds in a row are all 200. A worker's first render of a newly registered model loads its tokenizer inside the render
     time limit (5 s), which a loaded machine can exceed (503 ``render_unavailable``, retryable)."""
     body = json.dumps({"model": model, "prompt": "warm up"}).encode()
 
@@ -65,9 +65,11 @@ def warm_tokenizer(live: LivePlatform, model: str, rounds: int = 30) -> None:
         except urllib.error.HTTPError as exc:
             return exc.code
 
-    with ThreadPoolExecutor(4) as pool:
+    good = 0  # consecutive rounds all 200: each round's calls spread over the render workers (prefetch aside)
+    with ThreadPoolExecutor(8) as pool:
         for _ in range(rounds):
-            if all(code == 200 for code in pool.map(lambda _i: one(), range(4))):
+            good = good + 1 if all(code == 200 for code in pool.map(lambda _i: one(), range(8))) else 0
+            if good == 3:
                 return
     raise AssertionError(f"/tokenize of {model} did not answer 200 after {rounds} rounds")
 
