@@ -173,12 +173,23 @@ def control_text_check(name: str, body: dict, got: list[int]) -> str | None:
     return None
 
 
+def _post_retrying(http, path: str, body: dict):
+    """POST, retried (twice at most) on a 503 ``render_unavailable``: a render worker's first use of a tokenizer
+    (loading it, building its control-token matcher) counts against the 5 s render limit and can exceed it on a
+    loaded machine; the 503 is the documented retryable answer to that (a client retries it)."""
+    for _ in range(2):
+        resp = http.post(path, json=body)
+        if resp.status_code != 503 or "render_unavailable" not in resp.text:
+            return resp
+    return http.post(path, json=body)
+
+
 @pytest.mark.parametrize("name", TOKENIZER_NAMES)
 def test_tokenize_matches_transformers(http, name):
     mismatches, checked = [], 0
     for case_id, body in CORPUS:
         ref_ids, ref_err = reference(name, body)
-        resp = http.post("/tokenize", json={"model": f"tok-{name}", **body})
+        resp = _post_retrying(http, "/tokenize", {"model": f"tok-{name}", **body})
         checked += 1
         if ref_err is not None:
             if resp.status_code != 400:
