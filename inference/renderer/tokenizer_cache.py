@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -469,9 +471,10 @@ def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
     )
 
 
+logger = logging.getLogger(__name__)
 _CACHE: dict[tuple[str, float, float], LoadedTokenizer] = {}
 _CACHE_LOCK = threading.Lock()
-_LOAD_LOCKS: dict[str, threading.Lock] = {}
+_LOADING: dict[tuple[str, float, float], Future[LoadedTokenizer]] = {}  # loads under way, by cache key
 
 
 def _mtime(path: str) -> float:
@@ -495,17 +498,38 @@ def get_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
     if hit is not None:
         return hit
     with _CACHE_LOCK:
-        lock = _LOAD_LOCKS.setdefault(real, threading.Lock())
-    with lock:
         hit = _CACHE.get(key)
         if hit is not None:
             return hit
+        loading = _LOADING.get(key)
+        if loading is None:
+            loading = _LOADING[key] = Future()
+            threading.Thread(target=_load_into_cache, args=(real, key, loading), name="tokenizer-load",
+                             daemon=True).start()
+    return loading.result()
+
+
+def _load_into_cache(real: str, key: tuple[str, float, float], loading: Future[LoadedTokenizer]) -> None:
+    """Load ``real`` into the cache on this thread, then build its text-only copy (``text_only_tokenizer``, seconds
+    for a large vocabulary). The caller only waits: a render task whose time limit interrupts the wait (a cold
+    load counts against it) leaves the load to finish, so the next request finds it ready."""
+    try:
         loaded = load_tokenizer(real)
+    except Exception as exc:  # noqa: BLE001 - handed to every waiter (their result() raises it)
         with _CACHE_LOCK:
-            for k in [k for k in _CACHE if k[0] == real]:
-                del _CACHE[k]
-            _CACHE[key] = loaded
-        return loaded
+            _LOADING.pop(key, None)
+        loading.set_exception(exc)
+        return
+    with _CACHE_LOCK:
+        for k in [k for k in _CACHE if k[0] == real]:
+            del _CACHE[k]
+        _CACHE[key] = loaded
+        _LOADING.pop(key, None)
+    loading.set_result(loaded)
+    try:
+        loaded.text_only_tokenizer()
+    except Exception:  # built again (and its error raised) on first use
+        logger.exception("text-only copy of %s", real)
 
 
 def clear_tokenizer_cache() -> None:
