@@ -15,6 +15,8 @@ templates that print ``content`` as a string, or the parts list for templates th
 
 from __future__ import annotations
 
+import time
+
 import copy
 import os
 
@@ -174,13 +176,14 @@ def control_text_check(name: str, body: dict, got: list[int]) -> str | None:
 
 
 def _post_retrying(http, path: str, body: dict):
-    """POST, retried (twice at most) on a 503 ``render_unavailable``: a render worker's first use of a tokenizer
+    """POST, retried (four times at most, 2 s apart) on a 503 ``render_unavailable``: a render worker's first use of a tokenizer
     (loading it, building its control-token matcher) counts against the 5 s render limit and can exceed it on a
     loaded machine; the 503 is the documented retryable answer to that (a client retries it)."""
-    for _ in range(2):
+    for _ in range(4):
         resp = http.post(path, json=body)
         if resp.status_code != 503 or "render_unavailable" not in resp.text:
             return resp
+        time.sleep(2)  # the load goes on in the worker (tokenizer_cache.get_tokenizer); each worker loads its own
     return http.post(path, json=body)
 
 
