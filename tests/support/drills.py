@@ -240,13 +240,7 @@ class DrillPlatform:
             with sqlite3.connect(self.var_dir / "db.sqlite3", timeout=20) as conn:
                 rows = conn.execute("SELECT request_id FROM usage_usagerecord WHERE request_id LIKE ?",
                                     (f"%{marker}%",)).fetchall()
-        out: dict[str, int] = {}
-        for (rid,) in rows:
-            start = rid.index(marker)
-            end = rid.find("~", start)
-            cid = rid[start:end + 1] if end >= 0 else rid[start:]
-            out[cid] = out.get(cid, 0) + 1
-        return out
+        return count_by_client_id([rid for (rid,) in rows], marker)
 
     def serves(self) -> bool:
         """One short non-streamed chat answers 200 (the api, a render worker and the engine all work)."""
@@ -500,6 +494,18 @@ def run_drill(plat: DrillPlatform, name: str, *, requests: int = 12, spread_s: f
         # requests the dead api held, and those sent before its replacement listened, cannot have usage
         result.cut = result.count("closed")
     return result
+
+
+def count_by_client_id(request_ids: list[str], marker: str) -> dict[str, int]:
+    """Usage ``request_id``s counted per client request id: the part from ``marker`` to the first ``~`` after it
+    (which ends every drill request's id), or to the end."""
+    out: dict[str, int] = {}
+    for rid in request_ids:
+        start = rid.index(marker)
+        end = rid.find("~", start)
+        cid = rid[start:end + 1] if end >= 0 else rid[start:]
+        out[cid] = out.get(cid, 0) + 1
+    return out
 
 
 def _recordable(o: Outcome) -> bool:

@@ -43,7 +43,7 @@ import redis
 from inference import admission as adm
 from inference.protocol.engine import HEARTBEAT_TTL_S, EngineStats, replica_pattern, replicas_index_key
 from tests.live_platform import DEMO_MODEL, MODEL_DIR, REPO, ensure_demo_assets, wait_until
-from tests.support.drills import _pg_bin
+from tests.support.drills import _pg_bin, count_by_client_id
 from tests.support.netns import NET_A, Host, Lan
 
 API_HOSTS = ("api1", "api2")
@@ -148,13 +148,7 @@ class MultiHost:
         with psycopg.connect(self.database_url, connect_timeout=5) as conn:
             rows = conn.execute("SELECT request_id FROM usage_usagerecord WHERE request_id LIKE %s",
                                 (f"%{marker}%",)).fetchall()
-        out: dict[str, int] = {}
-        for (rid,) in rows:
-            start = rid.index(marker)
-            end = rid.find("~", start)
-            cid = rid[start:end + 1] if end >= 0 else rid[start:]
-            out[cid] = out.get(cid, 0) + 1
-        return out
+        return count_by_client_id([rid for (rid,) in rows], marker)
 
     def serves(self, host: str) -> bool:
         """One short chat through ``host`` answers 200."""
