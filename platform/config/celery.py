@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import multiprocessing
 import os
+import threading
 import time
 from typing import Any
 
@@ -109,15 +110,36 @@ def _init_child(**_kwargs) -> None:
     with four children loading at once), then start-up objects leave the collector's walks
     (``config.gc_tuning``)."""
     if "render" in (app.amqp.queues.consume_from or {}):
-        _warm_renderer()
+        warmed: set[tuple[str, str]] = set()
+        _warm_renderer(warmed)
         if _child_ready is not None:
             _child_ready.value = 1  # the main process's heartbeat may begin (RenderHeartbeat)
+        threading.Thread(target=_keep_warm, args=(warmed,), name="render-warm", daemon=True).start()
     freeze_startup_objects()
 
 
-def _warm_renderer() -> None:
-    """Load every enabled generate/embed model's tokenizer and chat template; failures are logged, never raised
-    (the request that needs a broken tokenizer gets the error)."""
+# Seconds between two looks of a render child at the registry for models registered (or changed) since it started.
+WARM_POLL_S = 5.0
+
+
+def _keep_warm(warmed: set[tuple[str, str]]) -> None:
+    """A render child's background thread: every ``WARM_POLL_S`` seconds, warm the enabled models it has not warmed
+    yet, so a model registered while the workers run is loaded before (or while) its first request waits, not inside
+    that request's render time limit (a cold load of a 200k-token vocabulary took past the 5 s limit under load)."""
+    from django.db import connection
+
+    while True:
+        time.sleep(WARM_POLL_S)
+        try:
+            _warm_renderer(warmed, quiet=True)
+        finally:
+            connection.close()  # this thread's own connection: none is held between looks
+
+
+def _warm_renderer(warmed: set[tuple[str, str]], quiet: bool = False) -> None:
+    """Load the tokenizer and chat template of every enabled generate/embed model whose ``(tokenizer dir, template)``
+    is not in ``warmed`` yet (then added); failures are logged, never raised (the request that needs a broken
+    tokenizer gets the error). ``quiet``: no log line when there was nothing new."""
     # Lazy: this module is imported with the settings (config/__init__.py), before the apps (registry's models)
     # are ready, and by processes that never render (api, usage worker, beat), which need not load the renderer.
     from inference.renderer.chat_template import warm_up
@@ -126,13 +148,18 @@ def _warm_renderer() -> None:
     log = logging.getLogger("config.celery")
     try:
         models = list(served_models_enabled())
-    except Exception:  # no database yet (first migrate pending): nothing to warm
-        log.warning("render warm-up skipped: the model registry is not readable", exc_info=True)
+    except Exception:  # no database yet (first migrate pending), or it is restarting: warm on the next look
+        if not quiet:
+            log.warning("render warm-up skipped: the model registry is not readable", exc_info=True)
         return
     t0 = time.monotonic()
-    for m in models:
+    new = [m for m in models if (m.tokenizer_dir_resolved, m.chat_template or "") not in warmed]
+    for m in new:
+        key = (m.tokenizer_dir_resolved, m.chat_template or "")
         try:
-            warm_up(m.tokenizer_dir_resolved, m.chat_template or None)
+            warm_up(key[0], key[1] or None)
         except Exception as exc:  # noqa: BLE001
             log.warning("render warm-up of %s failed: %s", m.served_model_name, exc)
-    log.info("render warm-up: %d model(s) in %.2f s", len(models), time.monotonic() - t0)
+        warmed.add(key)  # a broken one is not tried again every few seconds: its requests get its error
+    if new or not quiet:
+        log.info("render warm-up: %d model(s) in %.2f s", len(new), time.monotonic() - t0)
