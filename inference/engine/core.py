@@ -20,7 +20,7 @@ One iteration ("step"):
 A heartbeat thread SETs ``replica_key`` (``EngineStats``) with a TTL so api processes notice a dead
 replica. The prefix cache's block hashes are mirrored into ``replica_blocks_key`` with each flush, for the
 router. Requests left in the stream of a replica whose heartbeat lapsed are taken over by a live one
-(``_reclaim``). SIGTERM/SIGINT stop the loop; held requests finish with ``abort`` and an error message, the
+(``_reclaim``). SIGTERM/SIGINT stop the loop; held requests finish with ``error`` ("the engine shut down..."), the
 heartbeat key is deleted and the replica marked expired in the index (so another takes its unread requests).
 """
 
@@ -725,9 +725,11 @@ class EngineCore:
                 self._masker.shutdown()
             if self._grammars is not None:
                 self._grammars.shutdown()
+            # an error, not an abort: the client did not ask for the end, and a cut answer must not read as a
+            # whole one (the api turns an abort into finish_reason "stop"; an error into engine_error)
             for s in [*self.waiting, *self.running, *self.prefilling]:
                 if s.finish_reason is None:
-                    self._finish_out(s, FINISH_ABORT, "engine shut down")
+                    self._finish_out(s, FINISH_ERROR, "the engine shut down before the request finished")
             self.waiting.clear()
             self.running = []
             self.prefilling = []

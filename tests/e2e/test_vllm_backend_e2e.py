@@ -8,12 +8,14 @@ environment is missing (``scripts/setup.sh --vllm``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import time
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -33,7 +35,8 @@ def vllm_model(live):
                 "--backend", "vllm")
     child = live.start_engine("engine-vllm", model=VLLM_MODEL, backend="vllm")
     yield VLLM_MODEL
-    os.killpg(child.proc.pid, signal.SIGTERM)  # the link process and vLLM's engine-core process
+    with contextlib.suppress(ProcessLookupError):  # the last test stops it itself
+        os.killpg(child.proc.pid, signal.SIGTERM)  # the link process and vLLM's engine-core process
     try:
         child.proc.wait(30)
     except subprocess.TimeoutExpired:
@@ -118,3 +121,33 @@ def test_json_schema_response_format_on_vllm(oai, vllm_model):
     for choice in out.choices:
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_sigterm_of_the_vllm_replica_ends_its_stream_with_an_error_and_its_heartbeat(vllm_model, live):
+    """Last in this module (it stops the module's replica): the vLLM backend's heartbeat is fresh (TTL at most 3 s);
+    SIGTERM of its link process mid-stream makes it abort what it runs, tell the api (the client's stream ends with
+    an ``engine_error`` event, then ``[DONE]``), remove its heartbeat and exit 0. (The engine package's
+    ``test_heartbeat_and_sigterm`` checks the same at the link for the native engine; here a vLLM replica the
+    platform already runs is used rather than starting a third one, ~60 s on 2 cores.)"""
+    from inference.protocol.engine import replica_key
+
+    [rep] = live.replicas(vllm_model)
+    hb_key = replica_key(live.prefix, vllm_model, rep.engine_id)
+    assert 0 < live.redis.pttl(hb_key) <= 3000
+    child = next(c for c in live.sup.children if c.name == "engine-vllm")
+    body = {"model": vllm_model, "messages": MESSAGES, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    events: list[str] = []
+    with httpx.Client(base_url=live.base_url, timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body,
+                         headers={"Authorization": f"Bearer {live.api_key}"}) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 3:
+                    child.proc.send_signal(signal.SIGTERM)
+    assert child.proc.wait(60) == 0
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2]).get("error", {}).get("code") == "engine_error", (len(events), events[-3:])
+    assert not live.redis.exists(hb_key)

@@ -108,7 +108,7 @@ class VllmEngineCore(EngineCore):
         self._params: dict[str, Any] = {}  # vLLM's SamplingParams of the waiting requests, by request id
 
     def run(self) -> None:
-        """``EngineCore.run`` (held requests end with ``abort``, the heartbeat is deleted), then vLLM's engine-core
+        """``EngineCore.run`` (held requests end with an error, the heartbeat is deleted), then vLLM's engine-core
         process is stopped."""
         try:
             super().run()
