@@ -191,11 +191,14 @@ _reply_client: redis.Redis | None = None
 
 
 def reply_if_requested(payload: Any, result: dict[str, Any]) -> dict[str, Any]:
-    """Publish ``result`` on the caller's reply channel when the payload names one, then return it.
+    """Publish ``result`` on the caller's reply channel when the payload names one and return ``{"ok": ...,
+    "replied": True}``; without a reply channel, return ``result`` (a Celery result backend then carries it).
 
     The api process subscribes once to its own channel (``inference.render_client``) and sends tasks with
     ``ignore_result``, so no Celery result is stored and no per-request subscription is made. Redis is
-    ``REDIS_URL`` (every platform process gets it), else the Celery app's result backend URL.
+    ``REDIS_URL`` (every platform process gets it), else the Celery app's result backend URL. The task's own return
+    value then goes nowhere, but a prefork child still builds a ``saferepr`` of it (1 KiB of a ~1,000-id list, Python
+    code) and pickles that to the worker's main process: the small stand-in spares both that work.
     """
     global _reply_client
     if isinstance(payload, dict) and payload.get("reply_to") and payload.get("reply_id"):
@@ -210,6 +213,7 @@ def reply_if_requested(payload: Any, result: dict[str, Any]) -> dict[str, Any]:
         count_segment_cache(pipe, prefix, result)
         pipe.publish(channel, json.dumps({"id": payload["reply_id"], "result": result}))
         pipe.execute()
+        return {"ok": result.get("ok"), "replied": True}
     return result
 
 
