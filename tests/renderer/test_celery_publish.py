@@ -22,8 +22,10 @@ from tests.renderer.tokdirs import tok_dir
 from tests.support.redis import TEST_REDIS_URL, fresh_prefix
 
 REPO = Path(__file__).resolve().parents[2]
-PAYLOAD = {"tokenizer_dir": "/nowhere", "messages": [{"role": "user", "content": "héllo 東京 \u2028"}],
-           "add_generation_prompt": True, "reply_to": "chan", "reply_id": "abc"}
+PAYLOAD = {"tokenizer_dir": "/nowhere", "messages": [{"role": "user", "content": "héllo 東京 \u2028 \"\\ 🙂"}],
+           "add_generation_prompt": True, "chat_template_kwargs": {"f": 0.1, "n": -3}, "reply_to": "chan",
+           "reply_id": "abc"}
+BIG = {**PAYLOAD, "chat_template_kwargs": {"big": 2**70}}  # past orjson's 64 bits: kombu's encoder writes it
 
 
 @pytest.fixture(scope="module")
@@ -53,20 +55,21 @@ def _decoded(raw: bytes) -> dict:
     return msg
 
 
-@pytest.mark.parametrize("transport,finalized", [(None, False), ("config.broker:Transport", True)])
-def test_message_equals_send_task(client, transport, finalized):
+@pytest.mark.parametrize("transport,finalized,payload", [(None, False, PAYLOAD), ("config.broker:Transport", True, PAYLOAD),
+                                                         (None, True, BIG)])
+def test_message_equals_send_task(client, transport, finalized, payload):
     with fresh_prefix("publish") as prefix:
         app = _app(prefix, finalized, **({"broker_transport": transport} if transport else {}))
         assert redis_broker(app)
         expires = expires_at(20)
 
-        async def ours() -> tuple[str, str, str]:
+        async def ours() -> tuple[str, str, bytes]:
             publisher = RedisTaskPublisher.for_app(app)
             assert publisher is not None
             try:
-                task_id, key, envelope = publisher.message("inference.render_chat", [PAYLOAD], queue="render",
+                task_id, key, envelope = publisher.message("inference.render_chat", [payload], queue="render",
                                                            expires=expires, argsrepr="[<payload>]")
-                await publisher.send("inference.render_chat", [PAYLOAD], queue="render", expires=expires,
+                await publisher.send("inference.render_chat", [payload], queue="render", expires=expires,
                                      argsrepr="[<payload>]")
                 return task_id, key, envelope
             finally:
@@ -74,17 +77,17 @@ def test_message_equals_send_task(client, transport, finalized):
 
         task_id, key, envelope = asyncio.run(ours())
         assert key == f"{prefix}:celery:render"
-        app.send_task("inference.render_chat", args=[PAYLOAD], queue="render", ignore_result=True, expires=expires,
+        app.send_task("inference.render_chat", args=[payload], queue="render", ignore_result=True, expires=expires,
                       argsrepr="[<payload>]", kwargsrepr="{}", task_id=task_id)
         theirs, pushed = client.lpop(key), client.lpop(key)  # LPUSH: the newest first
         assert client.llen(key) == 0
-        want, got = _decoded(theirs), _decoded(envelope.encode())
+        want, got = _decoded(theirs), _decoded(envelope)
         assert got["headers"]["timelimit"] == want["headers"]["timelimit"]
         assert (want["headers"]["timelimit"] != [None, None]) is finalized
         for msg in (want, got):
             assert abs(int(msg["properties"].pop("expiration")) - 20_000) < 3_000  # ms left, read at the send
             msg["properties"].pop("delivery_tag")  # a fresh uuid per message
-        assert got == want
+        assert got == want and got["body"][0] == [payload]
         assert json.loads(pushed)["headers"]["task"] == "inference.render_chat"
 
 
