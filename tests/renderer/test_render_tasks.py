@@ -82,6 +82,16 @@ def test_task_objects_are_registered_with_their_names():
     assert res["ok"] is True
 
 
+def test_reply_json_reads_back_as_the_reply():
+    import json
+
+    from inference.tasks import reply_json
+
+    for reply in ({"id": "a", "result": {"ok": True, "prompt_text": "é 東京 \u2028 🙂", "prompt_token_ids": [1, 2]}},
+                  {"id": "b", "result": {"ok": True, "prompt_text": "lone \ud800", "n": 2**70}}):  # stdlib path
+        assert json.loads(reply_json(reply)) == reply
+
+
 def test_a_replied_task_returns_a_stand_in(monkeypatch):
     """With a reply channel the result goes there, whole, and the task returns only ``{"ok", "replied"}`` (what the
     prefork child reprs and pickles to its parent); without one, the result itself."""
