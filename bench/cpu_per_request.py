@@ -4,7 +4,8 @@ What it measures: the CPU (user + system time, ``/proc/<pid>/stat``) that every 
 request, read before and after a bounded load of ``--requests`` calls with ``--clients`` concurrent clients.
 Every body is distinct (the request's number is in its last message), so no cache of whole prompts serves a
 repeat. The platform runs its default route (Celery ``render`` queue: one worker, two prefork children, as
-``tests/live_platform.start_platform`` starts it) with its own embedded Redis, so Redis's CPU is counted too
+``tests/live_platform.start_platform`` starts it, without engines; or, with ``--serve``, as ``manage.py serve --demo``
+lays it out) with its own embedded Redis, so Redis's CPU is counted too
 (``REDIS_URL`` and ``DATABASE_URL`` of the environment are ignored: a shared Redis's or PostgreSQL's CPU cannot be
 attributed); every process of it counts: api, render worker and its pool children, usage and mm workers and
 theirs, beat, Redis. vLLM's CPU server (../shared/reference/peer_vllm.md, ``.peer/vllm``) counts its api server
@@ -20,7 +21,7 @@ Usage::
 
     .venv/bin/python bench/cpu_per_request.py [--requests 1000] [--clients 8] [--tokens 1000] [--rounds 2]
         [--max-seconds 300] [--vllm-python .peer/vllm/bin/python] [--no-vllm] [--json out.json]
-        [--py-spy /tmp/pyspy-venv/bin/py-spy --profile-dir DIR]
+        [--py-spy /tmp/pyspy-venv/bin/py-spy --profile-dir DIR] [--serve [SERVE_ARGS]]
 
 With ``--py-spy`` (a py-spy executable; keep it out of the project's environment), one more platform round runs
 after the measured ones, unmeasured, with py-spy sampling the api process and the render worker and its pool children
@@ -41,11 +42,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import shlex
 import signal
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import psutil
@@ -69,6 +72,29 @@ def proc_cpu_s(pid: int) -> float | None:
         return None
     fields = raw[raw.rindex(b")") + 2:].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def describe(proc: psutil.Process) -> str:
+    """A short name for a server process from its command line: ``celery worker -Q render`` (``... child`` for a
+    prefork pool child), ``celery beat``, ``api``, ``api-mm``, ``engine MODEL``, ``redis``; else its own name."""
+    argv = proc.cmdline()
+    text = " ".join(argv)
+    if "celery" in text and "worker" in argv:
+        queue = argv[argv.index("-Q") + 1] if "-Q" in argv else "?"
+        parent = proc.parent()
+        child = parent is not None and "celery" in " ".join(parent.cmdline()) and "worker" in parent.cmdline()
+        return f"celery worker -Q {queue}" + (" child" if child else "")
+    if "celery" in text and "beat" in argv:
+        return "celery beat"
+    if "uvicorn" in text:
+        return "api"
+    if "ops.mm_api" in text:
+        return "api-mm"
+    if "inference.engine" in text:
+        return "engine " + (argv[argv.index("--model") + 1] if "--model" in argv else "?")
+    if "redis-server" in text:
+        return "redis"
+    return proc.name()
 
 
 @dataclass
@@ -100,7 +126,7 @@ class Server:
             out[label] = pid
             for kid in sorted(kids, key=lambda p: p.pid):
                 try:
-                    base = f"{label}/{kid.name()}"
+                    base = f"{label}/{describe(kid)}"
                 except psutil.NoSuchProcess:
                     continue
                 name, n = base, 1
@@ -181,15 +207,21 @@ def warm(server: Server, template: dict, clients: int, n: int) -> None:
     server.lat.clear()
 
 
+def profiled(label: str) -> bool:
+    """True for the processes ``profile_round`` samples: api processes and render workers with their children."""
+    parts = label.split("/")
+    return parts[-1] in ("api", "worker") or parts[-1].startswith("celery worker -Q render") or parts[0] == "worker"
+
+
 def profile_round(server: Server, bodies: list[bytes], clients: int, max_seconds: float, py_spy: str,
-                  out_dir: Path, labels: tuple[str, ...] = ("api", "worker")) -> list[Path]:
-    """One unmeasured load of ``server`` with ``py-spy record`` attached to every process whose label starts with
-    one of ``labels`` (the api, the render worker and its children); returns the collapsed-stack files written."""
+                  out_dir: Path) -> list[Path]:
+    """One unmeasured load of ``server`` with ``py-spy record`` attached to every ``profiled`` process (the api,
+    the render workers and their children); returns the collapsed-stack files written."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spies = []
     for label, pid in server.processes().items():
-        if label.split("/")[0] in labels:
-            path = out_dir / (label.replace("/", "_").replace("#", "_") + ".txt")
+        if profiled(label):
+            path = out_dir / (label.replace("/", "_").replace("#", "_").replace(" ", "") + ".txt")
             spies.append((path, subprocess.Popen([py_spy, "record", "-p", str(pid), "-r", "200", "-f", "raw", "-F",
                                                   "--nolineno", "-o", str(path)],
                                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
@@ -265,6 +297,25 @@ def report(servers: list[Server]) -> dict:
     return out
 
 
+def start_serve(tmp: Path, serve_args: str) -> tuple[Server, Callable[[], None]]:
+    """``manage.py serve --demo SERVE_ARGS`` (its own embedded Redis, SQLite, var/ in ``tmp``) as the platform: every
+    process under serve counts (serve itself included); returns the server and how to stop it."""
+    from tests.support.serve import banner_key, serve_banner, serve_env, stop_serve
+
+    env = serve_env(tmp)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(REPO / "manage.py"), "serve", "--demo", "--port", str(port),
+                             *shlex.split(serve_args)], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        key = banner_key(serve_banner(proc.stdout, 900))
+    except BaseException:
+        stop_serve(proc)
+        raise
+    return (Server("platform", f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {key}"}, [("serve", proc.pid)]),
+            lambda: stop_serve(proc))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=1000, help="measured requests per server per round")
@@ -276,6 +327,9 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=str(REPO / ".peer" / "vllm" / "bin" / "python"))
     ap.add_argument("--no-vllm", action="store_true", help="the platform only")
     ap.add_argument("--json", type=Path, help="write the figures here too")
+    ap.add_argument("--serve", nargs="?", const="", default=None, metavar="ARGS",
+                    help="the platform as `manage.py serve --demo ARGS` lays it out (quickstart's layout: two render "
+                         "workers, the multimodal api behind the front one, engines unless ARGS has --no-engine)")
     ap.add_argument("--py-spy", help="a py-spy executable: profile one more (unmeasured) platform round")
     ap.add_argument("--profile-dir", type=Path, help="where the collapsed stacks go (default: the run's temp dir)")
     args = ap.parse_args()
@@ -283,11 +337,16 @@ def main() -> None:
     for var in ("REDIS_URL", "DATABASE_URL", "RENDER_ROUTE"):  # own Redis (counted), SQLite, the default route
         os.environ.pop(var, None)
     tmp = Path(tempfile.mkdtemp(prefix="bench-cpu-"))
-    live = start_platform(tmp, max_model_len=4096, engine=False)
+    if args.serve is not None:
+        platform, stop_platform = start_serve(tmp, args.serve)
+    else:
+        live = start_platform(tmp, max_model_len=4096, engine=False)
+        stop_platform = live.stop
+        platform = Server("platform", live.base_url, {"Authorization": f"Bearer {live.api_key}"},
+                          [(c.name, c.proc.pid) for c in live.sup.children if c.proc is not None])
     vllm = None
     try:
-        servers = [Server("platform", live.base_url, {"Authorization": f"Bearer {live.api_key}"},
-                          [(c.name, c.proc.pid) for c in live.sup.children if c.proc is not None])]
+        servers = [platform]
         if not args.no_vllm:
             vport = free_port()
             vllm = start_vllm(args.vllm_python, vport, tmp / "vllm.log")
@@ -322,7 +381,7 @@ def main() -> None:
                 vllm.wait(30)
             except subprocess.TimeoutExpired:
                 vllm.kill()
-        live.stop()
+        stop_platform()
 
 
 if __name__ == "__main__":
