@@ -222,7 +222,7 @@ def profile_round(server: Server, bodies: list[bytes], clients: int, max_seconds
     for label, pid in server.processes().items():
         if profiled(label):
             path = out_dir / (label.replace("/", "_").replace("#", "_").replace(" ", "") + ".txt")
-            spies.append((path, subprocess.Popen([py_spy, "record", "-p", str(pid), "-r", "200", "-f", "raw", "-F",
+            spies.append((path, subprocess.Popen([py_spy, "record", "-p", str(pid), "-r", "200", "-f", "raw",
                                                   "--nolineno", "-o", str(path)],
                                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
     time.sleep(1)  # attached
