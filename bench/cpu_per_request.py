@@ -25,7 +25,7 @@ Usage::
 
 With ``--py-spy`` (a py-spy executable; keep it out of the project's environment), one more platform round runs
 after the measured ones, unmeasured, with py-spy sampling the api process and the render worker and its pool children
-(on-CPU samples only, function level): their collapsed stacks go to ``--profile-dir`` and the functions with the
+(samples of threads holding the GIL: Python on a CPU; function level): their collapsed stacks go to ``--profile-dir`` and the functions with the
 most samples, inclusive and own, are printed per process.
 
 Loopback only. Bounded: each round stops issuing requests after ``--max-seconds`` (CPU is then divided by the
@@ -222,7 +222,7 @@ def profile_round(server: Server, bodies: list[bytes], clients: int, max_seconds
     for label, pid in server.processes().items():
         if profiled(label):
             path = out_dir / (label.replace("/", "_").replace("#", "_").replace(" ", "") + ".txt")
-            spies.append((path, subprocess.Popen([py_spy, "record", "-p", str(pid), "-r", "200", "-f", "raw",
+            spies.append((path, subprocess.Popen([py_spy, "record", "-p", str(pid), "-r", "200", "-f", "raw", "--gil",
                                                   "--nolineno", "-o", str(path)],
                                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
     time.sleep(1)  # attached
