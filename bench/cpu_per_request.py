@@ -21,7 +21,7 @@ Usage::
 
     .venv/bin/python bench/cpu_per_request.py [--requests 1000] [--clients 8] [--tokens 1000] [--rounds 2]
         [--max-seconds 300] [--vllm-python .peer/vllm/bin/python] [--no-vllm] [--json out.json]
-        [--py-spy /tmp/pyspy-venv/bin/py-spy --profile-dir DIR] [--serve [SERVE_ARGS]]
+        [--py-spy /tmp/pyspy-venv/bin/py-spy --profile-dir DIR] [--serve | --serve=--no-engine]
 
 With ``--py-spy`` (a py-spy executable; keep it out of the project's environment), one more platform round runs
 after the measured ones, unmeasured, with py-spy sampling the api process and the render worker and its pool children
