@@ -5,8 +5,9 @@ write, a Pub/Sub subscription per task in the sending process and a result key p
 api process (event loop) subscribes once to its own reply channel; a task is sent with ``ignore_result`` and
 the channel name plus a reply id in its payload, and the worker publishes the task's return value there
 (``inference.tasks.reply_if_requested``). One Pub/Sub connection per process serves any number of waiting requests
-(DESIGN.md §2: "awaiting a Celery result must not hold a thread per waiting request"). Publishing the task
-itself runs on a small thread pool because kombu's producer is synchronous.
+(DESIGN.md §2: "awaiting a Celery result must not hold a thread per waiting request"). On a Redis broker the task
+message (Celery's own, ``inference.celery_publish``) is pushed from the loop with its asyncio client; on any other
+broker ``send_task`` runs on a small thread pool, because kombu's producer is synchronous.
 
 This is the one piece here that a library should have provided; Celery has no asyncio result API.
 """
@@ -22,11 +23,12 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, ClassVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from inference.celery_publish import RedisTaskPublisher
 from inference.render_liveness import NO_WORKER_SEEN, RenderWorkersState, remaining_wait, workers_state
 
 if TYPE_CHECKING:
@@ -69,6 +71,14 @@ class RenderReplyWaiter:
         self._futures: dict[str, asyncio.Future[Any]] = {}
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
+        self._publishers: dict[int, tuple[Celery, RedisTaskPublisher | None]] = {}
+
+    def _publisher(self, app: Celery) -> RedisTaskPublisher | None:
+        """This loop's direct publisher for ``app``'s broker (``None``: not Redis, ``send_task`` it is)."""
+        entry = self._publishers.get(id(app))
+        if entry is None or entry[0] is not app:
+            entry = self._publishers[id(app)] = (app, RedisTaskPublisher.for_app(app))
+        return entry[1]
 
     @classmethod
     def for_current_loop(cls, redis_url: str, prefix: str) -> RenderReplyWaiter:
@@ -132,14 +142,24 @@ class RenderReplyWaiter:
         self._futures[reply_id] = fut
         body = {**payload, "reply_to": self.channel, "reply_id": reply_id}
         longest = timeout + max(0.0, worker_return)
-        try:
-            # argsrepr/kwargsrepr given: Celery would otherwise build a saferepr of the whole payload for the
-            # message headers on every call (~0.4 ms of CPU per publish on the api process)
-            def publish() -> None:
-                app.send_task(task_name, args=[body], queue=queue, ignore_result=True, expires=expires_at(longest),
-                              argsrepr=f"[<{task_name} payload, reply {reply_id}>]", kwargsrepr="{}")
+        # argsrepr/kwargsrepr given: Celery would otherwise build a saferepr of the whole payload for the message
+        # headers on every call (~0.4 ms of CPU per publish on the api process)
+        argsrepr = f"[<{task_name} payload, reply {reply_id}>]"
+        publisher = self._publisher(app)
 
-            await loop.run_in_executor(self._pool(), publish)
+        async def publish() -> None:
+            if publisher is not None:
+                await publisher.send(task_name, [body], queue=queue, expires=expires_at(longest), argsrepr=argsrepr)
+                return
+
+            def send() -> None:
+                app.send_task(task_name, args=[body], queue=queue, ignore_result=True, expires=expires_at(longest),
+                              argsrepr=argsrepr, kwargsrepr="{}")
+
+            await loop.run_in_executor(self._pool(), send)
+
+        try:
+            await publish()
             deadline = _Deadline(self, fut, loop.time(), timeout, worker_return, publish)
             try:
                 return await fut
@@ -165,7 +185,7 @@ class _Deadline:
     ``asyncio.wait``, measured on the 2-core box."""
 
     def __init__(self, waiter: RenderReplyWaiter, fut: asyncio.Future[Any], sent: float, timeout: float,
-                 worker_return: float, publish: Callable[[], None]):
+                 worker_return: float, publish: Callable[[], Awaitable[None]]):
         self._waiter, self._fut, self._sent, self._publish = waiter, fut, sent, publish
         self._republished = False
         self._timeout, self._worker_return = timeout, worker_return
@@ -202,7 +222,7 @@ class _Deadline:
             # half the timeout more (D-194)
             self._republished = True
             try:
-                await self._loop.run_in_executor(RenderReplyWaiter._pool(), self._publish)
+                await self._publish()
                 wait = min(self._timeout / 2, self._timeout + self._worker_return - waited)
             except Exception:
                 log.exception("render task could not be sent again")

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import json
 
+import orjson
 import redis
 from celery import shared_task
 from celery.exceptions import SoftTimeLimitExceeded
@@ -191,11 +192,14 @@ _reply_client: redis.Redis | None = None
 
 
 def reply_if_requested(payload: Any, result: dict[str, Any]) -> dict[str, Any]:
-    """Publish ``result`` on the caller's reply channel when the payload names one, then return it.
+    """Publish ``result`` on the caller's reply channel when the payload names one and return ``{"ok": ...,
+    "replied": True}``; without a reply channel, return ``result`` (a Celery result backend then carries it).
 
     The api process subscribes once to its own channel (``inference.render_client``) and sends tasks with
     ``ignore_result``, so no Celery result is stored and no per-request subscription is made. Redis is
-    ``REDIS_URL`` (every platform process gets it), else the Celery app's result backend URL.
+    ``REDIS_URL`` (every platform process gets it), else the Celery app's result backend URL. The task's own return
+    value then goes nowhere, but a prefork child still builds a ``saferepr`` of it (1 KiB of a ~1,000-id list, Python
+    code) and pickles that to the worker's main process: the small stand-in spares both that work.
     """
     global _reply_client
     if isinstance(payload, dict) and payload.get("reply_to") and payload.get("reply_id"):
@@ -208,9 +212,19 @@ def reply_if_requested(payload: Any, result: dict[str, Any]) -> dict[str, Any]:
         pipe = _reply_client.pipeline(transaction=False)
         pipe.incr(render_tasks_counter_key(prefix))  # shared count of rendered tasks (metrics, tests)
         count_segment_cache(pipe, prefix, result)
-        pipe.publish(channel, json.dumps({"id": payload["reply_id"], "result": result}))
+        pipe.publish(channel, reply_json({"id": payload["reply_id"], "result": result}))
         pipe.execute()
+        return {"ok": result.get("ok"), "replied": True}
     return result
+
+
+def reply_json(reply: dict[str, Any]) -> bytes:
+    """``reply`` as JSON for the caller's ``json.loads``: orjson (a ~1,000-id render result in ~5 µs instead of
+    ~40), or the standard library for what orjson refuses (integers past 64 bits, lone surrogates)."""
+    try:
+        return orjson.dumps(reply)
+    except TypeError:  # orjson.JSONEncodeError
+        return json.dumps(reply).encode()
 
 
 def segment_cache_counter_key(prefix: str) -> str:

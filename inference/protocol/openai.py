@@ -151,7 +151,8 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
     image ``data:`` URL), which accepts only valid Unicode text and no ``NaN``. Any body it refuses is
     parsed again by the standard library, which gives the precise error.
     """
-    if _json_containers(body) > MAX_JSON_CONTAINERS:
+    containers = _json_containers(body)
+    if containers > MAX_JSON_CONTAINERS:
         raise RequestValidationError(f"The request body holds more than {MAX_JSON_CONTAINERS} JSON objects and "
                                      f"arrays", None)
     try:
@@ -163,7 +164,7 @@ def parse_json_body(body: bytes) -> dict[str, Any]:
             data = _parse_json_body_std(body)
     if not isinstance(data, dict):
         raise RequestValidationError("The request body must be a JSON object", None)
-    if _too_deep(data):
+    if containers > MAX_JSON_DEPTH and _too_deep(data):  # nesting needs at least as many objects/arrays
         raise RequestValidationError(f"Invalid JSON body: nested too deeply (more than {MAX_JSON_DEPTH} levels)",
                                      None)
     return data

@@ -484,6 +484,17 @@ def _mtime(path: str) -> float:
         return -1.0
 
 
+def _cache_key(tokenizer_dir: str) -> tuple[str, float, float]:
+    real = os.path.realpath(tokenizer_dir)
+    return real, _mtime(os.path.join(real, "tokenizer.json")), _mtime(os.path.join(real, "tokenizer_config.json"))
+
+
+def cached_tokenizer(tokenizer_dir: str) -> LoadedTokenizer | None:
+    """``get_tokenizer(tokenizer_dir)`` when it is loaded already (the same cache key: a path lookup and two
+    ``stat`` calls, no lock, no load), else ``None``."""
+    return _CACHE.get(_cache_key(tokenizer_dir))
+
+
 def get_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
     """The process-wide ``LoadedTokenizer`` of ``tokenizer_dir``.
 
@@ -492,8 +503,8 @@ def get_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
     Thread-safe; concurrent first calls for one directory load it once.
     Raises ``TokenizerLoadError``.
     """
-    real = os.path.realpath(tokenizer_dir)
-    key = (real, _mtime(os.path.join(real, "tokenizer.json")), _mtime(os.path.join(real, "tokenizer_config.json")))
+    key = _cache_key(tokenizer_dir)
+    real = key[0]
     hit = _CACHE.get(key)
     if hit is not None:
         return hit

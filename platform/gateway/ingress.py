@@ -159,7 +159,8 @@ class BodyDeadline:
         try:
             if wait <= 0:
                 raise TimeoutError
-            message = await asyncio.wait_for(self.inner(), wait)
+            async with asyncio.timeout(wait):  # a timer on this task (wait_for would wrap the receive in a task)
+                message = await self.inner()
         except TimeoutError:
             self._timed_out = True
             try:

@@ -74,10 +74,12 @@ class TokenizeConsumer(GatewayConsumer):
             req, model = await _validated(self, ctx, body)
             salt = inputs.cache_salt_for(ctx, getattr(req, "cache_salt", None))
             tokens = await tokenize_ids(model, req, salt, ctx.tenant_id)
-            token_strs = None
-            if req.return_token_strs:
-                tok = await rendering.load_tokenizer(model)
-                token_strs = await asyncio.to_thread(lambda: [tok.id_to_token(t) for t in tokens])
+            if not req.return_token_strs:  # ints only: orjson writes json.dumps's bytes, ~10x faster
+                await self.send_json_fast(200, {"count": len(tokens), "max_model_len": model.max_model_len,
+                                                "tokens": tokens, "token_strs": None})
+                return
+            tok = await rendering.load_tokenizer(model)
+            token_strs = await asyncio.to_thread(lambda: [tok.id_to_token(t) for t in tokens])
             await self.send_json(200, {"count": len(tokens), "max_model_len": model.max_model_len,
                                        "tokens": tokens, "token_strs": token_strs})
 

@@ -82,6 +82,52 @@ def test_task_objects_are_registered_with_their_names():
     assert res["ok"] is True
 
 
+def test_reply_json_reads_back_as_the_reply():
+    import json
+
+    from inference.tasks import reply_json
+
+    for reply in ({"id": "a", "result": {"ok": True, "prompt_text": "é 東京 \u2028 🙂", "prompt_token_ids": [1, 2]}},
+                  {"id": "b", "result": {"ok": True, "prompt_text": "lone \ud800", "n": 2**70}}):  # stdlib path
+        assert json.loads(reply_json(reply)) == reply
+
+
+def test_a_replied_task_returns_a_stand_in(monkeypatch):
+    """With a reply channel the result goes there, whole, and the task returns only ``{"ok", "replied"}`` (what the
+    prefork child reprs and pickles to its parent); without one, the result itself."""
+    import json
+
+    import redis
+
+    from inference import tasks
+    from tests.support.redis import TEST_REDIS_URL, fresh_prefix
+
+    client = redis.Redis.from_url(TEST_REDIS_URL)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"no Redis at {TEST_REDIS_URL}: {exc}")
+    monkeypatch.setattr(tasks, "_reply_client", client)
+    payload = {"tokenizer_dir": tok_dir("qwen3"), "prompt": "Hello"}
+    result = run_tokenize_prompt(payload)
+    assert tasks.reply_if_requested(payload, result) is result
+    with fresh_prefix("reply") as prefix:
+        pubsub = client.pubsub(ignore_subscribe_messages=True)
+        channel = f"{prefix}:render:reply:test"
+        pubsub.subscribe(channel)
+        answer = tasks.reply_if_requested({**payload, "reply_to": channel, "reply_id": "r1"}, result)
+        assert answer == {"ok": True, "replied": True}
+        msg = None
+        for _ in range(50):
+            msg = pubsub.get_message(timeout=0.1)
+            if msg is not None:
+                break
+        assert msg is not None and json.loads(msg["data"]) == {"id": "r1", "result": result}
+        assert int(client.get(tasks.render_tasks_counter_key(prefix))) == 1
+        pubsub.close()
+    client.close()
+
+
 @pytest.fixture(scope="module")
 def worker():
     redis = pytest.importorskip("redis")

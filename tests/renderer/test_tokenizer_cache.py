@@ -10,7 +10,7 @@ import pytest
 
 from inference.renderer.chat_template import detokenize, render_chat, tokenize_prompt
 from inference.renderer.errors import TokenIdError, TokenizerLoadError
-from inference.renderer.tokenizer_cache import get_tokenizer, load_tokenizer
+from inference.renderer.tokenizer_cache import cached_tokenizer, get_tokenizer, load_tokenizer
 from tests.renderer.tokdirs import NAMES, hf_tokenizer, tok_dir
 
 TEXTS = [
@@ -71,8 +71,9 @@ def test_cache_is_per_process_and_keyed_by_mtime(tmp_path):
         {"name": "tool_use", "template": "TOOLS{{ tools|length }}"},
     ]
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert cached_tokenizer(str(d)) is None  # not loaded yet: the caller loads it (off the event loop)
     a = get_tokenizer(str(d))
-    assert get_tokenizer(str(d)) is a
+    assert get_tokenizer(str(d)) is a and cached_tokenizer(str(d)) is a
     assert a.chat_template == default_tpl and set(a.chat_templates) == {"default", "tool_use"}
     msgs = [{"role": "user", "content": "hi"}]
     assert render_chat(str(d), msgs, tools=[{"type": "function", "function": {"name": "f"}}]).prompt_text == "TOOLS1"
@@ -81,8 +82,9 @@ def test_cache_is_per_process_and_keyed_by_mtime(tmp_path):
     # chat_template.jinja wins over the config; a new mtime reloads.
     (d / "chat_template.jinja").write_text("JINJA {{ messages[0].content }}")
     os.utime(d / "tokenizer_config.json", (1, 1))
+    assert cached_tokenizer(str(d)) is None  # a new revision: not loaded yet
     b = get_tokenizer(str(d))
-    assert b is not a
+    assert b is not a and cached_tokenizer(str(d)) is b
     assert render_chat(str(d), msgs).prompt_text == "JINJA hi"
 
 
