@@ -49,20 +49,6 @@ class GatewayConsumer(AsyncHttpConsumer):
         self.extra_headers: list[tuple[bytes, bytes]] = []
 
     # ------------------------------------------------------------------ ASGI plumbing
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        """Channels' ``AsyncConsumer.__call__`` for a consumer without a channel layer: receive a message, dispatch
-        it, and again, until ``StopConsumer``. Channels does the same through ``await_many_dispatch`` with one
-        callable, which costs a task and an ``asyncio.wait`` per message, and looks the (absent) layer up per
-        request."""
-        self.scope = scope
-        self.channel_layer = None
-        self.base_send = send
-        try:
-            while True:
-                await self.dispatch(await receive())
-        except StopConsumer:
-            pass
-
     async def dispatch(self, message: dict[str, Any]) -> None:
         """Channels' ``AsyncConsumer.dispatch`` without its ``aclose_old_connections()`` before every
         message: that call runs on asgiref's one thread-sensitive executor thread, so under load every
