@@ -86,9 +86,6 @@ async def settle(grant: LimitGrant | None, actual_tokens: int) -> None:
     if grant is None:
         return
     marker_ttl_s = max(LEASE_TTL_S, settings.LIMITS_SETTLED_MARKER_TTL_S)
-    if grant.is_noop:  # no limits apply: nothing in Redis, no await inside, nothing to shield (a task saved)
-        await limits_settle(redis(), settings.LINK_PREFIX, grant, actual_tokens=actual_tokens, marker_ttl_s=marker_ttl_s)
-        return
     try:
         await asyncio.shield(limits_settle(redis(), settings.LINK_PREFIX, grant, actual_tokens=actual_tokens,
                                            marker_ttl_s=marker_ttl_s))
