@@ -159,8 +159,7 @@ class BodyDeadline:
         try:
             if wait <= 0:
                 raise TimeoutError
-            async with asyncio.timeout(wait):  # a timer on this task (wait_for would wrap the receive in a task)
-                message = await self.inner()
+            message = await asyncio.wait_for(self.inner(), wait)
         except TimeoutError:
             self._timed_out = True
             try:
