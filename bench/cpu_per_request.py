@@ -56,7 +56,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
-from bench.frontend import chat_body, first_tokens, start_vllm
+from bench.frontend import chat_body, first_tokens, start_vllm, stop_vllm
 from tests.live_platform import free_port, start_platform
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -376,11 +376,7 @@ def main() -> None:
                                         args.profile_dir or tmp / "profile"))
     finally:
         if vllm is not None:
-            vllm.terminate()
-            try:
-                vllm.wait(30)
-            except subprocess.TimeoutExpired:
-                vllm.kill()
+            stop_vllm(vllm)
         stop_platform()
 
 

@@ -107,6 +107,15 @@ def start_vllm(python: str, port: int, log: Path, max_model_len: int = 4096,
     raise RuntimeError(f"vLLM did not become healthy within {ready_timeout_s:g} s; see {log}")
 
 
+def stop_vllm(proc: subprocess.Popen) -> None:
+    """Stop a server from ``start_vllm``: SIGTERM, then SIGKILL when it has not exited within 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def first_tokens(url: str, headers: dict, body: dict, tries: int = 10) -> list[int]:
     """The token ids of ``body`` from ``url``'s ``/tokenize``; a refusal (a render worker still loading its tokenizer
     on a busy machine) is tried again, up to ``tries`` times, 2 s apart."""
@@ -164,11 +173,7 @@ def main() -> None:
                       f"{r['errors']:>4} {r['p50'] / v['p50']:>11.2f} {r['rps'] / v['rps']:>11.2f}")
     finally:
         if vllm is not None:
-            vllm.terminate()
-            try:
-                vllm.wait(30)
-            except subprocess.TimeoutExpired:
-                vllm.kill()
+            stop_vllm(vllm)
         live.stop()
 
 

@@ -40,7 +40,7 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
-from bench.frontend import start_vllm
+from bench.frontend import start_vllm, stop_vllm
 from inference.tasks import segment_cache_counter_key
 from ops.supervisor import wait_until
 from tests.live_platform import free_port, start_platform
@@ -210,11 +210,7 @@ def main() -> None:
             report(targets, {t.name: "vllm" for t in targets if t.name != "vllm"})
     finally:
         if vllm is not None:
-            vllm.terminate()
-            try:
-                vllm.wait(30)
-            except subprocess.TimeoutExpired:
-                vllm.kill()
+            stop_vllm(vllm)
         live.stop()
 
 
