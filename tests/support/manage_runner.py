@@ -55,7 +55,10 @@ class ManageRunner:
         """Run ``manage.py ARGS``; its stdout. ``RuntimeError`` (with the command's error) when it fails;
         ``TimeoutError`` (the child is killed, the next command starts a new one) past ``timeout`` seconds."""
         with self._lock:
-            proc = self._proc if self._proc is not None and self._proc.poll() is None else self._start()
+            proc = self._proc
+            if proc is None or proc.poll() is not None:
+                self._shutdown()  # a child that died: its pipe closed before a new one starts
+                proc = self._start()
             assert proc.stdin is not None and self._answers is not None
             try:
                 proc.stdin.write(json.dumps({"args": list(args)}).encode() + b"\n")
