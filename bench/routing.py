@@ -15,7 +15,7 @@ Each run draws fresh token ids (no run reuses another's cache). Prints per run: 
 per second of wall time, the share of prompt tokens read from the prefix cache, and the ratios routing / shared.
 
     python bench/routing.py [--conversations 12] [--turns 8] [--systems 3] [--system-tokens 400]
-        [--turn-tokens 160] [--max-tokens 8] [--max-model-len 2048] [--rounds 1]
+        [--turn-tokens 160] [--max-tokens 8] [--max-model-len 2048] [--rounds 1] [--prefix-cache-mb MB]
         [--redis-url redis://127.0.0.1:6379/3]
 """
 
@@ -141,7 +141,8 @@ def start_engines(args, prefix: str) -> list[subprocess.Popen]:
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "inference.engine", "--model", MODEL, "--model-dir", args.model_dir,
              "--redis-url", args.redis_url, "--link-prefix", prefix, "--engine-id", eid, "--num-threads", "1",
-             "--max-model-len", str(args.max_model_len), "--log-level", "WARNING"],
+             "--max-model-len", str(args.max_model_len), "--log-level", "WARNING",
+             *(("--prefix-cache-mb", str(args.prefix_cache_mb)) if args.prefix_cache_mb is not None else ())],
             cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT))))
     deadline = time.time() + 300
     while not all(r.exists(replica_key(prefix, MODEL, e)) for e in ("r1", "r2")):
@@ -210,6 +211,10 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--prefix-cache-mb", type=float, default=None,
+                    help="each replica's prefix cache (MiB; the engine's default when omitted, which holds this whole "
+                         "workload): a cache smaller than the conversations' working set is the case a GPU fleet "
+                         "lives in (the demo model's K/V is 1 KiB per token in float32)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workload", choices=["both", "multi-turn", "no-shared-prefix"], default="both")
     ap.add_argument("--request-costs", default="auto",
