@@ -11,10 +11,10 @@ from pathlib import Path
 
 import redis
 from django.conf import settings
-from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 
 from ops.bootstrap import demo_bootstrap, embedded_redis_config_write, private_tree, redacted_url
+from ops.migrate import migrate_serialized
 from ops.layout import BACKGROUND_NICE, EngineLayout, engine_layout, render_children
 from ops.supervisor import (RestartPolicy, Supervisor, http_ok, parse_cpu_list, python, redis_ping,
                             unix_socket_accepts, wait_until)
@@ -134,7 +134,7 @@ class Command(BaseCommand):
         where = f" (password in {settings.EMBEDDED_REDIS_PASSWORD_FILE})" if settings.REDIS_EMBEDDED else ""
         self.stdout.write(f"redis: {redacted_url(redis_url)}{where}")
 
-        call_command("migrate", interactive=False, verbosity=0)
+        migrate_serialized(client, settings.LINK_PREFIX)  # other serve processes may be migrating the same database
         info = None
         if opts["demo"]:
             info = demo_bootstrap(var_dir=var_dir, model_name="tiny-qwen3", model_dir=opts["demo_model_dir"],
