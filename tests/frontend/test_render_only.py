@@ -1,26 +1,26 @@
 """A render-only deployment (api + Celery render workers, no engine; ``manage.py serve --no-engine``)
-serves /tokenize, /detokenize and the render routes; generation answers 503, not 500."""
+serves /tokenize, /detokenize and the render routes; generation answers 503, not 500. Run on the shared live
+platform (``shared_live``) with a model of this module's own that no engine serves: the api and render workers are
+the same processes, the engine that serves the demo model plays no part for this one."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from tests.live_platform import start_platform
+from tests.live_platform import MODEL_DIR
+from tests.support.live import ensure_model
 
-M = "tiny-qwen3"
+M = "render-only"  # the demo model's directory, registered for this module: no engine serves it
 MSGS = [{"role": "user", "content": "hello"}]
 
 
 @pytest.fixture(scope="module")
-def render_only(tmp_path_factory):
-    platform = start_platform(tmp_path_factory.mktemp("render-only"), engine=False)
-    try:
-        with httpx.Client(base_url=platform.base_url, timeout=60,
-                          headers={"Authorization": f"Bearer {platform.api_key}"}) as client:
-            yield client
-    finally:
-        platform.stop()
+def render_only(shared_live):
+    ensure_model(shared_live, M, MODEL_DIR, "--max-model-len", "512")
+    with httpx.Client(base_url=shared_live.base_url, timeout=60,
+                      headers={"Authorization": f"Bearer {shared_live.api_key}"}) as client:
+        yield client
 
 
 def test_render_only_serves_frontend_routes(render_only):

@@ -1,5 +1,6 @@
-"""Issue 14, gateway part, on a live platform (Redis, Celery render worker, uvicorn; no engine: the routes that
-need one answer 503 after they took the key's limits, which is all these tests need):
+"""Issue 14, gateway part, on the shared live platform (``shared_live``: Redis, Celery render worker, uvicorn) with a
+model of this module's own that no engine serves (the routes that need one answer 503 after they took the key's
+limits, which is all these tests need), and a second api process with short body deadlines:
 
 * a keyed route answers 401 from the headers, without waiting for the body;
 * a body that stalls, or trickles past the total deadline, gets 408 and the connection is closed;
@@ -19,25 +20,25 @@ import httpx
 import pytest
 
 from inference.tasks import render_tasks_counter_key
-from tests.live_platform import DEMO_MODEL, MODEL_DIR, start_platform
-from tests.support.live import limited_key
+from tests.live_platform import MODEL_DIR
+from tests.support.live import ensure_model, limited_key, stop_child
 
-EMBED_MODEL = "tiny-embed"  # the demo model's directory registered for pooling: no engine serves it here
+MODEL = "gw-no-engine"  # the demo model's directory, registered for this module: no engine serves it
+EMBED_MODEL = "tiny-embed"  # the demo model's directory registered for pooling: no engine serves it either
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    platform = start_platform(tmp_path_factory.mktemp("sec-gw"), engine=False, mm_worker=False)
+def live(shared_live):
+    ensure_model(shared_live, MODEL, MODEL_DIR, "--max-model-len", "512")
+    ensure_model(shared_live, EMBED_MODEL, MODEL_DIR, "--task", "embed", "--max-model-len", "256")
     try:
-        platform.manage("register_model", EMBED_MODEL, str(MODEL_DIR), "--task", "embed", "--max-model-len", "256")
-        # a second api process with short body deadlines
-        _child, platform.extra["slow_body_url"] = platform.start_api(
+        # a second api process with short body deadlines, stopped again with the module
+        _child, shared_live.extra["slow_body_url"] = shared_live.start_api(
             "api-deadlines", env_extra={"REQUEST_BODY_IDLE_TIMEOUT_S": "1", "REQUEST_BODY_TIMEOUT_S": "3"})
-    except BaseException:
-        platform.stop()
-        raise
-    yield platform
-    platform.stop()
+        yield shared_live
+    finally:
+        stop_child(shared_live, "api-deadlines")
+        shared_live.extra.pop("slow_body_url", None)
 
 
 def raw_request(base_url: str, head: bytes, body: bytes, timeout: float = 20.0):
@@ -119,7 +120,7 @@ def test_trickling_body_gets_408_at_the_total_deadline(live):
 
 def test_complete_bodies_are_served_under_the_deadlines(live):
     r = httpx.post(live.extra["slow_body_url"] + "/tokenize", headers={"Authorization": f"Bearer {live.api_key}"},
-                   json={"model": DEMO_MODEL, "prompt": "hello"}, timeout=60)
+                   json={"model": MODEL, "prompt": "hello"}, timeout=60)
     assert r.status_code == 200, r.text
 
 
@@ -129,10 +130,10 @@ def test_handoff_header_over_tcp_changes_no_counter(live):
     before = live.redis.hgetall(key)
     r = httpx.post(live.base_url + "/tokenize", headers={"Authorization": f"Bearer {live.api_key}",
                                                           "X-LLMP-Handed-Off": "1"},
-                   json={"model": DEMO_MODEL, "prompt": "hello"}, timeout=60)
+                   json={"model": MODEL, "prompt": "hello"}, timeout=60)
     assert r.status_code == 200, r.text
     unauth = httpx.post(live.base_url + "/tokenize", headers={"X-LLMP-Handed-Off": "1"},
-                        json={"model": DEMO_MODEL, "prompt": "hello"}, timeout=60)
+                        json={"model": MODEL, "prompt": "hello"}, timeout=60)
     assert unauth.status_code == 401
     assert live.redis.hgetall(key) == before
 
@@ -140,16 +141,16 @@ def test_handoff_header_over_tcp_changes_no_counter(live):
 # ------------------------------------------------------------------------------------------------ key limits
 CHAT = [{"role": "user", "content": "hi"}]
 ROUTES = {
-    "tokenize": ("/tokenize", {"model": DEMO_MODEL, "prompt": "hello"}),
-    "tokenize-chat": ("/tokenize", {"model": DEMO_MODEL, "messages": CHAT}),
-    "detokenize": ("/detokenize", {"model": DEMO_MODEL, "tokens": [1, 2, 3]}),
-    "chat-render": ("/v1/chat/completions/render", {"model": DEMO_MODEL, "messages": CHAT, "max_tokens": 2}),
-    "completions-render": ("/v1/completions/render", {"model": DEMO_MODEL, "prompt": "hi", "max_tokens": 2}),
+    "tokenize": ("/tokenize", {"model": MODEL, "prompt": "hello"}),
+    "tokenize-chat": ("/tokenize", {"model": MODEL, "messages": CHAT}),
+    "detokenize": ("/detokenize", {"model": MODEL, "tokens": [1, 2, 3]}),
+    "chat-render": ("/v1/chat/completions/render", {"model": MODEL, "messages": CHAT, "max_tokens": 2}),
+    "completions-render": ("/v1/completions/render", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
     "abort": ("/inference/v1/abort_requests", {"request_ids": ["x"]}),
-    "generate": ("/inference/v1/generate", {"model": DEMO_MODEL, "token_ids": [1, 2, 3],
+    "generate": ("/inference/v1/generate", {"model": MODEL, "token_ids": [1, 2, 3],
                                             "sampling_params": {"max_tokens": 2}}),
-    "chat": ("/v1/chat/completions", {"model": DEMO_MODEL, "messages": CHAT, "max_tokens": 2}),
-    "completions": ("/v1/completions", {"model": DEMO_MODEL, "prompt": "hi", "max_tokens": 2}),
+    "chat": ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2}),
+    "completions": ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
     "embeddings": ("/v1/embeddings", {"model": EMBED_MODEL, "input": "hello"}),
 }
 
@@ -182,7 +183,7 @@ def test_over_limit_key_publishes_no_render_task(live):
     refused = [post(live, key, r) for r in ("chat-render", "chat", "tokenize-chat", "chat-render", "chat")]
     # a body the renderer would refuse (400) is refused by the limit first (429), without a render task
     bad = httpx.post(live.base_url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
-                     json={"model": DEMO_MODEL, "messages": [{"role": "user", "content": "hi"}],
+                     json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                            "chat_template": "{{ messages }}"}, timeout=60)  # not allowed for this model: 400
     assert [r.status_code for r in refused] == [429] * 5, [r.text for r in refused]
     assert bad.status_code == 429, bad.text

@@ -4,6 +4,9 @@ keys with limits, JSON POSTs."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -48,6 +51,24 @@ def ensure_model(live: LivePlatform, name: str, model_dir: str | Path, *register
         done.add(name)
     if engine and f"engine-{name}" not in {child.name for child in live.sup.children}:
         live.start_engine(name=f"engine-{name}", model=name)
+
+
+def stop_child(live: LivePlatform, name: str, grace_s: float = 10.0) -> None:
+    """Stop ``live``'s child process(es) named ``name`` (SIGTERM to its process group, SIGKILL after ``grace_s``)
+    and drop them from its supervisor."""
+    for child in [c for c in live.sup.children if c.name == name]:
+        if child.proc is not None:
+            try:
+                os.killpg(child.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                child.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                live.sup.kill_group(child)
+                child.proc.wait()
+            live.sup.kill_group(child)  # stragglers whose leader has exited
+        live.sup.children.remove(child)
 
 
 def warm_tokenizer(live: LivePlatform, model: str, rounds: int = 30) -> None:

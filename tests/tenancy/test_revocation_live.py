@@ -1,4 +1,5 @@
-"""Revocation on a live platform with two api processes: a key revoked (or rotated, or its tenant deactivated)
+"""Revocation on the shared live platform (``shared_live``) with a second api process of this module's own (two api
+processes): a key revoked (or rotated, or its tenant deactivated)
 through the control plane is refused by every api process within milliseconds (Redis Pub/Sub invalidation of the
 per-process auth cache, gateway/auth.py), not after the cache's 1 s lifetime; refused attempts are counted per key
 prefix in ``/metrics`` with bounded labels.
@@ -19,20 +20,23 @@ import httpx
 import pytest
 
 from gateway.auth import _COUNT_LUA
-from tests.live_platform import start_platform
+from tests.support.live import stop_child
 
 pytestmark = pytest.mark.timeout(240)
 BOUND_S = 0.5
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    platform = start_platform(tmp_path_factory.mktemp("revoke"), engine=False, mm_worker=False)
-    _child, platform.extra["api2"] = platform.start_api("api2")
-    platform.extra["writer"] = platform.new_key(tenant="rev", scopes="inference,keys:write")
-    platform.extra["operator"] = platform.new_key(tenant="ops", scopes="operator")
-    yield platform
-    platform.stop()
+def live(shared_live):
+    try:
+        _child, shared_live.extra["api2"] = shared_live.start_api("api2")
+        shared_live.extra["writer"] = shared_live.new_key(tenant="rev", scopes="inference,keys:write")
+        shared_live.extra["operator"] = shared_live.new_key(tenant="ops", scopes="operator")
+        yield shared_live
+    finally:
+        stop_child(shared_live, "api2")
+        for name in ("api2", "writer", "operator"):
+            shared_live.extra.pop(name, None)
 
 
 def _auth(secret: str) -> dict[str, str]:
