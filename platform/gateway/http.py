@@ -23,6 +23,7 @@ from channels.generic.http import AsyncHttpConsumer
 from django.conf import settings
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
+from gateway.disconnect import ClientGone, bind
 from gateway.errors import ApiError, ErrorCode, ErrorType, error_body, internal_error, redis_unavailable
 from inference.protocol.openai import parse_json_body
 
@@ -46,6 +47,7 @@ class GatewayConsumer(AsyncHttpConsumer):
         self._task: asyncio.Task[None] | None = None
         self._started = False
         self._response_complete = False
+        self._client_gone = ClientGone()  # for handlers whose cancellation was lost (gateway/disconnect.py)
         self.extra_headers: list[tuple[bytes, bytes]] = []
 
     # ------------------------------------------------------------------ ASGI plumbing
@@ -83,6 +85,7 @@ class GatewayConsumer(AsyncHttpConsumer):
         finish its post-response work (usage event, releases) undisturbed."""
         if self._task is not None and not self._task.done():
             if not self._response_complete:
+                self._client_gone.gone = True
                 self._task.cancel()
             try:
                 await self._task
@@ -101,6 +104,7 @@ class GatewayConsumer(AsyncHttpConsumer):
                                        ErrorType.INVALID_REQUEST, None, ErrorCode.REQUEST_TOO_LARGE))
 
     async def _run(self, body: bytes) -> None:
+        bind(self._client_gone)
         try:
             if self.scope.get("method") not in self.methods:
                 raise ApiError(405, f"Method {self.scope.get('method')} is not allowed on {self.scope.get('path')}",

@@ -178,6 +178,23 @@ def test_releases_on_disconnect_and_engine_error(live):
     wait_for(lambda: live.replicas(), 60, "engine heartbeat back")
 
 
+def test_disconnect_right_after_admission_releases_every_time(live):
+    """A client that hangs up the moment its request is admitted: the handler's cancellation lands in the middle of
+    its Redis calls, where Python 3.11's ``asyncio.wait_for`` (redis-py's send) can lose it; the reservation must be
+    released anyway (gateway/disconnect.py), every time, while the engine still holds the request."""
+    set_limits(live)
+    port = int(live.base_url.rsplit(":", 1)[1])
+    with engine_paused(live):
+        for i in range(20):
+            raw = json.dumps({"model": MODEL, "prompt": [9 + i] * 30, "max_tokens": 5}).encode()
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+                conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                             b"\r\nAuthorization: Bearer " + live.api_key.encode() + b"\r\nContent-Length: "
+                             + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+                wait_for(lambda: counters(live) == (1, 30), 30, f"request {i} admitted")
+            wait_for(lambda: counters(live) == (0, 0), 15, f"release of request {i} on disconnect")
+
+
 def test_burst_of_200_never_over_admits(live):
     limit = 8
     set_limits(live, reqs=limit)

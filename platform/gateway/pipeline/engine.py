@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 
+from gateway.disconnect import raise_if_client_gone
 from gateway.errors import bad_request, engine_error
 from gateway.model_cache import ModelSnapshot
 from gateway.pipeline import admission
@@ -73,6 +74,7 @@ class GenerationRun:
         """Yield text deltas as engine outputs arrive, until every choice has finished. A child's first tokens
         release its prefill reservation; a stop string matched before the engine stopped aborts the child."""
         while not self.state.finished:
+            raise_if_client_gone()  # a cancellation lost on the way here (gateway/disconnect.py)
             result = self.processor.process_outputs([await self.queue.get()])
             for rid in result.reqs_to_abort:
                 asyncio.get_running_loop().create_task(_abort(self.model.served_model_name, [rid]))
@@ -127,6 +129,7 @@ async def run_pooling(model: ModelSnapshot, requests: list[EngineCoreRequest]) -
     remaining = set(index)
     try:
         while remaining:
+            raise_if_client_gone()
             out = await queue.get()
             if out.request_id not in remaining or out.finish_reason is None:
                 continue
