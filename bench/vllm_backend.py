@@ -10,9 +10,10 @@ client (``bench/chat_vs_direct.py``'s):
   Redis engine link); admission, key limits and usage as for any model;
 * vllm: ``python -m vllm.entrypoints.openai.api_server`` on a free port (``/work/shared/reference/peer_vllm.md``).
 
-The sides run one after the other (never both at once on the shared cores): per side one warm-up, then
-``--rounds`` measured rounds with prompts no other round used (no prefix-cache hits), the mean over rounds of each
-figure. Prints TTFT p50/p99, output tokens/s and the platform/vllm ratio (goal: tokens/s ≥ 0.9x). Usage:
+All sides are up at once (an idle engine blocks on its queue) and take turns, never two at once on the shared
+cores: one warm-up each, then ``--rounds`` measured rounds with prompts no other round used (no prefix-cache hits),
+each round starting with the next side, so a drift in the machine's load spreads over all sides; the mean over
+rounds of each figure. Prints TTFT p50/p99, output tokens/s and the platform/vllm ratio (goal: tokens/s ≥ 0.9x). Usage:
 ``.venv/bin/python bench/vllm_backend.py [--concurrency 16] [--max-tokens 64] [--rounds 2] [--dtype bfloat16] [--native]``
 (``--native``: also the same rounds on our native engine through the same platform, issue 20's CPU goal).
 (needs ``.peer/vllm``: ``scripts/setup.sh --vllm``; ``VLLM_PYTHON`` points elsewhere).
@@ -39,47 +40,41 @@ from tests.live_platform import MODEL_DIR, VLLM_PYTHON, free_port, start_platfor
 
 VLLM_MODEL = "tiny-qwen3-vllm"
 NATIVE_MODEL = "tiny-qwen3-native"
+# Pause before each measured round: a vLLM engine's worker keeps busy-polling its shared-memory queue (with
+# sched_yield) for 1 s after its last step (vLLM's ``SpinCondition``, ``busy_loop_s``), which took a core from the
+# side that ran next (its TTFT rose from ~0.1 s to ~0.9 s).
+IDLE_GAP_S = 2.0
 
 
-def platform_side(args, rounds, warm) -> tuple[list[dict], list[dict]]:
-    """Rounds through the platform with the model on the vLLM backend, then (``--native``) on our native engine,
-    the same dtype, one replica each; the native engine is started after the vLLM replica stopped."""
+def start_platform_side(args) -> tuple[object, list[tuple[str, str, str, str]]]:
+    """A live platform serving the demo model on the vLLM backend and (``--native``) on our native engine, the same
+    dtype, one replica each. Returns ``(live platform, [(side name, base url, api key, model)]``).
+
+    No reasoning parser on either model: vLLM's server runs without one, so every side streams the raw text. With
+    the registry's ``auto`` (``qwen3`` for this template) a leading whitespace run is held until it is known not to
+    precede ``<think>``; the random-weights model in bfloat16 opens with ~35 newlines, which counted as TTFT (D-270).
+    """
     live = start_platform(Path(tempfile.mkdtemp(prefix="bench-vllm-")), max_model_len=args.max_model_len,
                           engine=False, mm_worker=False)
     try:
-        return _on_vllm(live, args, rounds, warm), (_on_native(live, args, rounds, warm) if args.native else [])
-    finally:
+        live.manage("register_model", VLLM_MODEL, str(MODEL_DIR), "--max-model-len", str(args.max_model_len),
+                    "--backend", "vllm", "--dtype", args.dtype, "--reasoning-parser", "none")
+        live.start_engine("engine-vllm", model=VLLM_MODEL, backend="vllm", extra_args=("--dtype", args.dtype))
+        sides = [("platform", live.base_url, live.api_key, VLLM_MODEL)]
+        if args.native:
+            live.manage("register_model", NATIVE_MODEL, str(MODEL_DIR), "--max-model-len", str(args.max_model_len),
+                        "--dtype", args.dtype, "--reasoning-parser", "none")
+            live.start_engine("engine-native", model=NATIVE_MODEL, extra_args=("--dtype", args.dtype))
+            sides.append(("native", live.base_url, live.api_key, NATIVE_MODEL))
+        return live, sides
+    except BaseException:
         live.stop()
+        raise
 
 
-def _on_native(live, args, rounds, warm) -> list[dict]:
-    live.manage("register_model", NATIVE_MODEL, str(MODEL_DIR), "--max-model-len", str(args.max_model_len),
-                "--dtype", args.dtype, "--reasoning-parser", "none")
-    live.start_engine("engine-native", model=NATIVE_MODEL, extra_args=("--dtype", args.dtype))
-    asyncio.run(run_platform(live.base_url, live.api_key, warm, 4, model=NATIVE_MODEL))
-    return [asyncio.run(run_platform(live.base_url, live.api_key, convs, args.max_tokens, model=NATIVE_MODEL))
-            for convs in rounds]
-
-
-def _on_vllm(live, args, rounds, warm) -> list[dict]:
-    # no reasoning parser: vLLM's server runs without one, so both sides stream the raw text. With the registry's
-    # "auto" (qwen3 for this template) a leading whitespace run is held until it is known not to precede <think>;
-    # the random-weights model in bfloat16 opens with ~35 newlines, which counted as TTFT (D-270).
-    live.manage("register_model", VLLM_MODEL, str(MODEL_DIR), "--max-model-len", str(args.max_model_len),
-                "--backend", "vllm", "--dtype", args.dtype, "--reasoning-parser", "none")
-    child = live.start_engine("engine-vllm", model=VLLM_MODEL, backend="vllm", extra_args=("--dtype", args.dtype))
-    try:
-        asyncio.run(run_platform(live.base_url, live.api_key, warm, 4, model=VLLM_MODEL))
-        return [asyncio.run(run_platform(live.base_url, live.api_key, convs, args.max_tokens, model=VLLM_MODEL))
-                for convs in rounds]
-    finally:  # its cores go to the next side
-        os.killpg(child.proc.pid, signal.SIGTERM)
-        child.proc.wait(60)
-        live.sup.children.remove(child)  # stopped on purpose: not a dead child for the supervisor's checks
-
-
-def vllm_side(args, rounds, warm) -> list[dict]:
-    """Rounds against vLLM's own OpenAI server (same engine settings)."""
+def start_vllm_server(args) -> tuple[subprocess.Popen, str]:
+    """vLLM's own OpenAI server on a free port, the same engine settings; returns ``(process, base url)`` once
+    ``/health`` answers."""
     port = free_port()
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     log = open(Path(tempfile.mkdtemp(prefix="bench-vllm-server-")) / "server.log", "wb")
@@ -89,21 +84,23 @@ def vllm_side(args, rounds, warm) -> list[dict]:
                              "--max-num-seqs", "32", "--enforce-eager", "--disable-log-stats"],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while not http_ok(base + "/health"):
+        if proc.poll() is not None or time.time() > deadline:
+            stop_server(proc)
+            raise RuntimeError(f"vLLM's server did not start (log: {log.name})")
+        time.sleep(1)
+    return proc, base
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group, SIGKILL after 30 s."""
+    os.killpg(proc.pid, signal.SIGTERM)
     try:
-        deadline = time.time() + 600
-        while not http_ok(base + "/health"):
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"vLLM's server did not start (log: {log.name})")
-            time.sleep(1)
-        asyncio.run(run_platform(base, "none", warm, 4, model=VLLM_MODEL))
-        return [asyncio.run(run_platform(base, "none", convs, args.max_tokens, model=VLLM_MODEL)) for convs in rounds]
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def main() -> None:
@@ -121,24 +118,37 @@ def main() -> None:
         sys.exit(f"no vLLM environment at {VLLM_PYTHON}: scripts/setup.sh --vllm")
     warm = prompts(args.concurrency, "warm-up")
     rounds = [prompts(args.concurrency, f"round {r + 1}") for r in range(args.rounds)]
-    plat_rounds, native_rounds = platform_side(args, rounds, warm)
-    plat = mean_of(plat_rounds)
-    server = mean_of(vllm_side(args, rounds, warm))
-
-    print(f"\n{args.concurrency} concurrent streaming chats, {args.max_tokens} new tokens each, demo model, vLLM "
-          f"engine ({args.dtype}, CPU) on both sides; mean of {args.rounds} round(s) per side, fresh prompts each")
+    live, sides = start_platform_side(args)
+    try:
+        proc, base = start_vllm_server(args)
+        try:
+            sides.append(("vllm", base, "none", VLLM_MODEL))
+            for _name, url, key, model in sides:
+                asyncio.run(run_platform(url, key, warm, 4, model=model))
+            results: dict[str, list[dict]] = {name: [] for name, *_ in sides}
+            for r, convs in enumerate(rounds):  # the sides take turns, each round starting with the next one
+                for name, url, key, model in sides[r % len(sides):] + sides[:r % len(sides)]:
+                    time.sleep(IDLE_GAP_S)
+                    res = asyncio.run(run_platform(url, key, convs, args.max_tokens, model=model))
+                    results[name].append(res)
+                    print(f"round {r + 1} {name:9} TTFT p50 {res['ttft_p50']:.3f} s, {res['tok_s']:.1f} tokens/s",
+                          flush=True)
+        finally:
+            stop_server(proc)
+    finally:
+        live.stop()
+    means = {name: mean_of(rs) for name, rs in results.items()}
+    server = means["vllm"]
+    print(f"\n{args.concurrency} concurrent streaming chats, {args.max_tokens} new tokens each, demo model ({args.dtype}, "
+          f"CPU); platform = the vLLM backend through the platform, native = our engine through the platform, vllm = "
+          f"vLLM's own server; {args.rounds} round(s) per side, taking turns, fresh prompts each round; means")
     print(f"{'':10} {'TTFT p50 s':>11} {'TTFT p99 s':>11} {'tokens/s':>10} {'wall s':>8}")
-    sides = [("platform", plat), ("vllm", server)]
-    if native_rounds:
-        sides.insert(1, ("native", mean_of(native_rounds)))
-    for name, r in sides:
+    for name, r in means.items():
         print(f"{name:10} {r['ttft_p50']:11.3f} {r['ttft_p99']:11.3f} {r['tok_s']:10.1f} {r['wall_s']:8.2f}")
-    print(f"ratio platform/vllm: tokens/s {plat['tok_s'] / server['tok_s']:.2f}x (goal >= 0.9x), "
-          f"TTFT p50 {plat['ttft_p50'] / server['ttft_p50']:.2f}x")
-    if native_rounds:
-        native = sides[1][1]
-        print(f"ratio native engine (platform)/vllm: tokens/s {native['tok_s'] / server['tok_s']:.2f}x (goal >= 1.0x), "
-              f"TTFT p50 {native['ttft_p50'] / server['ttft_p50']:.2f}x")
+    for name, goal in (("platform", 0.9), ("native", 1.0)):
+        if name in means:
+            print(f"ratio {name}/vllm: tokens/s {means[name]['tok_s'] / server['tok_s']:.2f}x (goal >= {goal}x), "
+                  f"TTFT p50 {means[name]['ttft_p50'] / server['ttft_p50']:.2f}x")
 
 
 if __name__ == "__main__":
