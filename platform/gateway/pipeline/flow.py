@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.disconnect import raise_if_client_gone
 from gateway.http import GatewayConsumer
 from gateway.model_cache import ModelSnapshot
 from gateway.pipeline import admission, inputs, limits, rendering
@@ -42,7 +43,9 @@ async def admit_and_start(scope: RequestScope, model: ModelSnapshot, tokenizer: 
                           stop: list[str] | None, include_stop_str_in_output: bool, skip_special_tokens: bool,
                           arrival_time: float) -> GenerationRun:
     """Steps 3 (exact reserve: ``n`` × real prompt tokens; 503) and 7 (engine hand-off; 503): returns the
-    started run, recorded on ``scope``. The engine requests get ``scope.priority`` (tier, then arrival)."""
+    started run, recorded on ``scope``. The engine requests get ``scope.priority`` (tier, then arrival). A request
+    whose client is already gone (a cancellation lost on the way, ``gateway/disconnect.py``) stops here."""
+    raise_if_client_gone()
     await admission.reserve(scope.reservation, len(processed.requests), len(processed.prompt_token_ids))
     for request in processed.requests:
         request.priority = scope.priority
