@@ -218,11 +218,6 @@ class EngineLink:
         target, hit = None, 0
         if self.routing == ROUTING_PREFIX and requests and not requests[0].pooling:
             target, hit = await self._route(model, requests[0], replicas)
-            if not hit:
-                # no replica holds any of the prompt: nothing to gain from choosing one; the shared stream lets the
-                # first replica with room pull it (work-conserving), where a push on queue estimates made the TTFT
-                # p50 of a no-shared-prefix load 1.3x worse (bench/routing.py, D-274)
-                target = None
         queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
         for req in requests:
             q: asyncio.Queue[EngineCoreOutput] = queue if queue is not None else asyncio.Queue()

@@ -15,7 +15,7 @@ import pytest
 from openai import OpenAI
 
 from inference import admission as adm
-from inference.protocol.engine import replica_requests_stream, requests_stream, routing_key
+from inference.protocol.engine import replica_requests_stream, routing_key
 
 MODEL = "tiny-qwen3"
 
@@ -42,20 +42,14 @@ def test_sigkill_engine_mid_stream_and_mid_request(live):
             # second request reach it, then kill it
             (replica,) = live.replicas()
             os.kill(engine.proc.pid, signal.SIGSTOP)
-            # the api routes it to that replica, or (a prompt no replica holds a block of, D-274) to the model's
-            # shared stream, which only that replica reads
-            streams = (replica_requests_stream(live.prefix, MODEL, replica.engine_id),
-                       requests_stream(live.prefix, MODEL))
-
-            def queued() -> int:
-                return sum(live.redis.xlen(s) for s in streams)
-            sent = queued()
+            stream = replica_requests_stream(live.prefix, MODEL, replica.engine_id)  # the api routes to it
+            sent = live.redis.xlen(stream)
             t = threading.Thread(target=blocking_request)
             t.start()
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and queued() == sent:
+            while time.monotonic() < deadline and live.redis.xlen(stream) == sent:
                 time.sleep(0.05)
-            assert queued() > sent, "the second request never reached the engine link"
+            assert live.redis.xlen(stream) > sent, "the second request never reached the engine link"
             os.kill(engine.proc.pid, signal.SIGKILL)
             events = [line[6:] for line in lines if line.startswith("data: ")]
     # both end with the engine error (heartbeat TTL 3 s + watchdog 1 s), not after 480 tokens nor never
@@ -108,9 +102,7 @@ def test_two_replicas_keep_a_conversation_on_one_and_take_over_from_a_stopped_on
     before = routed()
     cached = [turn(messages, f"Question {i}: what is {i} times seven?") for i in range(3)]
     grew = {e: n - before.get(e, 0) for e, n in routed().items() if n != before.get(e, 0)}
-    # every turn on one replica: the first one through the shared stream when no replica holds any of it yet (the
-    # replica that pulls it caches it, D-274), the later ones routed there
-    assert len(grew) == 1 and sum(grew.values()) >= 2, grew
+    assert len(grew) == 1 and sum(grew.values()) == 3, grew  # every turn on one replica
     assert cached[1] > 0 and cached[2] > cached[1], cached  # the history was not prefilled again
     (holder,) = grew
     # the replica reports its counters with its heartbeat (about once a second): wait for the one after the turns
@@ -134,7 +126,7 @@ def test_two_replicas_keep_a_conversation_on_one_and_take_over_from_a_stopped_on
         t0 = time.monotonic()
         turn(messages, "One more question: and eight times seven?")
         took = time.monotonic() - t0
-        assert routed()[holder] - before.get(holder, 0) == sum(grew.values()) + 1  # it was sent to the frozen one ...
+        assert routed()[holder] - before.get(holder, 0) == 4  # it was sent to the frozen replica ...
         assert {s.engine_id for s in live.replicas()} == {survivor}  # ... and served by the survivor
         assert took < 60, took  # heartbeat TTL 3 s + takeover every 1 s, on a loaded machine
     finally:
