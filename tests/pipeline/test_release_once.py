@@ -117,8 +117,9 @@ async def test_every_exit_gives_back_everything_once(env, outcome):
 
 
 async def test_release_order_and_idempotence(env, monkeypatch):
-    """``RequestScope.release``: run closed, then admission released, then key limits settled, then usage —
-    and a second release changes nothing."""
+    """``RequestScope.release``: usage first (the answer is out: a process killed during the releases must not lose
+    its record), then the run closed, admission released, key limits settled — and a second release changes
+    nothing."""
     calls = []
 
     class Run:
@@ -141,4 +142,4 @@ async def test_release_order_and_idempotence(env, monkeypatch):
     monkeypatch.setattr(scope_mod.UsageRecorder, "emit", emit)
     async with request_scope("completions", "r", time.time(), _ctx(), MODEL, 1) as scope:
         scope.grant, scope.reservation, scope.run = object(), object(), Run()
-    assert calls == ["close", "admission", ("settle", 5), "usage"]
+    assert calls == ["usage", "close", "admission", ("settle", 5)]

@@ -38,18 +38,23 @@ class RequestScope:
         return self.run is None and self.reservation is None and self.grant is None
 
     async def release(self) -> None:
-        """Give everything back, in order: close the run (abort unfinished children), release admission, settle
-        the key limits on the tokens used, emit the usage event. Each step is idempotent."""
+        """Give everything back, in order: emit the usage event, close the run (abort unfinished children),
+        release admission, settle the key limits on the tokens used. Each step is idempotent.
+
+        The usage event goes first: the answer is already out, and an api process killed during the releases'
+        Redis round trips (the many-hosts drill kills one mid-burst) lost the record of a request its client had
+        seen answered; the reservation and the key-limit lease it held are reaped anyway."""
         run = self.run
+        if run is not None:
+            self.recorder.run = run
+        await self.recorder.emit()
         if run is not None:
             close = getattr(run, "close", None)
             if close is not None:
                 await close()
-            self.recorder.run = run
         await admission.release(self.reservation)
         used = (run.prompt_tokens + run.completion_tokens) if run is not None else 0
         await limits.settle(self.grant, used)
-        await self.recorder.emit()
 
 
 _background_tasks: set[asyncio.Task[None]] = set()
