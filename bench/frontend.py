@@ -2,7 +2,8 @@
 
 What it measures: validate + chat template + tokenize + JSON, no engine work. Both servers serve the
 same Qwen3 tokenizer (the demo model ``.cache/models/tiny-qwen3``). Bodies: a chat of about 1,000 and one
-of about 8,000 tokens (multi-turn, checked with our own /tokenize). Concurrency 1 and 32. Our side runs
+of about 8,000 tokens (multi-turn, checked with our own /tokenize), each request with its own number at the end of
+its last message (distinct bodies: issue 19's rule). Concurrency 1 and 32. Our side runs
 twice: the default rendering route (``RENDER_ROUTE=celery``: Celery ``render`` queue, 2 prefork workers)
 and the in-process route (``RENDER_ROUTE=inline``: thread pool in the api process). One uvicorn process
 per side; vLLM runs its single api server.
@@ -53,22 +54,32 @@ def chat_body(target_tokens: int) -> dict:
     return {"messages": msgs, "add_generation_prompt": True}
 
 
+def numbered(body: dict, i: int) -> dict:
+    """``body`` with request number ``i`` at the end of its last message: every request differs, so no cache of whole
+    messages or prompts serves a repeat (issue 19's rule; earlier messages still repeat, as a conversation's do)."""
+    msgs = [dict(m) for m in body["messages"]]
+    msgs[-1]["content"] = f"{msgs[-1]['content']} (request {i})"
+    return {**body, "messages": msgs}
+
+
 async def run_load(url: str, headers: dict, body: dict, concurrency: int, total: int) -> dict:
-    """``total`` requests with ``concurrency`` in flight; returns latencies (s) and wall time."""
+    """``total`` requests with ``concurrency`` in flight, each ``body`` with its own number (``numbered``); returns
+    latencies (s) and wall time."""
     lat: list[float] = []
     errors = 0
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=120, limits=limits, headers=headers) as client:
-        for _ in range(min(4, total)):  # warm-up (tokenizer load, connections)
-            await client.post(url, json=body)
+        for w in range(min(4, total)):  # warm-up (tokenizer load, connections)
+            await client.post(url, json=numbered(body, -1 - w))
+        bodies = [numbered(body, i) for i in range(total)]  # built before the clock starts
         queue = list(range(total))
 
         async def worker():
             nonlocal errors
             while queue:
-                queue.pop()
+                i = queue.pop()
                 t0 = time.perf_counter()
-                resp = await client.post(url, json=body)
+                resp = await client.post(url, json=bodies[i])
                 lat.append(time.perf_counter() - t0)
                 if resp.status_code != 200:
                     errors += 1
