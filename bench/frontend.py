@@ -93,15 +93,17 @@ async def run_load(url: str, headers: dict, body: dict, concurrency: int, total:
 
 
 def start_vllm(python: str, port: int, log: Path, max_model_len: int = 4096,
-               ready_timeout_s: float = 300) -> subprocess.Popen:
-    """vLLM's CPU api server on the demo model (served name ``tiny-qwen3``) at ``port``, once healthy (its whole
-    process group killed when it does not get there within ``ready_timeout_s``)."""
+               ready_timeout_s: float = 300, *, served_name: str = "tiny-qwen3", dtype: str = "bfloat16",
+               extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """vLLM's CPU api server on the demo model (served as ``served_name``, ``dtype``, more server options in
+    ``extra_args``) at ``port``, once healthy (its whole process group killed when it does not get there within
+    ``ready_timeout_s``)."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     if max_model_len > 4096:  # the demo model's max_position_embeddings; /tokenize-only runs may go past it
         env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
     proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
-                             "--served-model-name", "tiny-qwen3", "--host", "127.0.0.1", "--port", str(port),
-                             "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--enforce-eager"],
+                             "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
+                             "--dtype", dtype, "--max-model-len", str(max_model_len), "--enforce-eager", *extra_args],
                             env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:

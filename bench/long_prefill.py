@@ -10,7 +10,7 @@ without the Redis link (a step only computes and queues its outputs), so every s
 3. throughput: 16 fresh streams × ``--new-tokens`` tokens, output tokens/s from the first step to the last.
 
 Also times the costliest prefill chunk of ``max_num_batched_tokens - 16`` tokens alone (the long prompt's last one,
-attending over all before it), as many times as there are measured steps: the bound the stall should stay within
+attending over all before it), ``max(--warm, 8)`` times (the join takes 9 steps at the defaults): the bound the stall should stay within
 is one decode step plus that chunk (issue 20's goal). Both sides are given as median (typical step) and maximum (the
 worst step against the worst chunk alone): a maximum of several steps against one best-of chunk timing would count
 timer noise as delay. Prints both modes and the ratios before/after in one run.
@@ -99,8 +99,8 @@ def run_mode(runner: ModelRunner, args, chunked: bool, rng: random.Random) -> di
 
 def chunk_time(runner: ModelRunner, args, rng: random.Random) -> list[float]:
     """Seconds of the costliest prefill chunk of the long prompt: its last full chunk of ``budget - streams`` tokens
-    (it attends over the whole prompt before it), timed alone as many times as the join had steps (``--warm``
-    repetitions at least), so its median and maximum compare with the join's steps like for like."""
+    (it attends over the whole prompt before it), timed alone ``max(--warm, 8)`` times, about as many as the join has
+    steps, so its median and maximum compare with the join's like for like."""
     times = []
     n = args.budget - args.streams
     for _ in range(max(args.warm, 8)):

@@ -23,9 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
 from bench.chat_vs_direct import mean_of, prompts, run_platform
-from ops.supervisor import http_ok
+from bench.frontend import start_vllm, stop_vllm
 from tests.live_platform import MODEL_DIR, VLLM_PYTHON, free_port, start_platform
 
 VLLM_MODEL = "tiny-qwen3-vllm"
@@ -72,37 +69,6 @@ def start_platform_side(args) -> tuple[object, list[tuple[str, str, str, str]]]:
         raise
 
 
-def start_vllm_server(args) -> tuple[subprocess.Popen, str]:
-    """vLLM's own OpenAI server on a free port, the same engine settings; returns ``(process, base url)`` once
-    ``/health`` answers."""
-    port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    log = open(Path(tempfile.mkdtemp(prefix="bench-vllm-server-")) / "server.log", "wb")
-    proc = subprocess.Popen([str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
-                             "--served-model-name", VLLM_MODEL, "--host", "127.0.0.1", "--port", str(port),
-                             "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
-                             "--max-num-seqs", "32", "--enforce-eager", "--disable-log-stats"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while not http_ok(base + "/health"):
-        if proc.poll() is not None or time.time() > deadline:
-            stop_server(proc)
-            raise RuntimeError(f"vLLM's server did not start (log: {log.name})")
-        time.sleep(1)
-    return proc, base
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL after 30 s."""
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, default=16)
@@ -120,7 +86,11 @@ def main() -> None:
     rounds = [prompts(args.concurrency, f"round {r + 1}") for r in range(args.rounds)]
     live, sides = start_platform_side(args)
     try:
-        proc, base = start_vllm_server(args)
+        port = free_port()
+        proc = start_vllm(str(VLLM_PYTHON), port, Path(tempfile.mkdtemp(prefix="bench-vllm-server-")) / "server.log",
+                          max_model_len=args.max_model_len, ready_timeout_s=600, served_name=VLLM_MODEL,
+                          dtype=args.dtype, extra_args=("--max-num-seqs", "32", "--disable-log-stats"))
+        base = f"http://127.0.0.1:{port}"
         try:
             sides.append(("vllm", base, "none", VLLM_MODEL))
             for _name, url, key, model in sides:
@@ -134,7 +104,7 @@ def main() -> None:
                     print(f"round {r + 1} {name:9} TTFT p50 {res['ttft_p50']:.3f} s, {res['tok_s']:.1f} tokens/s",
                           flush=True)
         finally:
-            stop_server(proc)
+            stop_vllm(proc)
     finally:
         live.stop()
     means = {name: mean_of(rs) for name, rs in results.items()}
