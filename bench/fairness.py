@@ -52,12 +52,14 @@ def main() -> int:
     ap.add_argument("--calib-s", type=float, default=5.0)
     ap.add_argument("--concurrency", type=int, default=24)
     ap.add_argument("--engine-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
-    ap.add_argument("--max-prefill-tokens", type=int, default=4096,
-                    help="the engine's prefill batch budget: a request arriving during a prefill waits for it, so "
-                         "the TTFT a tenant within its share can reach is bounded by one batch")
+    ap.add_argument("--max-prefill-tokens", type=int, default=None,
+                    help="the engine's step token budget (--max-num-batched-tokens; default: the engine's own, 512 on "
+                         "the CPU): a request arriving during a step waits for it, so the TTFT a tenant within its "
+                         "share can reach is bounded by one step")
     args = ap.parse_args()
-    os.environ["ENGINE_EXTRA_ARGS"] = (f"{os.environ.get('ENGINE_EXTRA_ARGS', '')} --num-threads {args.engine_threads} "
-                                       f"--max-prefill-tokens {args.max_prefill_tokens}")
+    budget = f" --max-num-batched-tokens {args.max_prefill_tokens}" if args.max_prefill_tokens else ""
+    os.environ["ENGINE_EXTRA_ARGS"] = (f"{os.environ.get('ENGINE_EXTRA_ARGS', '')} --num-threads {args.engine_threads}"
+                                       f"{budget}")
     with tempfile.TemporaryDirectory() as tmp:
         live = start_platform(Path(tmp), max_model_len=max(512, args.prompt_len + 8))
         try:
@@ -68,7 +70,7 @@ def main() -> int:
             limit = max(1, int(args.target_ttft_s * tps))
             print(f"capacity (end to end): {tps:.0f} prompt tokens/s = {cap_rps:.2f} req/s of {args.prompt_len} tokens; "
                   f"max_num_queued_tokens = {limit} (target TTFT {args.target_ttft_s} s)")
-            print(f"engine: {args.engine_threads} torch thread(s), max_prefill_tokens {args.max_prefill_tokens}")
+            print(f"engine: {args.engine_threads} torch thread(s), step token budget {args.max_prefill_tokens or 'default'}")
             print(f"load: modest {MODEST_SHARE * cap_rps:.2f} req/s, greedy {GREEDY_SHARE * cap_rps:.2f} req/s "
                   f"({(MODEST_SHARE + GREEDY_SHARE):.1f}x capacity), {args.duration:.0f} s per phase")
 

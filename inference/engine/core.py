@@ -3,8 +3,9 @@
 One iteration ("step"):
 
 1. read new ``EngineCoreRequest``s (consumer group ``ENGINE_GROUP`` on the replica's own stream, where the
-   api's router sends requests, and on the model's shared ``requests_stream``; XACK once accepted; blocking
-   read only when idle) and aborts (``control_stream``, plain XREAD);
+   api's router sends requests, read whole so the priority order below covers every request routed here, and on
+   the model's shared ``requests_stream``, of which it takes what fits soon; XACK once accepted; blocking read
+   only when idle) and aborts (``control_stream``, plain XREAD);
 2. answer every newly accepted request at once with an empty output (``queued_ts``, ``engine_id``)
    so the api process knows which replica owns it; invalid requests fail here with ``error``;
 3. run one decode step for every running sequence, then spend the rest of the step's token budget
@@ -78,6 +79,7 @@ CLIENT_CHECK_INTERVAL_S = 2.0  # how often held requests' api processes are chec
 EARLY_ABORT_S = 60.0  # how long an abort for a not-yet-read request is remembered
 RECLAIM_IDLE_MS = 2000  # a request entry read but not acknowledged this long belongs to a dead replica
 RECLAIM_INTERVAL_S = 1.0
+OWN_READ_MAX = 4096  # entries of its own stream a replica reads in one poll (admission bounds the backlog)
 POLL_BLOCK_MS = 100  # an idle replica's XREADGROUP blocks this long; its client waits longer (redis_timeouts.py)
 CONSUMER_FORGET_MS = 60_000  # dead replicas' consumers with nothing pending leave the group after this
 GRAMMAR_WAIT_S = 0.005  # with nothing to run but requests whose grammar compiles, wait this long for one
@@ -292,18 +294,28 @@ class EngineCore:
     def _poll(self) -> None:
         """Read new requests and aborts; block briefly only when there is nothing to run."""
         idle = not self.running and not self.waiting and not self.prefilling
-        # Take at most what fits soon (2 × max_num_seqs held), leaving the rest to other replicas. The count is
-        # of stream entries: an entry holding the n children of one request (``pack_requests``) adds n.
+        # From the shared stream, take at most what fits soon (2 × max_num_seqs held), leaving the rest to other
+        # replicas. The own stream (requests the router sent here, no other replica's to take while this one lives)
+        # is read whole, up to OWN_READ_MAX entries a poll: admission bounds what is queued, and only what is in
+        # ``waiting`` is ordered by priority (tier, then the tenant's fair rank), so a backlog left in the stream
+        # would be served first come, first served ahead of a tenant within its share (issue 18; DECISIONS D-276).
+        # Counts are of stream entries: an entry holding the n children of one request (``pack_requests``) adds n.
         room = self.max_num_seqs * 2 - len(self.waiting) - len(self.running) - len(self.prefilling)
-        resp: _XReadReply = None
-        if room > 0:
-            # its own stream (routed requests) first, then the shared one; COUNT applies per stream
-            resp = cast(_XReadReply, self.redis.xreadgroup(ENGINE_GROUP, self.consumer,
-                                                           {self.own_key: ">", self.req_key: ">"},
-                                                           count=room, block=POLL_BLOCK_MS if idle else None))
+        resps: list[_XReadReply] = []
+        if idle:
+            # one blocking read of both streams (COUNT applies per stream); a backlog is read whole next poll
+            resps.append(cast(_XReadReply, self.redis.xreadgroup(ENGINE_GROUP, self.consumer,
+                                                                 {self.own_key: ">", self.req_key: ">"},
+                                                                 count=room, block=POLL_BLOCK_MS)))
+        else:
+            read = self.redis.pipeline(transaction=False)
+            read.xreadgroup(ENGINE_GROUP, self.consumer, {self.own_key: ">"}, count=OWN_READ_MAX)
+            if room > 0:
+                read.xreadgroup(ENGINE_GROUP, self.consumer, {self.req_key: ">"}, count=room)
+            resps = cast(list[_XReadReply], read.execute())
         accepted: dict[str, list[bytes]] = {}
         n = 0
-        for stream, entries in resp or []:
+        for stream, entries in (item for resp in resps for item in resp or []):
             key = stream.decode() if isinstance(stream, bytes) else stream
             for entry_id, fields in entries:
                 accepted.setdefault(key, []).append(entry_id)

@@ -34,6 +34,7 @@ from inference.protocol.engine import (
     control_stream,
     outputs_stream,
     replica_key,
+    replica_requests_stream,
     requests_stream,
 )
 
@@ -136,8 +137,10 @@ class EngineProc:
         raw = self.r.get(self.hb_key)
         return EngineStats.from_wire(raw) if raw else None
 
-    def send(self, prompt: list[int], request_id: str | None = None, priority: int = 0, **sampling) -> str:
-        """XADD one EngineCoreRequest (of ``priority``: lower runs first); returns its request id."""
+    def send(self, prompt: list[int], request_id: str | None = None, priority: int = 0, routed: bool = False,
+             **sampling) -> str:
+        """XADD one EngineCoreRequest (of ``priority``: lower runs first) to the model's shared request stream, or
+        with ``routed`` to this replica's own stream (as the api's router sends); returns its request id."""
         rid = request_id or f"req-{uuid.uuid4().hex[:8]}"
         sampling.setdefault("eos_token_ids", EOS_IDS)
         req = EngineCoreRequest(request_id=rid, external_req_id=rid, prompt_token_ids=prompt,
@@ -145,7 +148,9 @@ class EngineProc:
                                 arrival_time=time.time(), priority=priority)
         # like an api process, keep this client's liveness key fresh while it has requests in flight
         self.r.set(api_alive_key(self.prefix, self.client_id), b"1", ex=120)
-        self.r.xadd(requests_stream(self.prefix, MODEL), {"r": req.to_wire()})
+        stream = replica_requests_stream(self.prefix, MODEL, self.engine_id) if routed else \
+            requests_stream(self.prefix, MODEL)
+        self.r.xadd(stream, {"r": req.to_wire()})
         return rid
 
     def abort(self, *request_ids: str) -> None:
