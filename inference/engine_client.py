@@ -5,10 +5,12 @@ loop. It owns:
 
 * one reader task that ``XREAD``s the process's output stream (one message per engine step per process,
   see ``inference.protocol.engine``) and dispatches each ``EngineCoreOutput`` to the per-request queue;
-* one watchdog task that, every ``WATCHDOG_INTERVAL_S``, fails requests whose replica stopped heart-beating
-  (or, before any replica accepted them, when no replica of the model is alive for ``ACCEPT_GRACE_S``, or
-  when the replica they were routed to died and no other took them over within ``RECLAIM_GRACE_S``),
-  and refreshes this process's own liveness key so engines can drop requests of a dead api process.
+* one watchdog task that, every ``WATCHDOG_INTERVAL_S``, handles requests whose replica stopped heart-beating:
+  one that has produced nothing yet (accepted, still waiting there) is sent again to a live replica under a new
+  internal id (``MAX_RESENDS`` times at most; its outputs still reach the caller under the id it knows), the others
+  fail; it also fails requests no replica accepted when no replica of the model is alive for ``ACCEPT_GRACE_S``, or
+  when the replica they were routed to died and no other took them over within ``RECLAIM_GRACE_S``, and refreshes
+  this process's own liveness key so engines can drop requests of a dead api process.
 
 Routing (``ENGINE_ROUTING``, default ``prefix``): a generate request goes to the request stream of the replica
 ``inference.router`` chooses from the prompt's prefix-cache block hashes and the replicas' load (this process's
@@ -22,6 +24,7 @@ be lost between sending and listening.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -67,6 +70,8 @@ ACCEPT_GRACE_S = 5.0
 # a request routed to a replica that died unread is taken over by a live replica within ~1 s (engine/core.py
 # ``_reclaim``); one still unaccepted this long after the death was seen fails (and is aborted everywhere)
 RECLAIM_GRACE_S = 10.0
+# times a request accepted by a replica that died before producing anything is sent again (then it fails)
+MAX_RESENDS = 2
 ROUTING_PREFIX, ROUTING_SHARED = "prefix", "shared"
 # the reader's XREAD blocks this long (ms); the link's pool waits longer for any reply (redis_timeouts.py)
 READ_BLOCK_MS = 1000
@@ -85,6 +90,9 @@ class _Tracked:
     target: str | None = None  # the replica it was routed to (None: the shared stream)
     entries: tuple[str, list[Any]] | None = None  # (stream, entry ids) that carried it: deleted if it is failed unread
     pending_tokens: int = 0  # prompt tokens counted in the target's load until the first token (or the end)
+    request: EngineCoreRequest | None = None  # what was sent, kept until it produced something (for a re-send)
+    alias: str | None = None  # the id the caller knows, when it was re-sent under another
+    resends: int = 0
 
 
 @dataclass
@@ -111,6 +119,7 @@ class EngineLink:
     _replicas: dict[str, tuple[float, list[EngineStats]]] = field(default_factory=dict)  # model -> (seen at, live)
     _load: dict[tuple[str, str], _Load] = field(default_factory=dict)  # (model, engine id) -> this process's load
     _dead_since: dict[tuple[str, str], float] = field(default_factory=dict)  # routed-to replicas seen dead
+    _resent: dict[str, str] = field(default_factory=dict)  # the caller's request id -> the id it was re-sent as
     _alive_set_at: float = -1e9
 
     _instances: ClassVar[dict[int, EngineLink]] = {}
@@ -212,23 +221,33 @@ class EngineLink:
         of ``model`` is alive.
         """
         replicas = await self._live(model)
-        now = time.monotonic()
-        if now - self._alive_set_at > API_ALIVE_TTL_S / 4:
+        if time.monotonic() - self._alive_set_at > API_ALIVE_TTL_S / 4:
             await self._ensure_alive_key()
+        queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
+        tracked: list[_Tracked] = []
+        for req in requests:
+            q: asyncio.Queue[EngineCoreOutput] = queue if queue is not None else asyncio.Queue()
+            t = _Tracked(model=model, queue=q, sent_at=time.monotonic(), request=req)
+            self._tracked[req.request_id] = t
+            queues[req.request_id] = q
+            tracked.append(t)
+        await self._send(model, requests, tracked, replicas)
+        return queues
+
+    async def _send(self, model: str, requests: list[EngineCoreRequest], tracked: list[_Tracked],
+                    replicas: list[EngineStats]) -> None:
+        """Send ``requests`` (tracked as ``tracked``, in the same order) to one replica of ``model``, routed as
+        ``add_requests`` says; on a failure to send, they are no longer tracked and the error is raised."""
         target, hit = None, 0
         if self.routing == ROUTING_PREFIX and requests and not requests[0].pooling:
             target, hit = await self._route(model, requests[0], replicas)
-        queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
-        for req in requests:
-            q: asyncio.Queue[EngineCoreOutput] = queue if queue is not None else asyncio.Queue()
-            t = _Tracked(model=model, queue=q, sent_at=now, target=target)
+        for req, t in zip(requests, tracked):
+            t.target = target
             if target is not None:
                 t.pending_tokens = max(len(req.prompt_token_ids) - hit, 1)
                 load = self._load.setdefault((model, target), _Load())
                 load.requests += 1
                 load.tokens += t.pending_tokens
-            self._tracked[req.request_id] = t
-            queues[req.request_id] = q
         stream = requests_stream(self.prefix, model) if target is None else \
             replica_requests_stream(self.prefix, model, target)
         try:
@@ -250,14 +269,47 @@ class EngineLink:
                 self._untrack(req.request_id)
             raise
         sent = (stream, list(replies[:len(entries)]))
-        for req in requests:
-            tracked = self._tracked.get(req.request_id)
-            if tracked is not None:
-                tracked.entries = sent
-        return queues
+        for t in tracked:
+            t.entries = sent
+
+    async def _resend(self, request_id: str) -> bool:
+        """Send the request tracked as ``request_id``, accepted by a replica that died before it produced anything
+        (it was waiting there), again to a live replica, under a new internal id; the caller keeps reading it under
+        the id it knows (``_deliver``, ``abort``). The old id is aborted everywhere (a replica that only seemed dead
+        drops it). False, doing nothing, when it cannot be: it produced something already, was re-sent
+        ``MAX_RESENDS`` times, or no replica of its model is alive."""
+        t = self._tracked.get(request_id)
+        if t is None or t.request is None or t.resends >= MAX_RESENDS:
+            return False
+        try:
+            replicas = await self._live(t.model)
+        except EngineUnavailableError:
+            return False
+        if self._tracked.get(request_id) is not t or t.request is None:  # finished or aborted meanwhile
+            return False
+        caller_id = t.alias or request_id
+        req = dataclasses.replace(t.request, request_id=f"{caller_id}~r{t.resends + 1}")
+        del self._tracked[request_id]
+        if t.target is not None:
+            self._unload(t, finished=True)
+        t.alias, t.request, t.engine_id, t.entries = caller_id, req, None, None
+        t.resends += 1
+        t.sent_at = time.monotonic()
+        self._tracked[req.request_id] = t
+        self._resent[caller_id] = req.request_id
+        log.warning("re-sending request %s (waiting on replica that died) as %s", caller_id, req.request_id)
+        try:
+            await self._send(t.model, [req], [t], replicas)  # untracks it when the send fails
+        except Exception as exc:  # noqa: BLE001 - the caller gets the error, the watchdog goes on
+            t.queue.put_nowait(EngineCoreOutput(request_id=caller_id, finish_reason=FINISH_ERROR,
+                                                error=f"The engine replica serving model '{t.model}' stopped "
+                                                      f"responding, and sending the request again failed: {exc}"))
+        await self._send_abort(t.model, [request_id])
+        return True
 
     async def abort(self, model: str, request_ids: list[str]) -> None:
         """Ask every replica of ``model`` to abort ``request_ids`` and stop tracking them."""
+        request_ids = [self._resent.get(rid, rid) for rid in request_ids]
         live = [rid for rid in request_ids if rid in self._tracked]
         for rid in request_ids:
             self._untrack(rid)
@@ -273,10 +325,14 @@ class EngineLink:
         self._untrack(request_id)
 
     def _untrack(self, request_id: str) -> _Tracked | None:
-        """Stop tracking ``request_id`` and take it off its replica's load; the entry, or None if untracked."""
-        tracked = self._tracked.pop(request_id, None)
-        if tracked is not None and tracked.target is not None:
-            self._unload(tracked, finished=True)
+        """Stop tracking ``request_id`` (the caller's id or the one it was re-sent as) and take it off its replica's
+        load; the entry, or None if untracked."""
+        tracked = self._tracked.pop(self._resent.get(request_id, request_id), None)
+        if tracked is not None:
+            if tracked.alias is not None:
+                self._resent.pop(tracked.alias, None)
+            if tracked.target is not None:
+                self._unload(tracked, finished=True)
         return tracked
 
     def _unload(self, tracked: _Tracked, *, finished: bool) -> None:
@@ -314,6 +370,11 @@ class EngineLink:
             return
         if out.engine_id:
             tracked.engine_id = out.engine_id
+        if tracked.request is not None and (out.new_token_ids or out.finish_reason is not None
+                                            or out.prompt_logprobs is not None or out.pooled is not None):
+            tracked.request = None  # it produced something: a re-send would repeat it
+        if tracked.alias is not None:
+            out.request_id = tracked.alias
         tracked.queue.put_nowait(out)
         if out.finish_reason is not None:
             self._untrack(out.request_id)
@@ -355,8 +416,8 @@ class EngineLink:
     def _fail(self, request_id: str, message: str) -> None:
         tracked = self._untrack(request_id)
         if tracked is not None:
-            tracked.queue.put_nowait(EngineCoreOutput(request_id=request_id, finish_reason=FINISH_ERROR,
-                                                      error=message))
+            tracked.queue.put_nowait(EngineCoreOutput(request_id=tracked.alias or request_id,
+                                                      finish_reason=FINISH_ERROR, error=message))
 
     async def _fail_unread(self, model: str, request_ids: list[str], message: str) -> None:
         """Fail requests no replica accepted, delete their stream entries (a replica started or taking over later
@@ -410,7 +471,8 @@ class EngineLink:
             self._dead_since.setdefault((m, e), now)
             self._replicas.pop(m, None)  # out of the choice at once, not after REPLICA_CHECK_TTL_S
             for rid in by_engine.get((m, e), []):
-                self._fail(rid, f"The engine replica '{e}' serving model '{m}' stopped responding")
+                if not await self._resend(rid):
+                    self._fail(rid, f"The engine replica '{e}' serving model '{m}' stopped responding")
         stranded: dict[str, list[str]] = {}
         for (m, e), rids in routed.items():
             if now - self._dead_since.get((m, e), now) > RECLAIM_GRACE_S:
