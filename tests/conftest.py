@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tests.multimodal.conftest import VL_DIR, VL_MODEL, ensure_vl_model
-from tests.support.live import running_platform, start_replica
+from tests.support.live import join_stops, running_platform, start_replica
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +36,9 @@ def live_vl(tmp_path_factory):
                                      "--without-gossip", "--without-mingle", "-l", "WARNING"])
         start_replica(live, "vl-engine", VL_MODEL, VL_DIR, "--max-model-len", "1024", "--num-threads", "2")
         yield live
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Wait for the platforms and engines still stopping (``tests.support.live.stop_in_background``)."""
+    for error in join_stops():
+        print(f"\nwarning: a fixture's stop failed: {error}", file=sys.stderr)

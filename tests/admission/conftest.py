@@ -9,6 +9,7 @@ import pytest
 os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/11")
 
 from tests.live_platform import start_platform
+from tests.support.live import stop_in_background
 
 
 @pytest.fixture(scope="package")
@@ -17,4 +18,4 @@ def live(tmp_path_factory):
     _child, platform.extra["api2"] = platform.start_api("api2")
     platform.extra["operator_key"] = platform.new_key(tenant="ops", scopes="operator")
     yield platform
-    platform.stop()
+    stop_in_background("admission platform", platform.stop)

@@ -25,6 +25,7 @@ import msgpack
 import pytest
 import redis
 
+from tests.support.live import stop_in_background
 from inference.protocol.engine import (
     api_alive_key,
     EngineCoreOutputs,
@@ -222,7 +223,7 @@ def engine(backend, redis_url, link_prefix, model_dir, tmp_path_factory):
     eng = EngineProc(redis_url, f"{link_prefix}{backend[0]}", model_dir, log, "--max-num-seqs", "8",
                      "--max-model-len", "512", *budget, backend=backend)
     yield eng
-    eng.stop()
+    stop_in_background(f"{backend} engine", eng.stop)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import pytest
 
 from tests.support.drills import (PrivatePostgres, DrillResult, run_drill, start_drill_platform, stop_drill_platform,
                                   table, usage_check)
+from tests.support.live import stop_in_background
 
 pytestmark = pytest.mark.timeout(1200)
 RESULTS: list[DrillResult] = []
@@ -24,7 +25,7 @@ DRILLS = ["api", "render-worker", "engine", "usage-worker", "beat", "redis-resta
 def plat(tmp_path_factory):
     platform = start_drill_platform(tmp_path_factory.mktemp("drills"), postgres=POSTGRES)
     yield platform
-    stop_drill_platform(platform)
+    stop_in_background("drill platform", lambda: stop_drill_platform(platform))
 
 
 @pytest.mark.parametrize("name", DRILLS)

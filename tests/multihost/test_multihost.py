@@ -29,6 +29,7 @@ from tests.live_platform import DEMO_MODEL
 from tests.support.drills import HANG_S, SETTLE_S, Outcome, send_chat
 from tests.support.multihost import (ADMISSION_LIMIT, API_HOSTS, KEY_RPM, engines_paused, start_multihost,
                                      stop_multihost, unavailable)
+from tests.support.live import stop_in_background
 
 WHY = unavailable()
 pytestmark = [pytest.mark.timeout(900)] + ([pytest.mark.skip(reason=f"many-hosts test: {WHY}")] if WHY else [])
@@ -41,7 +42,7 @@ def plat(tmp_path_factory):
     platform = start_multihost(tmp_path_factory.mktemp("multihost"))
     print(f"\nmany hosts ready: {platform.timings}")
     yield platform
-    stop_multihost(platform)
+    stop_in_background("many-hosts platform", lambda: stop_multihost(platform))
 
 
 def _answered(outcomes: list[Outcome]) -> None:

@@ -27,6 +27,7 @@ from tests.frontend.test_serve_split import _descendants
 from tests.support.serve import cmdline as _cmdline
 from tests.live_platform import REPO, ensure_demo_assets, free_port
 from tests.support.serve import banner_key, serve_banner, stop_serve
+from tests.support.live import stop_in_background
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -65,7 +66,7 @@ def served(tmp_path_factory):
                "redis_port": int(env["EMBEDDED_REDIS_PORT"]), "old_password": old_password,
                "key": banner_key(lines)}
     finally:
-        stop_serve(proc)
+        stop_in_background("ops-hardening serve", lambda: stop_serve(proc))
 
 
 def _mode(path: Path) -> int:

@@ -10,24 +10,49 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
 from tests.live_platform import LivePlatform, start_platform, wait_until
 
 
+# stops of platforms and engines whose fixtures ended: they run on threads while the next tests go on (a platform
+# takes ~2 s to stop, a vLLM engine ~7 s, nothing of theirs is shared with later tests); pytest_sessionfinish
+# (tests/conftest.py) waits for all of them, so no process outlives the session
+_STOPPER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fixture-stop")
+_STOPS: list[tuple[str, Future[Any]]] = []
+
+
+def stop_in_background(what: str, stop: Callable[[], Any]) -> None:
+    """Run ``stop`` (a platform's or an engine's stop) on a thread; ``join_stops`` waits for it."""
+    _STOPS.append((what, _STOPPER.submit(stop)))
+
+
+def join_stops() -> list[str]:
+    """Wait for every stop ``stop_in_background`` started; returns ``"what: error"`` for each that raised."""
+    errors = []
+    for what, future in _STOPS:
+        try:
+            future.result()
+        except Exception as exc:  # noqa: BLE001 - reported by the caller, after every stop was waited for
+            errors.append(f"{what}: {exc!r}")
+    _STOPS.clear()
+    return errors
+
+
 @contextmanager
 def running_platform(tmp_dir: Path, **start_kwargs: Any) -> Iterator[LivePlatform]:
-    """``start_platform(tmp_dir, **start_kwargs)``, stopped when the block ends (an error in it included)."""
+    """``start_platform(tmp_dir, **start_kwargs)``, stopped when the block ends (an error in it included), on a thread
+    (``stop_in_background``)."""
     live = start_platform(tmp_dir, **start_kwargs)
     try:
         yield live
     finally:
-        live.stop()
+        stop_in_background(f"platform {tmp_dir.name}", live.stop)
 
 
 def start_replica(live: LivePlatform, name: str, model: str, model_dir: str | Path, *args: str) -> None:
