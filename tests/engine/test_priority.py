@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 from inference.admission import TIER_HIGH, TIER_LOW, TIER_STANDARD, engine_priority
 
 
@@ -16,7 +19,8 @@ def test_waiting_requests_run_by_tier_then_arrival(engine):
            for i in range(3)]
     high = [engine.send([400 + i] * 5, temperature=0, max_tokens=2, priority=engine_priority(TIER_HIGH, i))
             for i in range(3)]
-    got = engine.collect(low + high + fillers, timeout=300)
+    # (not the fillers: the first collect may have read past a filler's end, which a second one would wait for)
+    got = engine.collect(low + high, timeout=300)
 
     def started(rid: str) -> float:
         return next(o.scheduled_ts for o in got[rid] if o.scheduled_ts is not None)
@@ -34,12 +38,19 @@ def test_routed_backlog_is_read_whole_so_priority_orders_all_of_it(engine):
     fillers = [engine.send([70 + i, 71 + i, 72 + i], temperature=0, max_tokens=12 + 6 * i, ignore_eos=True,
                            routed=True) for i in range(8)]
     engine.collect(fillers, until_first_token=True)
-    # 8 running + 20 over-share requests routed here: more than 2 × max_num_seqs (16) held
-    over = [engine.send([500 + i] * 5, temperature=0, max_tokens=2, routed=True,
-                        priority=engine_priority(TIER_STANDARD, fair_rank=3)) for i in range(20)]
-    within = [engine.send([600 + i] * 5, temperature=0, max_tokens=2, routed=True,
-                          priority=engine_priority(TIER_STANDARD, fair_rank=0)) for i in range(2)]
-    got = engine.collect(over + within + fillers, timeout=300)
+    # 8 running + 20 over-share requests routed here: more than 2 × max_num_seqs (16) held. The engine's loop is
+    # stopped while they are sent (a filler finishing meanwhile would start whatever had been read by then), so its
+    # next poll finds all 22 in its stream
+    os.kill(engine.proc.pid, signal.SIGSTOP)
+    try:
+        over = [engine.send([500 + i] * 5, temperature=0, max_tokens=2, routed=True,
+                            priority=engine_priority(TIER_STANDARD, fair_rank=3)) for i in range(20)]
+        within = [engine.send([600 + i] * 5, temperature=0, max_tokens=2, routed=True,
+                              priority=engine_priority(TIER_STANDARD, fair_rank=0)) for i in range(2)]
+    finally:
+        os.kill(engine.proc.pid, signal.SIGCONT)
+    # (not the fillers: the first collect may have read past a filler's end, which a second one would wait for)
+    got = engine.collect(over + within, timeout=300)
 
     def started(rid: str) -> float:
         return next(o.scheduled_ts for o in got[rid] if o.scheduled_ts is not None)
