@@ -14,11 +14,17 @@ def test_waiting_requests_run_by_tier_then_arrival(engine):
     fillers = [engine.send([60 + i, 61 + i, 62 + i], temperature=0, max_tokens=12 + 6 * i, ignore_eos=True)
                for i in range(8)]
     engine.collect(fillers, until_first_token=True)
-    # low tier first, then high tier; the high ones must still start first, each tier in arrival order
-    low = [engine.send([300 + i] * 5, temperature=0, max_tokens=2, priority=engine_priority(TIER_LOW))
-           for i in range(3)]
-    high = [engine.send([400 + i] * 5, temperature=0, max_tokens=2, priority=engine_priority(TIER_HIGH, i))
-            for i in range(3)]
+    # low tier first, then high tier; the high ones must still start first, each tier in arrival order. The engine's
+    # loop is stopped while they are sent (a filler finishing meanwhile would start a low one before the high ones
+    # exist: seen once under a loaded CI run on the vLLM backend)
+    os.kill(engine.proc.pid, signal.SIGSTOP)
+    try:
+        low = [engine.send([300 + i] * 5, temperature=0, max_tokens=2, priority=engine_priority(TIER_LOW))
+               for i in range(3)]
+        high = [engine.send([400 + i] * 5, temperature=0, max_tokens=2, priority=engine_priority(TIER_HIGH, i))
+                for i in range(3)]
+    finally:
+        os.kill(engine.proc.pid, signal.SIGCONT)
     # (not the fillers: the first collect may have read past a filler's end, which a second one would wait for)
     got = engine.collect(low + high, timeout=300)
 
