@@ -143,6 +143,8 @@ async def _replica_families(redis: Redis, prefix: str, models: list[str]) -> lis
     routed = CounterMetricFamily("engine_routed_requests", "Requests routed to each engine replica", labels=labels)
     routed_hit = CounterMetricFamily("engine_routed_prefix_hit_tokens", "Prompt tokens the router expected each "
                                      "replica's prefix cache to serve", labels=labels)
+    resent = CounterMetricFamily("engine_resent_requests", "Requests waiting on an engine replica when it died, "
+                                 "sent again to a live replica (labelled with the replica that died)", labels=labels)
     prompt = CounterMetricFamily("engine_prompt_tokens", "Prompt tokens a live replica prefilled since it started",
                                  labels=labels)
     hit = CounterMetricFamily("engine_prefix_cache_hit_tokens", "Prompt tokens a live replica's prefix cache served "
@@ -155,7 +157,7 @@ async def _replica_families(redis: Redis, prefix: str, models: list[str]) -> lis
         for raw, value in sorted(counts.items()):
             field = raw.decode() if isinstance(raw, bytes) else raw
             kind, _, engine_id = field.partition(":")
-            family = routed if kind == "requests" else routed_hit if kind == "hit_tokens" else None
+            family = {"requests": routed, "hit_tokens": routed_hit, "resent": resent}.get(kind)
             if family is not None:
                 family.add_metric([model, engine_id], int(value))
         ids = await redis.zrangebyscore(replicas_index_key(prefix, model), now_ms, "+inf")
@@ -167,7 +169,7 @@ async def _replica_families(redis: Redis, prefix: str, models: list[str]) -> lis
             hit.add_metric([model, st.engine_id], st.prefix_hit_tokens)
             running.add_metric([model, st.engine_id], st.num_running)
             waiting.add_metric([model, st.engine_id], st.num_waiting)
-    return [routed, routed_hit, prompt, hit, running, waiting]
+    return [routed, routed_hit, resent, prompt, hit, running, waiting]
 
 
 class MetricsConsumer(GatewayConsumer):
