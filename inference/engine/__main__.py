@@ -5,7 +5,8 @@ CPU, bfloat16 on CUDA), ``--max-num-seqs 32``, ``--max-model-len N`` (default: t
 ``max_position_embeddings``), ``--max-num-batched-tokens N`` (tokens one step computes at most: the running
 decodes plus prompt chunks; default 512 on CPU, 2048 on CUDA, 4096 for ``--task embed``; ``--max-prefill-tokens`` is an old name for it),
 ``--no-enable-chunked-prefill`` (prefill each prompt whole, as before chunking), ``--link-prefix llmp``, ``--engine-id ID``
-(default random), ``--num-threads N`` (CPU intra-op threads; default all cores), ``--log-level``,
+(default random), ``--num-threads N`` (CPU intra-op threads; default the CPUs this process
+may use: ``default_num_threads``), ``--log-level``,
 ``--task generate|embed`` (default generate; ``embed`` runs the pooling mode of ``inference.engine.pooling``),
 ``--prefix-cache-mb 256`` (prompt K/V kept for reuse by prompts with the same prefix; 0 disables).
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from inference.config import SETTINGS
@@ -50,6 +50,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def default_num_threads() -> int:
+    """A CPU engine's torch intra-op threads when ``--num-threads`` is not given: the CPUs this process may use,
+    as joblib's ``cpu_count`` counts them (its CPU affinity, a cgroup CPU quota such as a container's ``cpus`` or a
+    Kubernetes CPU limit, ``LOKY_MAX_CPU_COUNT``), at least 1. Not ``os.cpu_count()``, the host's count: in a
+    container limited to 4 of a host's 64 cores it gave 64 spinning OpenMP threads time-sliced on 4 cores."""
+    from joblib import cpu_count
+
+    return max(1, int(cpu_count()))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Load the model, then serve the engine link until SIGTERM/SIGINT. Returns the exit status."""
     args = parse_args(argv)
@@ -58,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if args.device == "cpu":
-        torch.set_num_threads(args.num_threads or max(1, os.cpu_count() or 1))
+        torch.set_num_threads(args.num_threads or default_num_threads())
     try:
         torch.set_num_interop_threads(1)
     except RuntimeError:
