@@ -287,7 +287,7 @@ class EngineLink:
             return False
         if self._tracked.get(request_id) is not t or t.request is None:  # finished or aborted meanwhile
             return False
-        caller_id, dead = t.alias or request_id, t.engine_id or t.target or ""
+        caller_id = t.alias or request_id
         req = dataclasses.replace(t.request, request_id=f"{caller_id}~r{t.resends + 1}")
         del self._tracked[request_id]
         if t.target is not None:
@@ -304,8 +304,9 @@ class EngineLink:
             t.queue.put_nowait(EngineCoreOutput(request_id=caller_id, finish_reason=FINISH_ERROR,
                                                 error=f"The engine replica serving model '{t.model}' stopped "
                                                       f"responding, and sending the request again failed: {exc}"))
-        else:  # counted for /metrics against the replica that died (``engine_resent_requests``)
-            await self.redis.hincrby(routing_key(self.prefix, t.model), f"resent:{dead}", 1)
+        else:  # counted for /metrics (``engine_resent_requests``, per model: a dead replica's own series would be
+            # born at its final value, which Prometheus' increase() does not count)
+            await self.redis.hincrby(routing_key(self.prefix, t.model), "resent", 1)
         await self._send_abort(t.model, [request_id])
         return True
 

@@ -62,6 +62,7 @@ from inference.protocol.engine import (
     replica_key,
     replica_requests_stream,
     requests_stream,
+    routing_key,
 )
 from inference.redis_timeouts import blocking_socket_timeout
 
@@ -412,7 +413,11 @@ class EngineCore:
                 taken[key] = ids
                 count -= len(ids)
             elif now_ms - expired_at > DEAD_STREAM_DROP_MS and not self.redis.xlen(key):
-                self.redis.delete(key, replica_blocks_key(self.prefix, self.model, eid))
+                # with its routing counts: /metrics would otherwise keep a series per replica ever started (D-280)
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.delete(key, replica_blocks_key(self.prefix, self.model, eid))
+                pipe.hdel(routing_key(self.prefix, self.model), f"requests:{eid}", f"hit_tokens:{eid}")
+                pipe.execute()
         return taken
 
     def _accept(self, fields: dict[bytes, bytes]) -> None:

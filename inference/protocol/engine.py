@@ -26,9 +26,10 @@ Link layout (DESIGN.md §6), all keys prefixed by ``link_prefix`` (default ``llm
 * ``{p}:engine:{model}:blocks:{engine_id}``  set of the prefix-cache block hashes (16 bytes each) the replica
   holds (``inference.engine.prefix_cache.block_hashes``), kept in step with its cache; TTL refreshed by the
   heartbeat. The router asks it (SMISMEMBER) how much of a prompt each replica has cached.
-* ``{p}:engine:{model}:routing``  hash of routing counts for ``/metrics``: ``requests:{engine_id}``,
-  ``hit_tokens:{engine_id}`` (prompt tokens the router expected to be cached there) and ``resent:{engine_id}``
-  (requests waiting on that replica when it died, sent again to a live one: ``EngineLink._resend``).
+* ``{p}:engine:{model}:routing``  hash of routing counts for ``/metrics``: ``requests:{engine_id}`` and
+  ``hit_tokens:{engine_id}`` (prompt tokens the router expected to be cached there), dropped with the replica's
+  stream once it is long dead; ``resent`` (requests waiting on a replica when it died, sent again to a live one:
+  ``EngineLink._resend``).
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def replica_blocks_key(prefix: str, model: str, engine_id: str) -> str:
 
 
 def routing_key(prefix: str, model: str) -> str:
-    """Redis hash of routing counts (``requests:``, ``hit_tokens:``, ``resent:{engine_id}``) for ``/metrics``."""
+    """Redis hash of routing counts (``requests:{engine_id}``, ``hit_tokens:{engine_id}``, ``resent``) for
+    ``/metrics``."""
     return f"{prefix}:engine:{model}:routing"
 
 

@@ -144,7 +144,7 @@ async def _replica_families(redis: Redis, prefix: str, models: list[str]) -> lis
     routed_hit = CounterMetricFamily("engine_routed_prefix_hit_tokens", "Prompt tokens the router expected each "
                                      "replica's prefix cache to serve", labels=labels)
     resent = CounterMetricFamily("engine_resent_requests", "Requests waiting on an engine replica when it died, "
-                                 "sent again to a live replica (labelled with the replica that died)", labels=labels)
+                                 "sent again to a live replica", labels=["model"])
     prompt = CounterMetricFamily("engine_prompt_tokens", "Prompt tokens a live replica prefilled since it started",
                                  labels=labels)
     hit = CounterMetricFamily("engine_prefix_cache_hit_tokens", "Prompt tokens a live replica's prefix cache served "
@@ -157,9 +157,10 @@ async def _replica_families(redis: Redis, prefix: str, models: list[str]) -> lis
         for raw, value in sorted(counts.items()):
             field = raw.decode() if isinstance(raw, bytes) else raw
             kind, _, engine_id = field.partition(":")
-            family = {"requests": routed, "hit_tokens": routed_hit, "resent": resent}.get(kind)
-            if family is not None:
-                family.add_metric([model, engine_id], int(value))
+            if kind == "resent":
+                resent.add_metric([model], int(value))
+            elif kind in ("requests", "hit_tokens"):
+                (routed if kind == "requests" else routed_hit).add_metric([model, engine_id], int(value))
         ids = await redis.zrangebyscore(replicas_index_key(prefix, model), now_ms, "+inf")
         for raw_stats in (await redis.mget(live_replica_keys(ids, prefix, model))) if ids else []:
             if not raw_stats:
