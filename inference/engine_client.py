@@ -120,6 +120,7 @@ class EngineLink:
     _load: dict[tuple[str, str], _Load] = field(default_factory=dict)  # (model, engine id) -> this process's load
     _dead_since: dict[tuple[str, str], float] = field(default_factory=dict)  # routed-to replicas seen dead
     _resent: dict[str, str] = field(default_factory=dict)  # the caller's request id -> the id it was re-sent as
+    _aborting: set[asyncio.Task[None]] = field(default_factory=set)  # aborts after failed sends (``_abort_later``)
     _alive_set_at: float = -1e9
 
     _instances: ClassVar[dict[int, EngineLink]] = {}
@@ -267,6 +268,9 @@ class EngineLink:
         except BaseException:
             for req in requests:
                 self._untrack(req.request_id)
+            # The entries may be in the stream already: a cancellation (the client went away) or a timeout that
+            # came while the reply was on its way. Abort them, or a replica runs them to max_tokens for nobody.
+            self._abort_later(model, [req.request_id for req in requests])
             raise
         sent = (stream, list(replies[:len(entries)]))
         for t in tracked:
@@ -311,13 +315,27 @@ class EngineLink:
         return True
 
     async def abort(self, model: str, request_ids: list[str]) -> None:
-        """Ask every replica of ``model`` to abort ``request_ids`` and stop tracking them."""
+        """Ask every replica of ``model`` to abort ``request_ids`` and stop tracking them. Also ids no longer
+        tracked: a child whose stop string matched is aborted from a task of its own (``GenerationRun.deltas``),
+        which may run after the handler released it; without the abort its replica decodes on to ``max_tokens``."""
         request_ids = [self._resent.get(rid, rid) for rid in request_ids]
-        live = [rid for rid in request_ids if rid in self._tracked]
         for rid in request_ids:
             self._untrack(rid)
-        if live:
-            await self._send_abort(model, live)
+        if request_ids:
+            await self._send_abort(model, request_ids)
+
+    def _abort_later(self, model: str, request_ids: list[str]) -> None:
+        """Abort ``request_ids`` from a task of its own (the caller may be a cancelled task); a failure is logged.
+        An abort of an id no replica has read yet is kept by the replicas for ``EARLY_ABORT_S`` (engine/core.py)."""
+        async def abort() -> None:
+            try:
+                await self._send_abort(model, request_ids)
+            except Exception as exc:  # noqa: BLE001 - Redis down: the entries' send most likely failed as well
+                log.warning("abort of %s after a failed send failed: %s", request_ids, exc)
+
+        task = asyncio.get_running_loop().create_task(abort())
+        self._aborting.add(task)
+        task.add_done_callback(self._aborting.discard)
 
     async def _send_abort(self, model: str, request_ids: list[str]) -> None:
         await self.redis.xadd(control_stream(self.prefix, model), {"a": msgpack.packb(request_ids)},
