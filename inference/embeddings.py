@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from inference.protocol.engine import EngineCoreRequest, SamplingParams
 from inference.protocol.openai import ModelName, RequestId, RequestValidationError, validate_request
+from inference.protocol.errors import ErrorCode
 from inference.renderer.tokenizer_cache import LoadedTokenizer
 
 MAX_EMBEDDING_INPUTS = 2048
@@ -107,7 +108,8 @@ def tokenize_inputs(tokenizer: LoadedTokenizer, inputs: list[str | list[int]], *
         if len(ids) > max_model_len:
             raise RequestValidationError(
                 f"input[{i}] has {len(ids)} tokens, more than this model's maximum of {max_model_len}; "
-                "shorten it or set 'truncate_prompt_tokens'", "input" if len(inputs) == 1 else f"input[{i}]")
+                "shorten it or set 'truncate_prompt_tokens'", "input" if len(inputs) == 1 else f"input[{i}]",
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED)
         out.append(ids)
     return out
 

@@ -28,6 +28,7 @@ class ErrorCode(StrEnum):
     PERMISSION_DENIED = "permission_denied"
     MODEL_NOT_FOUND = "model_not_found"
     MODEL_NOT_EMBEDDING = "model_not_embedding"
+    MODEL_NOT_GENERATIVE = "model_not_generative"
     UNKNOWN_ROUTE = "unknown_route"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     REQUEST_TOO_LARGE = "request_too_large"

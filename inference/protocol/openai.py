@@ -63,13 +63,14 @@ class RequestValidationError(ValueError):
     """A request failed validation; maps to HTTP 400 ``invalid_request_error``.
 
     ``param`` names the offending field (dotted path for nested fields), ``None`` when no single field is
-    to blame.
+    to blame; ``code``, the error's ``code`` when it has one (``ErrorCode``, e.g. ``context_length_exceeded``).
     """
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code
 
 
 def _reject_constant(name: str) -> Any:

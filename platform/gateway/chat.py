@@ -31,7 +31,7 @@ class ChatCompletionsConsumer(GatewayConsumer):
         ctx, req, n = pre.ctx, pre.req, pre.req.n or 1
         async with request_scope("chat.completions", new_internal_id(pre.external_id), arrival, ctx, req.model,
                                  n, grant=pre.grant) as scope:
-            model = await preamble.resolve_model(ctx, req.model)
+            model = await preamble.resolve_model(ctx, req.model, generate=True)
             await hold_before_render(self, scope, ctx, model, n=n, size=len(body), exact=False,
                                      max_tokens=req.requested_max_tokens[0], request_priority=req.priority)
             tokenizer, rendered, processed = await flow.render_chat_input(

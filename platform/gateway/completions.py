@@ -39,7 +39,7 @@ class CompletionsConsumer(GatewayConsumer):
         ids_prompt = isinstance(req.prompt, list)  # token ids: sizes are exact; text: UTF-8 bytes bound
         async with request_scope("completions", new_internal_id(pre.external_id), arrival, ctx, req.model,
                                  n, grant=pre.grant) as scope:
-            model = await preamble.resolve_model(ctx, req.model)
+            model = await preamble.resolve_model(ctx, req.model, generate=True)
             await hold_before_render(self, scope, ctx, model, n=n, exact=ids_prompt,
                                      size=len(req.prompt) if ids_prompt else len(req.prompt.encode()),
                                      max_tokens=req.requested_max_tokens[0], request_priority=req.priority)

@@ -115,7 +115,7 @@ class EmbeddingsConsumer(GatewayConsumer):
                                                   truncate or max_len, exact=not isinstance(v, str)) for v in inputs))
             tokenizer = await rendering.load_tokenizer(model)
             rendering.check_prompt_chars(model, tokenizer, max((len(v) for v in inputs if isinstance(v, str)),
-                                                               default=0), "input")
+                                                               default=0), "input", truncating=truncate is not None)
             try:
                 token_ids = await asyncio.to_thread(
                     tokenize_inputs, tokenizer, inputs, add_special_tokens=req.add_special_tokens,

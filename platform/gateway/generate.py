@@ -99,7 +99,7 @@ class GenerateConsumer(GatewayConsumer):
         async with request_scope("generate", new_internal_id(external_id), arrival, ctx, req.model, n,
                                  grant=pre.grant) as scope:
             try:
-                model = await preamble.resolve_model(ctx, req.model)
+                model = await preamble.resolve_model(ctx, req.model, generate=True)
                 await hold_before_render(self, scope, ctx, model, n=n, size=len(req.token_ids), exact=True,
                                          max_tokens=sp.max_tokens)
                 structured = await inputs.structured_constraint(_ParamsView(sp), param_prefix="sampling_params.")

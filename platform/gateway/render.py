@@ -67,7 +67,7 @@ class ChatRenderConsumer(GatewayConsumer):
         pre = await preamble.preamble(self, body, ChatCompletionRequest, "chatcmpl-")
         ctx, req = pre.ctx, pre.req
         async with limits.held(self, ctx, grant=pre.grant):  # RPM and concurrency taken before parsing
-            model = await preamble.resolve_model(ctx, req.model)
+            model = await preamble.resolve_model(ctx, req.model, generate=True)
             _, _, processed = await flow.render_chat_input(ctx, model, req, external_id=pre.external_id,
                                                              client_id="", arrival_time=time.time())
             await self.send_json(200, _tokens_in_request(processed, req, model, processed.external_id))
@@ -84,7 +84,7 @@ class CompletionRenderConsumer(GatewayConsumer):
                 raise bad_request("echo cannot be rendered into a tokens-in request", "echo")
             base_id = preamble.client_request_id(self.header(b"x-request-id"), req.request_id)
             preamble.echo_request_id(self, base_id)
-            model = await preamble.resolve_model(ctx, req.model)
+            model = await preamble.resolve_model(ctx, req.model, generate=True)
             tokenizer = await rendering.load_tokenizer(model)
             rendering.check_prompt_chars(model, tokenizer, len(req.prompt) if isinstance(req.prompt, str) else 0,
                                          "prompt")

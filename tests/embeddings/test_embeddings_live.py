@@ -100,6 +100,13 @@ def test_too_long_is_400_unless_truncated(live_embed, direct):
     text = "word " * 400  # > 256 tokens
     status, out = post(live_embed, "/v1/embeddings", {"model": EMBED_MODEL, "input": text})
     assert status == 400 and "truncate_prompt_tokens" in out["error"]["message"]
+    assert out["error"]["code"] == "context_length_exceeded", out
+    # past the character bound (max_model_len × the longest token string) truncation cannot help: the message
+    # says so instead of advising it
+    for extra in ({}, {"truncate_prompt_tokens": 16}):
+        status, out = post(live_embed, "/v1/embeddings", {"model": EMBED_MODEL, "input": "hello " * 4000, **extra})
+        assert status == 400 and out["error"]["code"] == "context_length_exceeded", out
+        assert ("within that bound only" in out["error"]["message"]) == bool(extra), out
     status, out = post(live_embed, "/v1/embeddings", {"model": EMBED_MODEL, "input": text,
                                                       "truncate_prompt_tokens": -1})
     assert status == 200, out
@@ -117,6 +124,15 @@ def test_auth_model_task_and_models_list(live_embed):
     assert status == 401
     status, out = post(live_embed, "/v1/embeddings", {"model": "tiny-qwen3", "input": "x"})
     assert status == 400 and out["error"]["param"] == "model"
+    # and the other way round: generation routes refuse an embedding model up front (it was a 503 engine_error
+    # from the replica, which clients retry)
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions/render", {"prompt": "hi"}),
+                       ("/v1/chat/completions/render", {"messages": [{"role": "user", "content": "hi"}]})):
+        status, out = post(live_embed, path, {"model": EMBED_MODEL, **body})
+        assert status == 400, (path, out)
+        assert (out["error"]["code"], out["error"]["param"]) == ("model_not_generative", "model"), (path, out)
     status, out = post(live_embed, "/v1/embeddings", {"model": "nope", "input": "x"})
     assert status == 404
     req = urllib.request.Request(live_embed.base_url + "/v1/models",

@@ -26,7 +26,7 @@ def api_error_from(exc: BaseException, *, param_prefix: str = "") -> ApiError:
         param = exc.param
         if param_prefix and param not in (None, "token_ids"):
             param = param_prefix + param
-        return bad_request(exc.message, param)
+        return bad_request(exc.message, param, exc.code)
     if isinstance(exc, AdmissionRefused):
         return unavailable(exc.message, exc.retry_after_s, ErrorCode.SERVER_OVERLOADED)
     if isinstance(exc, RateLimitExceeded):

@@ -133,8 +133,10 @@ async def preamble(consumer: GatewayConsumer, body: bytes, schema: Callable[[dic
     return Preamble(ctx, req, base_id, id_prefix + base_id, grant)
 
 
-async def resolve_model(ctx: AuthContext, name: str | None) -> ModelSnapshot:
-    """The served model for ``name`` (400 when missing, 404 when unknown, 403 when the key may not use it)."""
+async def resolve_model(ctx: AuthContext, name: str | None, *, generate: bool = False) -> ModelSnapshot:
+    """The served model for ``name`` (400 when missing, 404 when unknown, 403 when the key may not use it; with
+    ``generate``, 400 ``model_not_generative`` when it is an embedding model, before any work: its replicas would
+    refuse the request as an engine error, a 503 that clients retry)."""
     if not name:
         raise bad_request("'model' is required", "model")
     snap = await get_model(name)
@@ -142,4 +144,7 @@ async def resolve_model(ctx: AuthContext, name: str | None) -> ModelSnapshot:
         raise not_found(f"The model '{name}' does not exist or is not served here", "model",
                         ErrorCode.MODEL_NOT_FOUND)
     auth.require_model(ctx, name)
+    if generate and snap.task != "generate":
+        raise bad_request(f"The model '{name}' is an embedding model (its task is '{snap.task}'): it does not "
+                          "generate text; use /v1/embeddings", "model", ErrorCode.MODEL_NOT_GENERATIVE)
     return snap

@@ -162,17 +162,21 @@ async def load_tokenizer(model: ModelSnapshot) -> LoadedTokenizer:
     return hit if hit is not None else await asyncio.to_thread(get_tokenizer, model.tokenizer_dir)
 
 
-def check_prompt_chars(model: ModelSnapshot, tokenizer: LoadedTokenizer, n_chars: int, param: str) -> None:
+def check_prompt_chars(model: ModelSnapshot, tokenizer: LoadedTokenizer, n_chars: int, param: str, *,
+                       truncating: bool = False) -> None:
     """Refuse, before rendering or tokenizing, text that cannot fit the context whatever its tokenization:
     more than ``max_model_len × (longest token string in the vocabulary)`` characters (vLLM's character
     pre-check, ``vllm/entrypoints/renderer.py``). Keeps a huge prompt from holding a render worker.
-    Raises ``ApiError`` 400 with both numbers."""
+    Raises ``ApiError`` 400 ``context_length_exceeded`` with both numbers; ``truncating`` (the request asked for
+    ``truncate_prompt_tokens``) says that truncation does not lift this bound."""
     bound = int(model.max_model_len) * max(1, int(getattr(tokenizer, "max_token_chars", 0) or 0))
     if bound and n_chars > bound:
+        advice = ("'truncate_prompt_tokens' applies to inputs within that bound only; shorten the input"
+                  if truncating else "Please reduce the length of the input")
         raise bad_request(
             f"The input has {n_chars} characters, more than can fit this model's maximum context length of "
-            f"{model.max_model_len} tokens (at most {bound} characters). Please reduce the length of the "
-            f"input.", param, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+            f"{model.max_model_len} tokens (at most {bound} characters). {advice}.", param,
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED)
 
 
 def message_chars(messages: list[ChatMessage]) -> int:
