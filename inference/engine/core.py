@@ -469,7 +469,8 @@ class EngineCore:
             for seq in gone:
                 self._finish_out(seq, FINISH_ABORT)
                 held_list.remove(seq)
-            self.runner.release(gone)
+            if gone:
+                self.runner.release(gone)
 
     def _drop_dead_clients(self) -> None:
         """Abort requests whose api process stopped refreshing its liveness key (killed or restarted),

@@ -129,6 +129,10 @@ class PoolingRunner:
         self.pad_id = int(getattr(cfg, "pad_token_id", None) or 0)
         self.eos_token_ids: list[int] = []
 
+    def release(self, seqs: list[Sequence]) -> None:
+        """``ModelRunner.release``'s counterpart: a pooling request holds no KV cache or other per-request state
+        between steps, so there is nothing to free (``EngineCore._abort`` calls it for aborted requests)."""
+
     def prepare(self, seq: Sequence) -> None:
         """Validate one request; raises ``RequestError`` (empty, id out of range, longer than
         ``max_model_len``, or not a pooling request)."""
@@ -198,6 +202,7 @@ class PoolingEngineCore(EngineCore):
             return
         dt = time.perf_counter() - t0
         ntok = sum(len(s.request.prompt_token_ids) for s in group)
+        self.stats.prompt_tokens += ntok  # /metrics engine_prompt_tokens_total, as the generative engine counts
         self.stats.prefill_tokens_per_s = self._ema(self.stats.prefill_tokens_per_s, ntok / max(dt, 1e-9))
         done = now()
         arr = vecs.numpy().astype("<f4", copy=False)

@@ -253,3 +253,41 @@ def test_the_link_deletes_delivered_outputs_and_refuses_a_model_without_replicas
     length, tracked = asyncio.run(run())
     assert length == 0
     assert tracked == 0
+
+
+def test_an_abort_leaves_the_pooling_replica_running(live_embed, direct):
+    """An abort that reaches the pooling replica (a client that hung up on /v1/embeddings) leaves it serving: the
+    engine's abort freed the runner's KV state of the aborted requests, which a pooling runner did not have, and the
+    replica died on the first abort (a second fresh-eyes check, 2026-12-02: five disconnects in a minute made
+    ``serve`` give up and stop the platform)."""
+    import asyncio
+    import uuid
+
+    from inference.engine_client import EngineLink
+    from inference.protocol.engine import EngineCoreRequest, SamplingParams
+
+    before = {s.engine_id: s.pid for s in live_embed.replicas(EMBED_MODEL)}
+
+    async def send_and_abort() -> None:
+        link = EngineLink.for_current_process(live_embed.redis_url, live_embed.prefix)
+        try:
+            reqs = [EngineCoreRequest(request_id=f"ab-{uuid.uuid4().hex[:8]}", external_req_id="ab",
+                                      prompt_token_ids=direct.tok(f"text {i} " * 40)["input_ids"],
+                                      sampling_params=SamplingParams(max_tokens=1), client_id=link.client_id,
+                                      arrival_time=0.0, pooling=True) for i in range(16)]
+            await link.add_requests(EMBED_MODEL, reqs)
+            await link.abort(EMBED_MODEL, [r.request_id for r in reqs])
+            await asyncio.sleep(1.5)  # the replica reads the aborts (its poll), then beats again
+        finally:
+            await link.close()
+
+    asyncio.run(send_and_abort())
+    assert {s.engine_id: s.pid for s in live_embed.replicas(EMBED_MODEL)} == before
+    counted = sum(s.prompt_tokens for s in live_embed.replicas(EMBED_MODEL))
+    status, out = post(live_embed, "/v1/embeddings", {"model": EMBED_MODEL, "input": "still serving"})
+    assert status == 200, out
+    # and the replica counts the prompt tokens it pooled (engine_prompt_tokens_total stayed 0 for embeddings)
+    deadline = time.monotonic() + 10
+    while sum(s.prompt_tokens for s in live_embed.replicas(EMBED_MODEL)) < counted + out["usage"]["prompt_tokens"]:
+        assert time.monotonic() < deadline, live_embed.replicas(EMBED_MODEL)
+        time.sleep(0.2)
