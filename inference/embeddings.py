@@ -98,18 +98,18 @@ def tokenize_inputs(tokenizer: LoadedTokenizer, inputs: list[str | list[int]], *
             encoded[i] = list(enc.ids)
     out = []
     for i, v in enumerate(inputs):
+        name = f"input[{i}]" if len(inputs) > 1 else "input"  # the message and the param name the same field
         if isinstance(v, str):
             ids = encoded[i]
         else:
             ids = list(v[:truncate]) if truncate is not None else list(v)
-            tokenizer.check_ids(ids, param=f"input[{i}]" if len(inputs) > 1 else "input")
+            tokenizer.check_ids(ids, param=name)
         if not ids:
-            raise RequestValidationError(f"input[{i}] has no tokens after truncation", f"input[{i}]")
+            raise RequestValidationError(f"{name} has no tokens after truncation", name)
         if len(ids) > max_model_len:
             raise RequestValidationError(
-                f"input[{i}] has {len(ids)} tokens, more than this model's maximum of {max_model_len}; "
-                "shorten it or set 'truncate_prompt_tokens'", "input" if len(inputs) == 1 else f"input[{i}]",
-                ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+                f"{name} has {len(ids)} tokens, more than this model's maximum of {max_model_len}; "
+                "shorten it or set 'truncate_prompt_tokens'", name, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
         out.append(ids)
     return out
 

@@ -176,7 +176,8 @@ def resolve_template(tok: LoadedTokenizer, chat_template: str | None, tools: Any
     raise NoChatTemplateError(
         "this model has no chat template (tokenizer_config.json has no chat_template and there is no "
         "chat_template.jinja); since transformers v4.44 there is no default template, so a chat "
-        "template must be configured for the model. Use /v1/completions with a plain prompt instead.",
+        "template must be configured for the model. Send a plain prompt instead ('prompt' on /v1/completions or "
+        "/tokenize; 'input' on /v1/embeddings for an embedding model).",
         param="messages",
     )
 
