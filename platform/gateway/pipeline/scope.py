@@ -109,4 +109,10 @@ async def request_scope(endpoint: str, request_id: str, arrival: float, ctx: Aut
         if scope.holds_nothing:
             _background(scope.recorder.emit())
         else:
-            await scope.release()
+            # On a task of its own: the client may hang up while a 4xx (or the end of a response) is being
+            # released, before the answer went out, and the handler's cancellation would then stop the release
+            # halfway (usage sent, admission still held for as long as this process lives; D-285).
+            release = asyncio.get_running_loop().create_task(scope.release())
+            _background_tasks.add(release)
+            release.add_done_callback(_background_tasks.discard)
+            await asyncio.shield(release)
