@@ -60,11 +60,12 @@ class RequestScope:
 _background_tasks: set[asyncio.Task[None]] = set()
 
 
-def _background(coro: Coroutine[Any, Any, None]) -> None:
-    """Run ``coro`` on the loop without awaiting it (a reference is kept until it ends)."""
+def _background(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    """Run ``coro`` on the loop on a task of its own (a reference is kept until it ends); the task."""
     task = asyncio.get_running_loop().create_task(coro)
     _background_tasks.add(task)
     task.add_done_callback(_background_tasks.discard)
+    return task
 
 
 def record_refusal(endpoint: str) -> Callable[[AuthContext, ApiError, str], None]:
@@ -112,7 +113,4 @@ async def request_scope(endpoint: str, request_id: str, arrival: float, ctx: Aut
             # On a task of its own: the client may hang up while a 4xx (or the end of a response) is being
             # released, before the answer went out, and the handler's cancellation would then stop the release
             # halfway (usage sent, admission still held for as long as this process lives; D-285).
-            release = asyncio.get_running_loop().create_task(scope.release())
-            _background_tasks.add(release)
-            release.add_done_callback(_background_tasks.discard)
-            await asyncio.shield(release)
+            await asyncio.shield(_background(scope.release()))
