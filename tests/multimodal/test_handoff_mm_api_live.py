@@ -219,9 +219,11 @@ def test_a_tls_connection_is_relayed(live_vl, relaying, tmp_path):
 
 
 def _listening_inode(path: str) -> str:
+    """The inode of the socket listening on ``path``: the entry with ``__SO_ACCEPTCON`` (0x10000) in its flags. A
+    connection accepted on that socket (the front's kept-alive relay connection) is listed with the same path."""
     for line in open("/proc/net/unix").read().splitlines()[1:]:
         fields = line.split()
-        if len(fields) >= 8 and fields[7] == path:
+        if len(fields) >= 8 and fields[7] == path and int(fields[3], 16) & 0x10000:
             return fields[6]
     raise AssertionError(f"{path} is not a listening socket")
 
