@@ -146,7 +146,7 @@ async def _listen() -> None:
             backoff = min(backoff * 2, 2.0)
         finally:
             try:
-                await pubsub.aclose()  # type: ignore[no-untyped-call]  # redis-py leaves it untyped
+                await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # untyped in older redis-py releases
             except Exception:  # noqa: BLE001 - closing a broken connection may fail too
                 pass
 
