@@ -90,6 +90,8 @@ class ProcessedInput:
     ``requests`` holds one ``EngineCoreRequest`` per choice (``n`` children, seeds ``seed + i``);
     ``max_tokens`` is the resolved output cap; ``external_id`` the id shown to the client; ``chat_output`` how a
     chat request's choices are parsed (``inference.chat_output.ChatOutputSpec``), set by the chat path.
+    ``batch_prompts``: set for a batch of completions prompts (``merge_batch``): the prompts in order, the
+    ``requests`` prompt by prompt; ``prompt_token_ids`` is then the first prompt.
     """
 
     external_id: str
@@ -97,6 +99,29 @@ class ProcessedInput:
     max_tokens: int
     requests: list[EngineCoreRequest] = field(default_factory=list)
     chat_output: Any = None
+    batch_prompts: list[list[int]] | None = None
+
+    @property
+    def prompt_tokens_per_request(self) -> int:
+        """Prompt tokens per engine request for admission (``n × this`` is reserved): the prompt's length, or in
+        a batch the mean over its requests rounded up (the reservation then covers every prompt's children)."""
+        if not self.requests:
+            return len(self.prompt_token_ids)
+        total = sum(len(r.prompt_token_ids) for r in self.requests)
+        return -(-total // len(self.requests))
+
+
+def merge_batch(parts: list[ProcessedInput]) -> ProcessedInput:
+    """One ``ProcessedInput`` for a batch of completions prompts, from each prompt's own (``parts``, in prompt
+    order, each with the same ``n``): the requests prompt by prompt, ``batch_prompts`` set. One part is returned
+    as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    return ProcessedInput(external_id=first.external_id, prompt_token_ids=first.prompt_token_ids,
+                          max_tokens=max(p.max_tokens for p in parts),
+                          requests=[r for p in parts for r in p.requests],
+                          batch_prompts=[p.prompt_token_ids for p in parts])
 
 
 def new_internal_id(external_id: str) -> str:

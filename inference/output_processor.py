@@ -266,6 +266,8 @@ class ChoiceState:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # which of the request's prompts this choice continues (0 but in a batch of completions prompts)
+    prompt_index: int = 0
 
 
 @dataclass
@@ -280,33 +282,46 @@ class ChoiceDelta:
 
 
 class RequestState:
-    """Output state of one API request: ``n`` ``ChoiceState`` s, one per engine child request.
+    """Output state of one API request: one ``ChoiceState`` per engine child request.
 
     Args:
         tokenizer: the model's ``LoadedTokenizer``.
-        prompt_token_ids: the prompt all children share (decoding context).
+        prompt_token_ids: the prompt all children share (decoding context), or with ``batch_prompts`` the first.
         child_request_ids: the engine request ids, in choice order (choice ``i`` ↔ ``child_request_ids[i]``).
         stop / include_stop_str_in_output / skip_special_tokens: the request's text options (OpenAI/vLLM).
         arrival_time: ``time.time()`` when the request arrived (seconds).
+        batch_prompts: the prompts of a batch of completions prompts (``P`` of them): the children are laid out
+            prompt by prompt, ``len(child_request_ids) / P`` each, so choice ``i`` continues prompt ``i // n``.
+            Raises ``ValueError`` when the children do not split evenly.
     """
 
     def __init__(self, tokenizer: LoadedTokenizer, prompt_token_ids: list[int], child_request_ids: list[str], *,
                  stop: list[str] | None, include_stop_str_in_output: bool, skip_special_tokens: bool,
-                 arrival_time: float):
-        self.prompt_token_ids = prompt_token_ids
+                 arrival_time: float, batch_prompts: list[list[int]] | None = None):
+        self.prompts = batch_prompts or [prompt_token_ids]
+        if len(child_request_ids) % len(self.prompts):
+            raise ValueError(f"{len(child_request_ids)} children do not split evenly over {len(self.prompts)} prompts")
+        per_prompt = max(1, len(child_request_ids) // len(self.prompts))
+        self.prompt_token_ids = self.prompts[0]
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.choices = [ChoiceState(
-            index=i, request_id=rid,
-            detok=IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens),
+            index=i, request_id=rid, prompt_index=i // per_prompt,
+            detok=IncrementalDetokenizer(tokenizer, self.prompts[i // per_prompt],
+                                         skip_special_tokens=skip_special_tokens),
             stops=StopChecker(stop, include_stop_str_in_output)) for i, rid in enumerate(child_request_ids)]
         self.by_id = {c.request_id: c for c in self.choices}
 
+    def prompt_of(self, choice: ChoiceState) -> list[int]:
+        """The prompt ids ``choice`` continues."""
+        return self.prompts[choice.prompt_index]
+
     @property
     def prompt_tokens(self) -> int:
-        """Prompt tokens (counted once, however many choices)."""
-        return len(self.prompt_token_ids)
+        """Prompt tokens, each prompt counted once however many choices it has (summed over a batch's prompts,
+        as OpenAI and vLLM count them)."""
+        return sum(len(p) for p in self.prompts)
 
     @property
     def completion_tokens(self) -> int:
@@ -315,8 +330,12 @@ class RequestState:
 
     @property
     def num_cached_tokens(self) -> int:
-        """Prompt tokens served from the prefix cache (the most any child reported)."""
-        return max((c.num_cached_tokens for c in self.choices), default=0)
+        """Prompt tokens served from the prefix cache: per prompt the most any of its children reported, summed
+        over the prompts."""
+        best = [0] * len(self.prompts)
+        for c in self.choices:
+            best[c.prompt_index] = max(best[c.prompt_index], c.num_cached_tokens)
+        return sum(best)
 
     @property
     def finished(self) -> bool:

@@ -42,6 +42,9 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
 
 MAX_STOP_STRINGS = 4
 MAX_N = 128
+# prompts in one /v1/completions request (vLLM's VLLM_MAX_COMPLETION_PROMPTS default); also the most choices
+# (prompts x n) one such request may ask for
+MAX_COMPLETION_PROMPTS = 1024
 MAX_TOP_LOGPROBS = 20
 MAX_REQUEST_ID_LEN = 128
 MAX_STOP_STRING_LEN = 1024
@@ -588,9 +591,10 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
 
 
 class CompletionRequest(_SamplingFields):
-    """``POST /v1/completions`` body. ``prompt``: a string, a list of token ids, or a list with one of those.
-
-    Several prompts in one request are a later feature; a list of more than one prompt is refused with 400.
+    """``POST /v1/completions`` body. ``prompt``: a string, a list of token ids, or a list of strings or of
+    token-id lists (OpenAI's batch form; vLLM caps it at ``MAX_COMPLETION_PROMPTS``). A list holding one prompt is
+    that prompt. A batch of ``P`` prompts asks for ``P × n`` choices (at most ``MAX_COMPLETION_PROMPTS``), choice
+    ``i × n + j`` being the ``j``-th of prompt ``i`` (OpenAI and vLLM's order); ``prompts`` gives the list.
     """
 
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -611,22 +615,43 @@ class CompletionRequest(_SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _check_prompt(cls, v: Any) -> Any:
-        if isinstance(v, list):
-            if len(v) == 0:
-                raise ValueError("prompt must not be empty")
-            if all(isinstance(x, int) for x in v):
-                if any(x < 0 for x in v):
-                    raise ValueError("prompt token ids must be non-negative")
-                return v
-            if len(v) > 1:
-                raise ValueError("only one prompt per request is supported")
-            inner = v[0]
-            if isinstance(inner, list) and len(inner) == 0:
-                raise ValueError("prompt must not be empty")
-            if isinstance(inner, list) and any(x < 0 for x in inner):
+        if not isinstance(v, list):
+            return v
+        if len(v) == 0:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(x, int) for x in v):
+            if any(x < 0 for x in v):
                 raise ValueError("prompt token ids must be non-negative")
-            return inner
-        return v
+            return v
+        if len(v) > MAX_COMPLETION_PROMPTS:
+            raise ValueError(f"prompt holds {len(v)} prompts; at most {MAX_COMPLETION_PROMPTS} per request")
+        for i, inner in enumerate(v):
+            where = "prompt" if len(v) == 1 else f"prompt {i}"
+            if isinstance(inner, list) and len(inner) == 0:
+                raise ValueError(f"{where} must not be empty")
+            if isinstance(inner, list) and any(x < 0 for x in inner):
+                raise ValueError(f"{where}: token ids must be non-negative")
+        return v[0] if len(v) == 1 else v
+
+    @model_validator(mode="after")
+    def _check_choices(self) -> CompletionRequest:
+        if self.is_batch and len(self.prompts) * (self.n or 1) > MAX_COMPLETION_PROMPTS:
+            raise RequestValidationError(
+                f"{len(self.prompts)} prompts with n={self.n} ask for {len(self.prompts) * (self.n or 1)} choices; "
+                f"at most {MAX_COMPLETION_PROMPTS} per request", "n")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        """True when ``prompt`` holds two or more prompts (a list of strings or of token-id lists)."""
+        return isinstance(self.prompt, list) and bool(self.prompt) and not isinstance(self.prompt[0], int)
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts in order, each a string or a list of token ids (one for a single prompt)."""
+        if self.is_batch:
+            return list(self.prompt)  # type: ignore[arg-type]
+        return [self.prompt]  # type: ignore[list-item]
 
     @model_validator(mode="after")
     def _check_max_tokens_pair(self) -> CompletionRequest:

@@ -5,7 +5,7 @@
   (model ``generation_config.json`` defaults applied, ``max_tokens`` computed) and ready for
   ``POST /inference/v1/generate``.
 * ``POST /v1/completions/render`` takes a completions body and returns a list of such requests, one per
-  prompt (vLLM's shape; this server takes one prompt per request, so the list has one element).
+  prompt (vLLM's shape), ``request_id`` ``<id>-<prompt index>``.
 
 Nothing is generated; a render-only deployment (``manage.py serve --no-engine``: api + Celery workers,
 no engine) serves them. Where rendering runs: ``gateway.pipeline.rendering``.
@@ -74,7 +74,7 @@ class ChatRenderConsumer(GatewayConsumer):
 
 
 class CompletionRenderConsumer(GatewayConsumer):
-    """``POST /v1/completions/render`` → a list with one tokens-in request (one per prompt)."""
+    """``POST /v1/completions/render`` → a list of tokens-in requests, one per prompt."""
 
     async def handle_request(self, body: bytes) -> None:
         ctx = await preamble.authenticate(self)
@@ -86,12 +86,14 @@ class CompletionRenderConsumer(GatewayConsumer):
             preamble.echo_request_id(self, base_id)
             model = await preamble.resolve_model(ctx, req.model, generate=True)
             tokenizer = await rendering.load_tokenizer(model)
-            rendering.check_prompt_chars(model, tokenizer, len(req.prompt) if isinstance(req.prompt, str) else 0,
-                                         "prompt")
+            rendering.check_prompt_chars(model, tokenizer, max(len(p) if isinstance(p, str) else 0
+                                                               for p in req.prompts), "prompt")
             structured = await inputs.structured_constraint(req)
-            prompt_ids, _ = await rendering.prompt_ids_for(model, req)
-            processed = inputs.process(
-                req, model, tokenizer, external_id="cmpl-" + base_id, prompt_token_ids=prompt_ids,
-                prompt_param="prompt", client_id="", arrival_time=time.time(), logprobs=req.logprobs,
-                cache_salt=inputs.cache_salt_for(ctx, req.cache_salt), structured=structured)
-            await self.send_json(200, [_tokens_in_request(processed, req, model, processed.external_id + "-0")])
+            out = []
+            for i, (prompt_ids, _) in enumerate(await rendering.prompt_ids_for(model, req)):
+                processed = inputs.process(
+                    req, model, tokenizer, external_id="cmpl-" + base_id, prompt_token_ids=prompt_ids,
+                    prompt_param="prompt", client_id="", arrival_time=time.time(), logprobs=req.logprobs,
+                    cache_salt=inputs.cache_salt_for(ctx, req.cache_salt), structured=structured)
+                out.append(_tokens_in_request(processed, req, model, f"{processed.external_id}-{i}"))
+            await self.send_json(200, out)

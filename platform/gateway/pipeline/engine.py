@@ -42,8 +42,9 @@ async def add_requests(model: ModelSnapshot, requests: list[EngineCoreRequest], 
 
 
 class GenerationRun:
-    """One API request's engine work: ``n`` children sharing one output queue, their output state in a
-    ``RequestState``. ``start()``, iterate ``deltas()``, and ``close()`` in a ``finally`` (idempotent)."""
+    """One API request's engine work: its children (``n``, or ``n`` per prompt of a batch of completions prompts)
+    sharing one output queue, their output state in a ``RequestState``. ``start()``, iterate ``deltas()``, and
+    ``close()`` in a ``finally`` (idempotent)."""
 
     def __init__(self, model: ModelSnapshot, processed: ProcessedInput, tokenizer: Any, *, stop: list[str] | None,
                  include_stop_str_in_output: bool, skip_special_tokens: bool, arrival_time: float,
@@ -54,7 +55,8 @@ class GenerationRun:
         self.state = RequestState(tokenizer, processed.prompt_token_ids,
                                   [r.request_id for r in processed.requests], stop=stop,
                                   include_stop_str_in_output=include_stop_str_in_output,
-                                  skip_special_tokens=skip_special_tokens, arrival_time=arrival_time)
+                                  skip_special_tokens=skip_special_tokens, arrival_time=arrival_time,
+                                  batch_prompts=processed.batch_prompts)
         self.processor = OutputProcessor(self.state)
         self.queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
         self._closed = False
@@ -67,8 +69,12 @@ class GenerationRun:
     finished_time = property(lambda self: self.state.finished_time)
 
     async def start(self) -> None:
-        """Register the output queue and send every child to the engine (503 when no replica is alive)."""
-        await add_requests(self.model, self.processed.requests, self.queue)
+        """Register the output queue and send every child to the engine (503 when no replica is alive). The
+        children of one prompt go to one replica together; each prompt of a batch is routed on its own."""
+        requests = self.processed.requests
+        per_prompt = max(1, len(requests) // len(self.state.prompts))
+        for i in range(0, len(requests), per_prompt):
+            await add_requests(self.model, requests[i:i + per_prompt], self.queue)
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Yield text deltas as engine outputs arrive, until every choice has finished. A child's first tokens

@@ -48,6 +48,13 @@ def estimate(model: ModelSnapshot, size: int, n: int, max_tokens: int | None, *,
     return min(limits_reservation(prompt, completion, n), n * max_len)
 
 
+def estimate_prompts(model: ModelSnapshot, sizes: list[int], n: int, max_tokens: int | None, *,
+                     exact: bool = False) -> int:
+    """``estimate`` summed over the prompts of a batch of completions prompts (``sizes``: each prompt's bytes,
+    or with ``exact`` its token ids), each prompt with its ``n`` completions."""
+    return sum(estimate(model, size, n, max_tokens, exact=exact) for size in sizes)
+
+
 async def acquire(consumer: GatewayConsumer, ctx: AuthContext, tokens: int) -> LimitGrant:
     """Reserve one request against RPM, one concurrency slot, and ``tokens`` against TPM and budgets (Redis,
     atomic, shared by every api process); add the ``x-ratelimit-*`` headers to ``consumer``'s response.

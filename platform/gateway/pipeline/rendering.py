@@ -234,12 +234,35 @@ async def tokenize_prompt(model: ModelSnapshot, prompt: str, add_special_tokens:
     return ids
 
 
-async def prompt_ids_for(model: ModelSnapshot, req: CompletionRequest) -> tuple[list[int], str | None]:
-    """``(prompt_token_ids, prompt_text)`` of a ``CompletionRequest``: token-id prompts pass through; text is
-    tokenized (BOS per ``add_special_tokens``, default true)."""
-    if isinstance(req.prompt, list):
-        return list(cast(list[int], req.prompt)), None  # validated: one prompt, a str or a list of ids
-    return await tokenize_prompt(model, req.prompt, req.add_special_tokens is not False), req.prompt
+# text prompts of one batch tokenized at once: a batch of many prompts enters the FCFS render queue a few
+# tasks at a time, so other requests' renders are not queued behind all of them
+BATCH_TOKENIZE_CONCURRENCY = 8
+
+
+async def prompt_ids_for(model: ModelSnapshot, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
+    """``(prompt_token_ids, prompt_text)`` of each prompt of a ``CompletionRequest`` (one for a single prompt), in
+    order: token-id prompts pass through (text ``None``); text is tokenized (BOS per ``add_special_tokens``,
+    default true), at most ``BATCH_TOKENIZE_CONCURRENCY`` prompts at a time. Raises what ``call_render`` raises
+    (the first failing prompt's error)."""
+    add_special = req.add_special_tokens is not False
+    prompts = req.prompts
+    if all(isinstance(p, list) for p in prompts):
+        return [(list(cast(list[int], p)), None) for p in prompts]
+    gate = asyncio.Semaphore(BATCH_TOKENIZE_CONCURRENCY)
+
+    async def one(text: str) -> tuple[list[int], str | None]:
+        async with gate:
+            return await tokenize_prompt(model, text, add_special), text
+
+    if len(prompts) == 1:
+        return [await one(cast(str, prompts[0]))]
+    tasks = [asyncio.ensure_future(one(cast(str, p))) for p in prompts]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:  # the first failure (or the client gone) ends the request: the rest are not waited for
+            t.cancel()
+        raise
 
 
 async def detokenize(model: ModelSnapshot, tokens: list[int], skip_special_tokens: bool) -> str:
