@@ -22,6 +22,7 @@ from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.flow import admit_and_start, hold_before_render
 from gateway.pipeline.scope import record_refusal, request_scope
 from gateway.pipeline.usage import public_finish_reason
+from inference.admission import estimate_prompt_tokens
 from inference.input_processor import merge_batch, new_internal_id
 from inference.output_processor import ChoiceDelta, ChoiceState
 from inference.protocol.openai import CompletionRequest
@@ -43,9 +44,12 @@ class CompletionsConsumer(GatewayConsumer):
         async with request_scope("completions", new_internal_id(pre.external_id), arrival, ctx, req.model,
                                  n * len(prompts), grant=pre.grant) as scope:
             model = await preamble.resolve_model(ctx, req.model, generate=True)
-            # admission's pre-check bounds every choice by the largest prompt; the key's token estimate sums them
-            await hold_before_render(self, scope, ctx, model, n=n * len(prompts), exact=ids_prompt,
-                                     size=max(sizes), max_tokens=max_tokens, request_priority=req.priority,
+            exact, size = ids_prompt, sizes[0]
+            if req.is_batch:  # admission's pre-check: the prompts' bounds summed, spread evenly over the choices
+                exact, size = True, -(-sum(estimate_prompt_tokens(s, model.max_model_len, exact=ids_prompt)
+                                           for s in sizes) // len(sizes))
+            await hold_before_render(self, scope, ctx, model, n=n * len(prompts), exact=exact, size=size,
+                                     max_tokens=max_tokens, request_priority=req.priority,
                                      tokens=limits.estimate_prompts(model, sizes, n, max_tokens, exact=ids_prompt)
                                      if req.is_batch else None)
             structured = await inputs.structured_constraint(req)
