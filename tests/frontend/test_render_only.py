@@ -5,11 +5,14 @@ the same processes, the engine that serves the demo model plays no part for this
 
 from __future__ import annotations
 
+import uuid
+
 import httpx
 import pytest
 
 from tests.live_platform import MODEL_DIR
-from tests.support.live import ensure_model
+from tests.e2e.test_usage_e2e import records
+from tests.support.live import ensure_model, limited_key
 
 M = "render-only"  # the demo model's directory, registered for this module: no engine serves it
 MSGS = [{"role": "user", "content": "hello"}]
@@ -35,3 +38,23 @@ def test_render_only_serves_frontend_routes(render_only):
     gen = render_only.post("/inference/v1/generate", json=r.json())
     assert gen.status_code == 503, gen.text
     assert gen.json()["error"]["code"] == "engine_unavailable" and "retry-after" in gen.headers
+
+
+def test_a_request_no_engine_took_costs_nothing(shared_live, render_only):
+    """503 ``engine_unavailable`` (no replica serves the model): the usage record counts no tokens and an
+    error, and the key's token budget is not spent (OpenAI bills no failed request). Before, each such refusal
+    was charged its prompt: this budget ran out after 5 refusals."""
+    tag = uuid.uuid4().hex[:8]
+    key = limited_key(shared_live, token_budget=2000, budget_period="'day'")
+    prompt = " ".join(f"word{i}" for i in range(100))  # ~300 tokens, ~800 bytes (the key's estimate: ~1,000)
+    statuses = []
+    for i in range(12):
+        r = render_only.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}",
+                                                               "X-Request-Id": f"nobill-{tag}-{i}"},
+                             json={"model": M, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1})
+        statuses.append((r.status_code, r.json()["error"]["code"]))
+    assert statuses == [(503, "engine_unavailable")] * 12  # never 429 insufficient_quota
+    rows = records(shared_live, f"chatcmpl-nobill-{tag}", 12)
+    assert len(rows) == 12
+    assert {(r["status_code"], r["prompt_tokens"], r["completion_tokens"], r["finish_reason"]) for r in rows} == \
+        {(503, 0, 0, "error")}

@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Callable, Coroutine
 
 from tenancy.selectors import AuthContext
 
-from gateway.errors import ApiError
+from gateway.errors import ApiError, ErrorCode
 from gateway.pipeline import admission, limits
 from gateway.pipeline.usage import UsageRecorder
 
@@ -39,13 +39,15 @@ class RequestScope:
 
     async def release(self) -> None:
         """Give everything back, in order: emit the usage event, close the run (abort unfinished children),
-        release admission, settle the key limits on the tokens used. Each step is idempotent.
+        release admission, settle the key limits on the tokens used (none for ``failed_without_output``). Each
+        step is idempotent.
 
         The usage event goes first: the answer is already out, and an api process killed during the releases'
         Redis round trips (the many-hosts drill kills one mid-burst) lost the record of a request its client had
         seen answered; the reservation and the key-limit lease it held are reaped anyway."""
         run = self.run
-        if run is not None:
+        billed = run is not None and not self.failed_without_output
+        if billed:
             self.recorder.run = run
         await self.recorder.emit()
         if run is not None:
@@ -53,11 +55,21 @@ class RequestScope:
             if close is not None:
                 await close()
         await admission.release(self.reservation)
-        used = (run.prompt_tokens + run.completion_tokens) if run is not None else 0
+        used = (run.prompt_tokens + run.completion_tokens) if billed else 0
         await limits.settle(self.grant, used)
+
+    @property
+    def failed_without_output(self) -> bool:
+        """True when the request failed on the platform's side (a 5xx: no engine replica, the engine failed it)
+        before any output token: it is recorded and settled with no tokens, as OpenAI bills no failed request
+        (its prompt may have been prefilled, but the caller got nothing for it)."""
+        run = self.run
+        return self.recorder.status_code >= 500 and run is not None and not run.completion_tokens
 
 
 _background_tasks: set[asyncio.Task[None]] = set()
+# 503s that are failures, not refusals for capacity: recorded with finish reason ``error``
+_ENGINE_FAILURES = frozenset({ErrorCode.ENGINE_ERROR, ErrorCode.ENGINE_UNAVAILABLE})
 
 
 def _background(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -88,8 +100,9 @@ async def request_scope(endpoint: str, request_id: str, arrival: float, ctx: Aut
     """Run one request's work inside; on exit (success, ``ApiError``, client disconnect) release what it holds
     (``RequestScope.release``), once.
 
-    The usage status is 200, the ``ApiError``'s status, or 499 with finish reason ``abort`` when the client went
-    away; the finish reason is the first choice's. ``grant``: the key-limit grant the preamble took (released
+    The usage status is 200, the ``ApiError``'s status (finish reason ``error`` for an engine failure or no live
+    replica), or 499 with finish reason ``abort`` when the client went away; else the finish reason is the first
+    choice's. ``grant``: the key-limit grant the preamble took (released
     with the rest). A request refused before holding anything emits its usage
     event in the background, so the refusal is answered without waiting for it.
     """
@@ -101,6 +114,8 @@ async def request_scope(endpoint: str, request_id: str, arrival: float, ctx: Aut
             scope.recorder.finish_reason = choices[0].finish_reason
     except ApiError as err:
         scope.recorder.status_code = err.status
+        if err.code in _ENGINE_FAILURES:  # an outage, not a capacity refusal: the usage rollups count an error
+            scope.recorder.finish_reason = "error"
         raise
     except asyncio.CancelledError:
         scope.recorder.status_code = 499
