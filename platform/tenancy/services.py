@@ -9,8 +9,9 @@ expiry (its grace period) only ever moves earlier; a rotated key is not rotated 
 
 Rules of a tenant-side ``KeyActor`` (the REST API passes one; operators' tools pass none): it never touches a
 key holding an operator scope (``SCOPES_OPERATOR``) nor grants one; an acting *key* never changes or rotates
-itself (it may revoke itself) and never creates, changes or rotates a key wider than itself (``key_wider_than``:
-models, expiry, limits, scopes). Breaking one raises ``KeyPermissionDenied`` (403) or ``KeyRequestInvalid``
+itself (it may revoke itself) and never creates, changes, rotates or revokes a key wider than itself
+(``key_wider_than``: models, expiry, limits, scopes), so a leaked narrow key cannot revoke the tenant's wider
+keys; the tenant owner's login revokes any of the tenant's keys. Breaking one raises ``KeyPermissionDenied`` (403) or ``KeyRequestInvalid``
 (400), both carrying ``param`` and ``code``.
 """
 
@@ -211,8 +212,10 @@ def _actor_check_target(actor: KeyActor | None, api_key: ApiKey, action: str) ->
                                   "tenant owner's login (a key may revoke itself).", code="self_change")
 
 
-def _actor_check_result(actor: KeyActor | None, *, scopes, allowed_models, expires_at, limits: dict) -> None:
-    """Tenant-side rules on the settings a key would have: no operator scope; no wider than an acting key."""
+def _actor_check_result(actor: KeyActor | None, *, scopes, allowed_models, expires_at, limits: dict,
+                        why: str = "a key cannot grant more than it holds") -> None:
+    """Tenant-side rules on the settings a key would have (or has, for a revocation): no operator scope; no
+    wider than an acting key (``why`` ends the refusal's message)."""
     if actor is None:
         return
     operator = [s for s in scopes if s in SCOPES_OPERATOR]
@@ -224,7 +227,7 @@ def _actor_check_result(actor: KeyActor | None, *, scopes, allowed_models, expir
                                limits=limits)
         if wider is not None:
             param, message = wider
-            raise KeyPermissionDenied(f"{param}: {message} (a key cannot grant more than it holds)", param=param,
+            raise KeyPermissionDenied(f"{param}: {message} ({why})", param=param,
                                       code="wider_than_actor")
 
 
@@ -311,9 +314,14 @@ def api_key_revoke(*, api_key: ApiKey, actor: KeyActor | None = None) -> ApiKey:
     """Revoke ``api_key`` now (idempotent: an already revoked key keeps its first ``revoked_at``).
 
     ``actor``: the tenant-side caller (None = an operator's tool); raises ``KeyPermissionDenied`` when it may not
-    (a key holding an operator scope; an acting key may revoke any other tenant key and itself).
+    (a key holding an operator scope; an acting key may revoke itself and the tenant's keys no wider than
+    itself, ``key_wider_than``).
     """
     _actor_check_target(actor, api_key, "revoke")
+    if actor is not None and actor.key is not None and actor.key.pk != api_key.pk:
+        _actor_check_result(actor, scopes=api_key.scopes or [], allowed_models=api_key.allowed_models or [],
+                            expires_at=api_key.expires_at, limits={f: getattr(api_key, f) for f in LIMIT_FIELDS},
+                            why="a key cannot revoke a key wider than itself; the tenant owner's login can")
     with audit_operation("revoke"), transaction.atomic():
         row = ApiKey.objects.select_for_update().get(pk=api_key.pk)
         if row.revoked_at is None:  # a save (not QuerySet.update): the audit log and the auth invalidation see it

@@ -84,7 +84,7 @@ def test_default_scopes_are_checked_too(tenant):
     _refused(c.post("/api/v1/keys", body, format="json"), 403, "scopes")
 
 
-def test_key_cannot_widen_another_key_or_rotate_a_wider_one(tenant):
+def test_key_cannot_widen_another_key_or_rotate_or_revoke_a_wider_one(tenant):
     _actor, c = _limited_admin(tenant)
     child = c.post("/api/v1/keys", _ok_child(), format="json").json()
     for changes, param in (({"expires_at": None}, "expires_at"), ({"rpm_limit": None}, "rpm_limit"),
@@ -103,7 +103,12 @@ def test_key_cannot_widen_another_key_or_rotate_a_wider_one(tenant):
     assert "key" not in r.json() and ApiKey.objects.count() == before
     wide.refresh_from_db()
     assert wide.replaced_by_id is None and wide.expires_at is None
-    assert c.delete(f"/api/v1/keys/{wide.pk}").json()["status"] == "revoked"  # narrowing to nothing is fine
+    # nor revoke it (a leaked narrow key must not be able to cut off the tenant's wider keys); its own child it may
+    _refused(c.delete(f"/api/v1/keys/{wide.pk}"), 403, "expires_at")
+    _refused(c.post(f"/api/v1/keys/{wide.pk}/revoke"), 403, "expires_at")
+    wide.refresh_from_db()
+    assert wide.revoked_at is None
+    assert c.delete(f"/api/v1/keys/{child['id']}").json()["status"] == "revoked"
 
 
 def test_key_cannot_change_or_rotate_itself_but_may_revoke_itself(tenant):
