@@ -99,6 +99,58 @@ def _check_size(spec: str) -> None:
         raise StructuredSpecError(f"is {size} bytes long; at most {MAX_SPEC_BYTES} are allowed")
 
 
+# keywords that describe a schema without constraining its values: a node with only these beside ``$ref`` is the
+# schema it refers to
+_ANNOTATIONS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "$anchor", "$comment", "title",
+                          "description", "default", "examples", "deprecated", "readOnly", "writeOnly"})
+
+
+def _pointer(root: Any, ref: str) -> Any:
+    """The node of ``root`` a local ``$ref`` (``#`` or ``#/a/b``, RFC 6901 escapes) names; None when it names none
+    (or is not local: remote references are refused elsewhere)."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def ref_cycle(schema: Any) -> str | None:
+    """A chain of local ``$ref`` s in ``schema`` that comes back to where it started with no constraint on the way
+    (e.g. ``{"$ref": "#"}``, or ``a → b → a`` under ``$defs``), as ``"#/$defs/a -> #/$defs/b -> #/$defs/a"``;
+    None when there is none. Such a schema matches no JSON value, yet llguidance compiles it to a grammar whose
+    only output is the empty string (a 200 with empty ``content``), so it is refused up front."""
+    stack: list[Any] = [schema]
+    seen_nodes: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict) or id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        stack.extend(node.values())
+        chain: list[str] = []
+        current: Any = node
+        while isinstance(current, dict) and isinstance(current.get("$ref"), str) and set(current) <= _ANNOTATIONS:
+            ref = current["$ref"]
+            if ref in chain:
+                return " -> ".join([*chain[chain.index(ref):], ref])
+            chain.append(ref)
+            current = _pointer(schema, ref)
+    return None
+
+
 def grammar_for(kind: str, spec: str) -> str:
     """The llguidance grammar (its serialised form, for ``LLMatcher``) of the constraint ``(kind, spec)``.
 
@@ -118,6 +170,9 @@ def grammar_for(kind: str, spec: str) -> str:
         depth = _depth(schema)
         if depth > MAX_SCHEMA_DEPTH:
             raise StructuredSpecError(f"nests {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed")
+        cycle = ref_cycle(schema)
+        if cycle is not None:
+            raise StructuredSpecError(f"refers to itself with nothing in between ({cycle}): no JSON value matches it")
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OPTIONS)
         except ValueError as exc:

@@ -137,6 +137,12 @@ BAD = [
         "properties": {"a": {"$ref": "#/nowhere"}}}}}}, "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": json.loads(
         '{"items":' * 40 + "{}" + "}" * 40)}}}, "response_format.json_schema.schema"),
+    # $ref cycles with nothing in between: no JSON value matches (llguidance compiled them to empty content)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+        "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+     "response_format.json_schema.schema"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
     ({"structured_outputs": {"regex": "x" * 70_000}}, "structured_outputs.regex"),
