@@ -23,7 +23,7 @@ from gateway.pipeline.flow import admit_and_start, hold_before_render
 from gateway.pipeline.scope import record_refusal, request_scope
 from gateway.pipeline.usage import public_finish_reason
 from inference.admission import estimate_prompt_tokens
-from inference.input_processor import merge_batch, new_internal_id
+from inference.input_processor import generation_defaults, merge_batch, new_internal_id
 from inference.output_processor import ChoiceDelta, ChoiceState
 from inference.protocol.openai import CompletionRequest
 from inference.renderer.tokenizer_cache import LoadedTokenizer
@@ -57,10 +57,11 @@ class CompletionsConsumer(GatewayConsumer):
             if not ids_prompt:
                 rendering.check_prompt_chars(model, tokenizer, max(len(cast(str, p)) for p in prompts), "prompt")
             rendered = await rendering.prompt_ids_for(model, req)
+            salt, defaults = inputs.cache_salt_for(ctx, req.cache_salt), generation_defaults(model.model_dir)
             processed = merge_batch([inputs.process(
                 req, model, tokenizer, external_id=pre.external_id, prompt_token_ids=prompt_ids,
                 prompt_param="prompt", client_id=link().client_id, arrival_time=arrival, logprobs=req.logprobs,
-                cache_salt=inputs.cache_salt_for(ctx, req.cache_salt), structured=structured,
+                cache_salt=salt, defaults=defaults, structured=structured,
                 prompt_logprobs=req.logprobs if req.echo else None) for prompt_ids, _ in rendered])
             echo_texts = [(text if text is not None else tokenizer.decode(ids, False)) if req.echo else ""
                           for ids, text in rendered]

@@ -22,7 +22,7 @@ from gateway.errors import bad_request
 from gateway.http import GatewayConsumer
 from gateway.pipeline import flow, inputs, limits, preamble, rendering
 from gateway.model_cache import ModelSnapshot
-from inference.input_processor import ProcessedInput
+from inference.input_processor import ProcessedInput, generation_defaults
 from inference.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 
@@ -90,10 +90,11 @@ class CompletionRenderConsumer(GatewayConsumer):
                                                                for p in req.prompts), "prompt")
             structured = await inputs.structured_constraint(req)
             out = []
+            salt, defaults = inputs.cache_salt_for(ctx, req.cache_salt), generation_defaults(model.model_dir)
             for i, (prompt_ids, _) in enumerate(await rendering.prompt_ids_for(model, req)):
                 processed = inputs.process(
                     req, model, tokenizer, external_id="cmpl-" + base_id, prompt_token_ids=prompt_ids,
                     prompt_param="prompt", client_id="", arrival_time=time.time(), logprobs=req.logprobs,
-                    cache_salt=inputs.cache_salt_for(ctx, req.cache_salt), structured=structured)
+                    cache_salt=salt, defaults=defaults, structured=structured)
                 out.append(_tokens_in_request(processed, req, model, f"{processed.external_id}-{i}"))
             await self.send_json(200, out)
