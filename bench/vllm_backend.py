@@ -13,7 +13,10 @@ client (``bench/chat_vs_direct.py``'s):
 All sides are up at once (an idle engine blocks on its queue) and take turns, never two at once on the shared
 cores: one warm-up each, then ``--rounds`` measured rounds with prompts no other round used (no prefix-cache hits),
 each round starting with the next side, so a drift in the machine's load spreads over all sides; the mean over
-rounds of each figure. Prints TTFT p50/p99, output tokens/s and the platform/vllm ratio (goal: tokens/s ≥ 0.9x). Usage:
+rounds of each figure. Prints TTFT p50/p99, output tokens/s and the platform/vllm ratio (goal: tokens/s ≥ 0.9x).
+Also the CPU time every process on the machine spent during each side's rounds (``/proc/<pid>/stat``, read before and
+after each round; processes grouped by role: ``bench/cpu_per_request.describe``), as CPU seconds per 1,000 output
+tokens: how much of the cores the side's model forward had, and how much went to its frontend. Usage:
 ``.venv/bin/python bench/vllm_backend.py [--concurrency 16] [--max-tokens 64] [--rounds 2] [--dtype bfloat16] [--native]``
 (``--native``: also the same rounds on our native engine through the same platform, issue 20's CPU goal).
 (needs ``.peer/vllm``: ``scripts/setup.sh --vllm``; ``VLLM_PYTHON`` points elsewhere).
@@ -23,15 +26,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
 from bench.chat_vs_direct import mean_of, prompts, run_platform
+from bench.cpu_per_request import describe, proc_cpu_s
 from bench.frontend import start_vllm, stop_vllm
 from tests.live_platform import MODEL_DIR, VLLM_PYTHON, free_port, start_platform
 
@@ -41,6 +49,49 @@ NATIVE_MODEL = "tiny-qwen3-native"
 # sched_yield) for 1 s after its last step (vLLM's ``SpinCondition``, ``busy_loop_s``), which took a core from the
 # side that ran next (its TTFT rose from ~0.1 s to ~0.9 s).
 IDLE_GAP_S = 2.0
+
+
+def role(proc: psutil.Process) -> str:
+    """What a process is for this benchmark: ``describe``'s label for the platform's processes; a process started
+    by an engine replica or by vLLM's api server (vLLM's engine core, its workers) under its ancestor's label
+    (``engine MODEL/child``, ``vllm api server/child``); ``other`` for the rest of the machine (this script
+    included)."""
+    try:
+        argv = " ".join(proc.cmdline())
+        ancestors = proc.parents()
+        if "vllm.entrypoints" in argv:
+            return "vllm api server"
+        for up in ancestors:
+            up_argv = " ".join(up.cmdline())
+            if "vllm.entrypoints" in up_argv:
+                return "vllm api server/child"
+            if "inference.engine" in up_argv:
+                return describe(up) + "/child"
+        label = describe(proc)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return "other"
+    if label in ("api", "redis", "celery beat") or label.startswith(("celery worker", "engine ")):
+        return label
+    return "other"
+
+
+def cpu_snapshot() -> dict[int, tuple[str, float]]:
+    """pid -> (role, CPU seconds so far) of every process on the machine."""
+    out: dict[int, tuple[str, float]] = {}
+    for proc in psutil.process_iter():
+        cpu = proc_cpu_s(proc.pid)
+        if cpu is not None:
+            out[proc.pid] = (role(proc), cpu)
+    return out
+
+
+def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """role -> CPU seconds spent between two snapshots (processes in both; a process that started in between counts
+    from 0)."""
+    out: dict[str, float] = defaultdict(float)
+    for pid, (label, cpu) in after.items():
+        out[label] += cpu - before.get(pid, (label, 0.0))[1]
+    return dict(out)
 
 
 def start_platform_side(args) -> tuple[object, list[tuple[str, str, str, str]]]:
@@ -96,10 +147,15 @@ def main() -> None:
             for _name, url, key, model in sides:
                 asyncio.run(run_platform(url, key, warm, 4, model=model))
             results: dict[str, list[dict]] = {name: [] for name, *_ in sides}
+            cpu: dict[str, dict[str, float]] = {name: defaultdict(float) for name, *_ in sides}
             for r, convs in enumerate(rounds):  # the sides take turns, each round starting with the next one
                 for name, url, key, model in sides[r % len(sides):] + sides[:r % len(sides)]:
                     time.sleep(IDLE_GAP_S)
+                    before = cpu_snapshot()
                     res = asyncio.run(run_platform(url, key, convs, args.max_tokens, model=model))
+                    for label, spent in cpu_delta(before, cpu_snapshot()).items():
+                        cpu[name][label] += spent
+                    cpu[name]["(wall × cores)"] += res["wall_s"] * (os.cpu_count() or 1)
                     results[name].append(res)
                     print(f"round {r + 1} {name:9} TTFT p50 {res['ttft_p50']:.3f} s, {res['tok_s']:.1f} tokens/s",
                           flush=True)
@@ -115,6 +171,13 @@ def main() -> None:
     print(f"{'':10} {'TTFT p50 s':>11} {'TTFT p99 s':>11} {'tokens/s':>10} {'wall s':>8}")
     for name, r in means.items():
         print(f"{name:10} {r['ttft_p50']:11.3f} {r['ttft_p99']:11.3f} {r['tok_s']:10.1f} {r['wall_s']:8.2f}")
+    print("\nCPU seconds per 1,000 output tokens during each side's rounds, by process (every process on the machine; "
+          "'(wall × cores)' is what the cores could give)")
+    for name, spent in cpu.items():
+        tokens = sum(r["tokens"] for r in results[name]) / 1000
+        parts = ", ".join(f"{label} {s / tokens:.2f}" for label, s in sorted(spent.items(), key=lambda kv: -kv[1])
+                          if s / tokens >= 0.01)
+        print(f"{name:10} {parts}")
     for name, goal in (("platform", 0.9), ("native", 1.0)):
         if name in means:
             print(f"ratio {name}/vllm: tokens/s {means[name]['tok_s'] / server['tok_s']:.2f}x (goal >= {goal}x), "

@@ -32,6 +32,7 @@ import torch
 from inference.protocol.engine import EngineCoreRequest, SamplingParams
 
 from .kv_cache import SlotKVCache
+from .lm_head import CpuLMHead
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB, ImageSpan, PrefixCache, PrefixEntry, block_hashes
 from .structured import GrammarMask, SequenceGrammar
 
@@ -140,41 +141,6 @@ def _tokenizer_vocab_size(model_dir: Path) -> int | None:
         return max(ids) + 1 if ids else None
     except (ValueError, KeyError, TypeError, OSError):
         return None
-
-
-class CpuLMHead(torch.nn.Module):
-    """The output projection ``x @ W.T`` on the CPU, by the fastest of torch's two paths for the weight's dtype
-    and the number of rows.
-
-    With the vocabulary as the long side (``W``: ``[vocab, hidden]``, e.g. 151,680 × 128) and few rows (a decode
-    step), ``nn.functional.linear`` takes a slow path in float32 on torch 2.13's CPU build: measured on the 2-core
-    box, 10.6 ms for 1 row, 32 ms for 3, 18 ms for 16; ``torch.mm(W, x.T)`` takes 2.5 ms for 2 rows, 3.4 ms for 3,
-    9-10 ms for 16 (a single row is padded to two: the 1-row GEMV path is the slow one again). From 16 rows on,
-    ``linear`` is the faster again in float32 (it needs no transposed copy of the ``[rows, vocab]`` result; 16 / 32
-    / 64 rows: 20 / 22 / 59 ms against 23 / 37 / 88 ms, one thread, a loaded box). In bfloat16 / float16
-    ``linear`` runs oneDNN's reduced-precision kernels (AVX512-BF16 / AMX where the CPU has them) and is 3-5×
-    faster than ``mm`` at every row count (1 / 16 / 64 rows: 2.6 / 4.6 / 10.4 ms against 7.2 / 16.6 / 49 ms; D-271).
-    Same weight object, so tied embeddings stay tied; same numbers up to float rounding.
-    """
-
-    MM_MAX_ROWS = 15  # float32: ``mm(W, x.T)`` up to this many rows, ``linear`` beyond
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.weight = weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: ``[..., hidden]`` → logits ``[..., vocab]`` (contiguous)."""
-        lead = x.shape[:-1]
-        flat = x.reshape(-1, x.shape[-1])
-        rows = flat.shape[0]
-        if self.weight.dtype != torch.float32 or rows > self.MM_MAX_ROWS:
-            out = torch.nn.functional.linear(flat, self.weight)
-        else:
-            if rows == 1:
-                flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
-            out = torch.mm(self.weight, flat.t()).t()[:rows].contiguous()
-        return out.reshape(*lead, out.shape[-1])
 
 
 class ModelRunner:

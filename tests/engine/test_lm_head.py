@@ -1,20 +1,22 @@
-"""``CpuLMHead``: every path (``mm`` for few float32 rows, ``linear`` otherwise) computes ``x @ W.T``."""
+"""``CpuLMHead``: both paths compute ``x @ W.T``, and each row bucket settles on the path its timed calls found faster."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from inference.engine.runner import CpuLMHead
+from inference.engine import lm_head
+from inference.engine.lm_head import CpuLMHead
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, CpuLMHead.MM_MAX_ROWS, CpuLMHead.MM_MAX_ROWS + 1, 40])
-def test_output_projection_matches_linear(dtype, rows):
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 40])
+@pytest.mark.parametrize("path", ["mm", "linear"])
+def test_output_projection_matches_linear(dtype, rows, path):
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(5000, 64, generator=gen).to(dtype)
     x = torch.randn(rows, 64, generator=gen).to(dtype)
-    got = CpuLMHead(weight)(x.unsqueeze(0))[0]  # a [batch, seq, hidden] input keeps its lead dims
+    got = CpuLMHead(weight).project(x, path)
     want = torch.nn.functional.linear(x.float(), weight.float())
     assert got.shape == (rows, 5000) and got.is_contiguous()
     tol = 1e-4 if dtype == torch.float32 else 0.1
@@ -23,3 +25,59 @@ def test_output_projection_matches_linear(dtype, rows):
     top2 = want.topk(2, dim=-1).values
     clear = (top2[..., 0] - top2[..., 1]) > 2 * tol * want.abs().max().item()
     assert torch.equal(got.float().argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+def test_buckets_are_powers_of_two():
+    assert [CpuLMHead.bucket(r) for r in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, 32]
+
+
+class _Clock:
+    """``lm_head._clock``: each projection by ``mm`` takes ``mm_s``, by ``linear``
+    ``linear_s`` (the cost is charged when the call returns)."""
+
+    def __init__(self, head: CpuLMHead, mm_s: float, linear_s: float):
+        self.now = 0.0
+        self.cost = {"mm": mm_s, "linear": linear_s}
+        real = head.project
+
+        def project(flat, path):
+            self.now += self.cost[path]
+            return real(flat, path)
+        head.project = project  # type: ignore[method-assign]
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("mm_s, linear_s, want", [(0.010, 0.030, "mm"), (0.030, 0.010, "linear")])
+def test_each_bucket_keeps_the_path_its_calls_measured_faster(monkeypatch, mm_s, linear_s, want):
+    weight = torch.randn(3000, 32)
+    head = CpuLMHead(weight)
+    clock = _Clock(head, mm_s, linear_s)
+    monkeypatch.setattr(lm_head, "_clock", clock.perf_counter)
+    x = torch.randn(1, 6, 32)  # [batch, seq, hidden]: 6 rows, bucket 8
+    want_out = torch.nn.functional.linear(x, weight)
+    for _ in range(2 * CpuLMHead.SAMPLES - 1):
+        assert head.path_for(6) is None  # still measuring: the calls alternate paths, each one real work
+        torch.testing.assert_close(head(x), want_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(head(x), want_out, atol=1e-4, rtol=1e-4)
+    assert head.path_for(5) == head.path_for(8) == want  # the whole bucket 5-8
+    assert head.path_for(4) is None and head.path_for(9) is None  # other buckets measure on their own
+    assert head.path_for(CpuLMHead.MAX_TIMED_ROWS + 1) == "linear"
+    settled = clock.now
+    head(x)
+    assert clock.now - settled == pytest.approx(clock.cost[want])  # and it is the one used from now on
+
+
+def test_calls_slowed_by_other_work_do_not_decide(monkeypatch):
+    """The first call on a path pays one-off costs (a oneDNN primitive built, pages touched) and calls on a shared
+    CPU are slowed by other processes: each path's fastest call decides, not a mean or the first."""
+    weight = torch.randn(3000, 32)
+    head = CpuLMHead(weight)
+    clock = _Clock(head, 0.010, 0.020)
+    monkeypatch.setattr(lm_head, "_clock", clock.perf_counter)
+    x = torch.randn(2, 32)
+    for i in range(2 * CpuLMHead.SAMPLES):
+        clock.cost["mm"] = 0.010 if i == 2 * CpuLMHead.SAMPLES - 2 else 1.0  # one mm call was not held up
+        head(x)
+    assert head.path_for(2) == "mm"
