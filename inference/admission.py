@@ -61,6 +61,7 @@ naming the limit, ``retry_after_s`` = queued tokens / measured prefill throughpu
 engines, at least 1 s, at most ``RETRY_AFTER_MAX_S``) and are counted per model and reason in Redis.
 
 Redis keys (``{p}`` = LINK_PREFIX): ``{p}:adm:m:{model}:limits|state|refused|ttft|tenants|tcount``,
+``{p}:adm:m:{model}:lat:{phase}`` (the TTFT phases' histograms),
 ``{p}:adm:r:{reservation_id}``, ``{p}:adm:h:{holder}``, ``{p}:adm:holders``, ``{p}:adm:models``.
 Scripts build keys from the prefix (not Redis-Cluster safe; one Redis, as DESIGN.md §1).
 """
@@ -75,6 +76,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, ClassVar, cast
 
 import redis
@@ -131,6 +133,17 @@ def state_key(prefix: str, model: str) -> str:
 def refused_key(prefix: str, model: str) -> str:
     """Hash reason → refusal count."""
     return f"{prefix}:adm:m:{model}:refused"
+
+
+# Phases of the time to first token (``output_processor.FirstTokenLatency``), each a shared histogram in Redis
+# beside TTFT's, recorded by the same script; finer low buckets than TTFT's (a render or a queue wait is ms).
+LATENCY_PHASES = ("frontend", "queue", "prefill")
+PHASE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+def latency_key(prefix: str, model: str, phase: str) -> str:
+    """Hash of the shared histogram of one TTFT phase (``LATENCY_PHASES``): as ``ttft_key``'s."""
+    return f"{prefix}:adm:m:{model}:lat:{phase}"
 
 
 def ttft_key(prefix: str, model: str) -> str:
@@ -320,23 +333,32 @@ _RELEASE = _RELEASE_FN + """
 return release_res(ARGV[1], ARGV[2])
 """
 
-# ARGV: prefix, reservation id, child index, ttft seconds ('' = none), bucket bounds...
-# Releases the child's prompt tokens once; records TTFT in the shared histogram when given.
+# ARGV: prefix, reservation id, child index, ttft seconds ('' = none), number of TTFT bounds, number of phase
+# bounds, number of phases P, then P pairs (phase name, seconds), the TTFT bounds, the phase bounds.
+# Releases the child's prompt tokens once; records TTFT and its phases in the shared histograms when given.
 _RELEASE_PREFILL = """
+local function observe(hkey, value, first, last)
+  local x = tonumber(value)
+  local idx = last - first + 1
+  for i = first, last do
+    if x <= tonumber(ARGV[i]) then idx = i - first break end
+  end
+  redis.call('HINCRBY', hkey, 'b' .. idx, 1)
+  redis.call('HINCRBY', hkey, 'count', 1)
+  redis.call('HINCRBYFLOAT', hkey, 'sum', value)
+end
 local prefix = ARGV[1]
 local rkey = prefix .. ':adm:r:' .. ARGV[2]
 local model = redis.call('HGET', rkey, 'model')
 if not model then return 0 end
 if ARGV[4] ~= '' then
-  local ttft = tonumber(ARGV[4])
-  local hkey = prefix .. ':adm:m:' .. model .. ':ttft'
-  local idx = #ARGV - 4
-  for i = 5, #ARGV do
-    if ttft <= tonumber(ARGV[i]) then idx = i - 5 break end
+  local nt, np, nphase = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+  local tb = 8 + 2 * nphase
+  local mkey = prefix .. ':adm:m:' .. model
+  observe(mkey .. ':ttft', ARGV[4], tb, tb + nt - 1)
+  for j = 0, nphase - 1 do
+    observe(mkey .. ':lat:' .. ARGV[8 + 2 * j], ARGV[9 + 2 * j], tb + nt, tb + nt + np - 1)
   end
-  redis.call('HINCRBY', hkey, 'b' .. idx, 1)
-  redis.call('HINCRBY', hkey, 'count', 1)
-  redis.call('HINCRBYFLOAT', hkey, 'sum', ARGV[4])
 end
 if redis.call('HDEL', rkey, 'c' .. ARGV[3]) == 0 then return 0 end
 local rv = redis.call('HMGET', rkey, 'ptok', 'tenant')
@@ -660,16 +682,20 @@ class Admission:
 
     # --------------------------------------------------------------------------------- releases
     async def release_prefill(self, reservation: Reservation | None, child: int,
-                              ttft_s: float | None = None) -> None:
+                              ttft_s: float | None = None, phases: Mapping[str, float] | None = None) -> None:
         """Release child ``child``'s prompt tokens at its first output token (once; later calls no-op).
 
-        ``ttft_s`` (seconds, first token of the whole request) is recorded in the shared TTFT histogram.
+        ``ttft_s`` (seconds, first token of the whole request) is recorded in the shared TTFT histogram, and with
+        it ``phases`` (``{phase: seconds}``, phases of ``LATENCY_PHASES``; others are ignored) in theirs.
         """
         if reservation is None or reservation.released or child in reservation.prefill_released:
             return
         reservation.prefill_released.add(child)
+        pairs = [x for k, v in (phases or {}).items() if k in LATENCY_PHASES for x in (k, repr(float(v)))]
         await self._release_prefill(args=[self.prefix, reservation.reservation_id, int(child),
-                                          "" if ttft_s is None else repr(float(ttft_s)), *TTFT_BUCKETS_S])
+                                          "" if ttft_s is None else repr(float(ttft_s)), len(TTFT_BUCKETS_S),
+                                          len(PHASE_BUCKETS_S), len(pairs) // 2, *pairs, *TTFT_BUCKETS_S,
+                                          *PHASE_BUCKETS_S])
 
     async def release(self, reservation: Reservation | None) -> None:
         """Release everything ``reservation`` still holds (finish, abort, error, disconnect). Idempotent."""
@@ -714,6 +740,8 @@ def _snapshot_cmds(pipe: Pipeline | AsyncPipeline, prefix: str, model: str) -> N
     pipe.hgetall(ttft_key(prefix, model))
     pipe.hgetall(tenants_key(prefix, model))
     pipe.hgetall(tenant_counts_key(prefix, model))
+    for phase in LATENCY_PHASES:
+        pipe.hgetall(latency_key(prefix, model, phase))
 
 
 def _tenants_parse(active: dict[Any, Any], counts: dict[Any, Any]) -> dict[str, dict[str, int]]:
@@ -734,10 +762,20 @@ def _ints(h: dict[Any, Any]) -> dict[str, int]:
     return {(k.decode() if isinstance(k, bytes) else k): int(float(v)) for k, v in h.items()}
 
 
+def _floats(h: dict[Any, Any]) -> dict[str, float]:
+    return {(k.decode() if isinstance(k, bytes) else k): float(v) for k, v in h.items()}
+
+
+def _histogram(h: dict[str, float], nbounds: int) -> dict[str, Any]:
+    """``{buckets, sum, count}`` of a histogram hash (``b<i>`` non-cumulative counts, ``nbounds`` + 1 of them)."""
+    return {"buckets": [int(h.get(f"b{i}", 0)) for i in range(nbounds + 1)], "sum": h.get("sum", 0.0),
+            "count": int(h.get("count", 0))}
+
+
 def _snapshot_parse(raw: list[Any]) -> dict[str, Any]:
-    state, limits, refused, ttft, tenants, counts = raw
+    state, limits, refused, ttft, tenants, counts, *phases = raw
     state, limits, refused = _ints(state), _ints(limits), _ints(refused)
-    t = {(k.decode() if isinstance(k, bytes) else k): float(v) for k, v in ttft.items()}
+    t = _floats(ttft)
     return {
         "queued_reqs": state.get("reqs", 0),
         "queued_tokens": state.get("tokens", 0),
@@ -747,6 +785,7 @@ def _snapshot_parse(raw: list[Any]) -> dict[str, Any]:
         "ttft_buckets": [int(t.get(f"b{i}", 0)) for i in range(len(TTFT_BUCKETS_S) + 1)],
         "ttft_sum": t.get("sum", 0.0),
         "ttft_count": int(t.get("count", 0)),
+        "latency": {phase: _histogram(_floats(h), len(PHASE_BUCKETS_S)) for phase, h in zip(LATENCY_PHASES, phases)},
         "fair_share_threshold_pct": limits.get("fair_share_threshold_pct", 100),
         "tier_ceilings_pct": {tier: limits.get(f"tier_ceiling_pct:{tier}", 100) for tier in TIERS},
         "tenants": _tenants_parse(tenants, counts),
@@ -778,7 +817,9 @@ def model_snapshot(r: redis.Redis, prefix: str, model: str) -> dict[str, Any]:
 
     Returns ``queued_reqs``, ``queued_tokens`` (ints), ``max_num_queued_reqs`` / ``max_num_queued_tokens``
     (int or None = unbounded), ``refused`` ({reason: count}), ``ttft_buckets`` (non-cumulative counts, one
-    per ``TTFT_BUCKETS_S`` bound plus +Inf), ``ttft_sum`` (s), ``ttft_count``, ``fair_share_threshold_pct``
+    per ``TTFT_BUCKETS_S`` bound plus +Inf), ``ttft_sum`` (s), ``ttft_count``, ``latency`` ({phase of
+    ``LATENCY_PHASES``: {``buckets`` (one per ``PHASE_BUCKETS_S`` bound plus +Inf), ``sum``, ``count``}}),
+    ``fair_share_threshold_pct``
     (100 = fairness off), ``tier_ceilings_pct`` ({tier: percent}), ``tenants`` ({tenant id: {queued_reqs,
     queued_tokens, weight, admitted, refused}}; admitted/refused are counts since Redis started).
     """

@@ -268,6 +268,11 @@ class ChoiceState:
     error: str | None = None
     # which of the request's prompts this choice continues (0 but in a batch of completions prompts)
     prompt_index: int = 0
+    # the engine's timestamps of this child (Unix seconds on the replica's clock; ``EngineCoreOutput``): when the
+    # replica read it (the latest replica, if it was sent again) and when it was first scheduled there
+    queued_ts: float | None = None
+    scheduled_ts: float | None = None
+    first_token_ts: float | None = None
 
 
 @dataclass
@@ -279,6 +284,32 @@ class ChoiceDelta:
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+@dataclass(frozen=True)
+class FirstTokenLatency:
+    """Where a request's time to first token went, in seconds; a phase is ``None`` when not measured.
+
+    * ``ttft_s``: arrival at the api → first token received by it (the whole TTFT, api clock);
+    * ``frontend_s``: arrival → hand-off to the engine link (validation, rendering and tokenization, admission;
+      api clock);
+    * ``queue_s``: the replica read the request → first scheduled (waiting in its queue; vLLM's
+      ``request_queue_time_seconds``; replica clock);
+    * ``prefill_s``: first scheduled → first token chosen (vLLM's ``request_prefill_time_seconds``; replica clock).
+
+    Each phase is a difference of two times on one clock, so hosts' clocks need not agree; what is left,
+    ``ttft_s`` less the three, is the engine link both ways (Redis streams) and the api's own waits.
+    """
+
+    ttft_s: float
+    frontend_s: float | None = None
+    queue_s: float | None = None
+    prefill_s: float | None = None
+
+    def phases(self) -> dict[str, float]:
+        """``{phase: seconds}`` of the measured phases (``frontend``, ``queue``, ``prefill``), none negative."""
+        raw = {"frontend": self.frontend_s, "queue": self.queue_s, "prefill": self.prefill_s}
+        return {k: max(0.0, v) for k, v in raw.items() if v is not None}
 
 
 class RequestState:
@@ -306,12 +337,26 @@ class RequestState:
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+        # ``time.time()`` when the children were handed to the engine link (set by the caller)
+        self.sent_time: float | None = None
         self.choices = [ChoiceState(
             index=i, request_id=rid, prompt_index=i // per_prompt,
             detok=IncrementalDetokenizer(tokenizer, self.prompts[i // per_prompt],
                                          skip_special_tokens=skip_special_tokens),
             stops=StopChecker(stop, include_stop_str_in_output)) for i, rid in enumerate(child_request_ids)]
         self.by_id = {c.request_id: c for c in self.choices}
+
+    def first_token_latency(self, choice: ChoiceState) -> FirstTokenLatency | None:
+        """The TTFT of the request and its phases, ``choice`` being the child whose tokens came first (``None``
+        before any token)."""
+        if self.first_token_time is None:
+            return None
+        sched = choice.scheduled_ts
+        return FirstTokenLatency(
+            ttft_s=self.first_token_time - self.arrival_time,
+            frontend_s=None if self.sent_time is None else self.sent_time - self.arrival_time,
+            queue_s=None if sched is None or choice.queued_ts is None else sched - choice.queued_ts,
+            prefill_s=None if sched is None or choice.first_token_ts is None else choice.first_token_ts - sched)
 
     def prompt_of(self, choice: ChoiceState) -> list[int]:
         """The prompt ids ``choice`` continues."""
@@ -365,12 +410,14 @@ class OutputProcessorOutput:
     ``deltas``: new text per choice, in output order. ``reqs_to_abort``: child ids whose stop string matched
     before the engine finished them (abort them on the engine). ``first_tokens``: ``(choice index, ttft_s)``
     for each choice whose first output tokens arrived in this call; ``ttft_s`` (seconds since arrival) only on
-    the request's very first tokens, else ``None``.
+    the request's very first tokens, else ``None``. ``latency``: with the request's very first tokens, where its
+    TTFT went (``FirstTokenLatency``), else ``None``.
     """
 
     deltas: list[ChoiceDelta] = field(default_factory=list)
     reqs_to_abort: list[str] = field(default_factory=list)
     first_tokens: list[tuple[int, float | None]] = field(default_factory=list)
+    latency: FirstTokenLatency | None = None
 
 
 class OutputProcessor:
@@ -396,9 +443,10 @@ class OutputProcessor:
             delta, abort = self._apply(choice, out)
             if out.new_token_ids and choice.index not in self._seen_first:
                 self._seen_first.add(choice.index)
-                ttft = (self.state.first_token_time - self.state.arrival_time) \
-                    if first and self.state.first_token_time else None
-                result.first_tokens.append((choice.index, ttft))
+                latency = self.state.first_token_latency(choice) if first else None
+                result.first_tokens.append((choice.index, None if latency is None else latency.ttft_s))
+                if latency is not None:
+                    result.latency = latency
             if abort:
                 result.reqs_to_abort.append(choice.request_id)
             if delta is not None:
@@ -410,6 +458,12 @@ class OutputProcessor:
     def _apply(self, state: ChoiceState, out: EngineCoreOutput) -> tuple[ChoiceDelta | None, bool]:
         if out.num_cached_tokens:
             state.num_cached_tokens = out.num_cached_tokens
+        if out.queued_ts is not None:  # the latest replica's (a request sent again is read again)
+            state.queued_ts = out.queued_ts
+        if out.scheduled_ts is not None:
+            state.scheduled_ts = out.scheduled_ts
+        if out.first_token_ts is not None:
+            state.first_token_ts = out.first_token_ts
         new_ids = list(out.new_token_ids)
         if new_ids and self.state.first_token_time is None:
             self.state.first_token_time = time.time()

@@ -10,6 +10,10 @@ Every value comes from Redis, so all api processes answer the same numbers (DESI
 * ``engine_prefill_tokens_per_second{model}`` (gauge) — summed measured prefill throughput;
 * ``time_to_first_token_seconds{model}`` (histogram) — TTFT of admitted requests, shared across processes
   (bucket counts kept in Redis by ``inference.admission``);
+* ``request_frontend_time_seconds{model}``, ``request_queue_time_seconds{model}``,
+  ``request_prefill_time_seconds{model}`` (histograms) — where that TTFT went: arrival to hand-off to the engine
+  (validation, template, tokenization, admission), waiting in a replica's queue, and scheduled to first token
+  (vLLM's ``request_queue_time_seconds`` and ``request_prefill_time_seconds``); recorded with TTFT;
 * ``admission_tenant_admitted_total{model,tenant}`` / ``admission_tenant_refused_total{model,tenant}``
   (counters) and ``admission_tenant_queued_requests{model,tenant}`` /
   ``admission_tenant_queued_prompt_tokens{model,tenant}`` (gauges) — per tenant (label: the tenant id; at most
@@ -67,6 +71,26 @@ class _Snapshot:
         return iter(self.families)
 
 
+# The phases of TTFT (``inference.admission.LATENCY_PHASES``, ``output_processor.FirstTokenLatency``): their
+# histograms add up, with the engine link's transit, to ``time_to_first_token_seconds``.
+PHASE_HELP = {
+    "frontend": "Arrival to hand-off to the engine of admitted requests: validation, chat template and "
+                "tokenization, admission",
+    "queue": "Time admitted requests waited in an engine replica's queue before first scheduled",
+    "prefill": "First scheduled on a replica to its first token (prompt prefill, chunks included)",
+}
+
+
+def _cumulative(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, float]]:
+    """Prometheus histogram buckets (``le`` label, cumulative count) from non-cumulative ``counts`` (one per bound
+    plus +Inf)."""
+    cumulative, buckets = 0.0, []
+    for bound, count in zip(list(bounds) + [float("inf")], counts):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+    return buckets
+
+
 async def collect_families(redis: Redis, prefix: str) -> list[Metric]:
     """Metric families of every model admission knows, read from Redis (async, a few round trips)."""
     models = sorted(m.decode() if isinstance(m, bytes) else m for m in await redis.smembers(adm.models_key(prefix)))
@@ -84,6 +108,8 @@ async def collect_families(redis: Redis, prefix: str) -> list[Metric]:
                             labels=["model"])
     ttft = HistogramMetricFamily("time_to_first_token_seconds", "Time to first token of admitted requests",
                                  labels=["model"])
+    phases = {phase: HistogramMetricFamily(f"request_{phase}_time_seconds", help_text, labels=["model"])
+              for phase, help_text in PHASE_HELP.items()}
     t_adm = CounterMetricFamily("admission_tenant_admitted", "Requests admitted by admission control, per tenant",
                                 labels=["model", "tenant"])
     t_ref = CounterMetricFamily("admission_tenant_refused", "Requests refused by admission control (503), per tenant",
@@ -105,11 +131,10 @@ async def collect_families(redis: Redis, prefix: str) -> list[Metric]:
         if snap["max_num_queued_tokens"] is not None:
             lim_toks.add_metric([model], snap["max_num_queued_tokens"])
         tps.add_metric([model], await adm.prefill_throughput_async(redis, prefix, model))
-        cumulative, buckets = 0, []
-        for bound, count in zip(list(adm.TTFT_BUCKETS_S) + [float("inf")], snap["ttft_buckets"]):
-            cumulative += count
-            buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
-        ttft.add_metric([model], buckets, snap["ttft_sum"])
+        ttft.add_metric([model], _cumulative(adm.TTFT_BUCKETS_S, snap["ttft_buckets"]), snap["ttft_sum"])
+        for phase, family in phases.items():
+            hist = snap["latency"][phase]
+            family.add_metric([model], _cumulative(adm.PHASE_BUCKETS_S, hist["buckets"]), hist["sum"])
         for tenant, row in adm.tenant_series(snap["tenants"]):
             t_adm.add_metric([model, tenant], row["admitted"])
             t_ref.add_metric([model, tenant], row["refused"])
@@ -133,7 +158,7 @@ async def collect_families(redis: Redis, prefix: str) -> list[Metric]:
     seg_misses = CounterMetricFamily("render_segment_cache_misses", "Prompt segments encoded and then stored in "
                                      "the segment tokenization cache")
     seg_misses.add_metric([], int(seg.get(b"misses", seg.get("misses", 0))))
-    return [rejections, q_reqs, q_toks, lim_reqs, lim_toks, tps, ttft, t_adm, t_ref, t_reqs, t_toks, handoffs, refusals,
+    return [rejections, q_reqs, q_toks, lim_reqs, lim_toks, tps, ttft, *phases.values(), t_adm, t_ref, t_reqs, t_toks, handoffs, refusals,
             seg_hits, seg_misses,
             *await _replica_families(redis, prefix, models)]
 

@@ -297,3 +297,9 @@ def test_metrics_endpoint(live):
         assert f'admission_queued_requests{{model="{MODEL}"}}' in text
         assert f'time_to_first_token_seconds_count{{model="{MODEL}"}} {float(s["ttft_count"])}' in text
         assert f'time_to_first_token_seconds_bucket{{le="+Inf",model="{MODEL}"}}' in text
+        # where that TTFT went: one observation per phase with each TTFT, the phases within it
+        assert s["ttft_count"] > 0
+        for phase in adm.LATENCY_PHASES:
+            assert f'request_{phase}_time_seconds_count{{model="{MODEL}"}} {float(s["ttft_count"])}' in text, phase
+            assert f'request_{phase}_time_seconds_bucket{{le="+Inf",model="{MODEL}"}}' in text
+    assert 0 < sum(s["latency"][phase]["sum"] for phase in adm.LATENCY_PHASES) < s["ttft_sum"]

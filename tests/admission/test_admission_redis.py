@@ -81,7 +81,8 @@ async def test_tokens_limit_boundary_idle_rule_and_prefill_release(prefix, sync_
         r2 = await a.reserve(M, "r2", 1, 40)  # 60 + 40 == 100 admitted (own tokens count)
         with pytest.raises(AdmissionRefused):
             await a.reserve(M, "r3", 1, 1)  # 101 refused
-        await a.release_prefill(r1, 1, ttft_s=0.3)
+        await a.release_prefill(r1, 1, ttft_s=0.3, phases={"frontend": 0.004, "queue": 0.2, "prefill": 0.06,
+                                                            "unknown": 1.0})
         assert state(sync_r, prefix) == (4, 70)
         await a.release(r1)  # releases child 0's remaining 30 tokens and both slots
         assert state(sync_r, prefix) == (2, 40)
@@ -92,6 +93,13 @@ async def test_tokens_limit_boundary_idle_rule_and_prefill_release(prefix, sync_
         snap = adm.model_snapshot(sync_r, prefix, M)
         assert snap["ttft_count"] == 1 and sum(snap["ttft_buckets"]) == 1
         assert snap["ttft_buckets"][adm.TTFT_BUCKETS_S.index(0.5)] == 1
+        # the phases of that TTFT, each in its own histogram (finer buckets); an unknown phase is ignored
+        lat = snap["latency"]
+        assert set(lat) == set(adm.LATENCY_PHASES)
+        for phase, seconds, bound in (("frontend", 0.004, 0.005), ("queue", 0.2, 0.25), ("prefill", 0.06, 0.1)):
+            assert lat[phase]["count"] == 1 and lat[phase]["sum"] == pytest.approx(seconds)
+            assert lat[phase]["buckets"][adm.PHASE_BUCKETS_S.index(bound)] == 1 and sum(lat[phase]["buckets"]) == 1
+        assert not sync_r.exists(adm.latency_key(prefix, M, "unknown"))
     finally:
         await a.close()
 

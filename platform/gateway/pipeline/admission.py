@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 
 from gateway.model_cache import ModelSnapshot
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
@@ -44,13 +45,15 @@ async def reserve(reservation: Reservation, n: int, prompt_tokens: int) -> None:
         raise api_error_from(exc) from None
 
 
-async def release_prefill(reservation: Reservation | None, index: int, ttft_s: float | None) -> None:
-    """Child ``index`` produced its first token: its prompt tokens leave the prefill backlog (never raises:
-    ``release`` at the end is the backstop)."""
+async def release_prefill(reservation: Reservation | None, index: int, ttft_s: float | None,
+                          phases: Mapping[str, float] | None = None) -> None:
+    """Child ``index`` produced its first token: its prompt tokens leave the prefill backlog, and the request's
+    TTFT (``ttft_s``, seconds) and its ``phases`` go to the shared histograms (never raises: ``release`` at the end
+    is the backstop)."""
     if reservation is None or index in reservation.prefill_released:
         return
     try:
-        await admission().release_prefill(reservation, index, ttft_s)
+        await admission().release_prefill(reservation, index, ttft_s, phases)
     except Exception:
         log.exception("admission prefill release failed")
 

@@ -73,6 +73,7 @@ class GenerationRun:
         children of one prompt go to one replica together; each prompt of a batch is routed on its own."""
         requests = self.processed.requests
         per_prompt = max(1, len(requests) // len(self.state.prompts))
+        self.state.sent_time = time.time()
         for i in range(0, len(requests), per_prompt):
             await add_requests(self.model, requests[i:i + per_prompt], self.queue)
 
@@ -85,7 +86,8 @@ class GenerationRun:
             for rid in result.reqs_to_abort:
                 asyncio.get_running_loop().create_task(_abort(self.model.served_model_name, [rid]))
             for index, ttft in result.first_tokens:
-                await admission.release_prefill(self.reservation, index, ttft)
+                await admission.release_prefill(self.reservation, index, ttft,
+                                                result.latency.phases() if ttft is not None and result.latency else None)
             for delta in result.deltas:
                 yield delta
 
