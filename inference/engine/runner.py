@@ -53,6 +53,23 @@ def _last_logits(out: Any) -> torch.Tensor:
 _LARGE_LOGIT = 1e30  # stands in for +inf after the penalties: finite even divided by the smallest temperature
 
 
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(logits, dim=-1)`` of ``[B, vocab]`` logits (same result, ties to the lowest id), on the CPU in
+    two passes when the vocabulary splits into blocks of 128, 64 or 32: the block holding each row's maximum (block
+    maxima by ``amax``, then the first block that holds it), then the maximum within that block. ``argmax`` over a
+    long row has no vectorised CPU kernel and ``amax`` has: [16, 151,680] float32 on 2 threads, 1.0-1.3 ms against
+    0.14 ms (D-295), ~8 % of a 16-sequence decode step of the demo model. Logits must hold no NaN (``sample``
+    replaces them first). Elsewhere (CUDA, other vocabularies) it is ``torch.argmax``."""
+    rows, vocab = logits.shape
+    block = next((b for b in (128, 64, 32) if vocab % b == 0), 0)
+    if logits.device.type != "cpu" or not block or not logits.is_contiguous():
+        return torch.argmax(logits, dim=-1)
+    blocks = logits.view(rows, vocab // block, block)
+    first = blocks.amax(dim=-1).argmax(dim=-1)  # argmax: the first block holding the row's maximum
+    inner = blocks[torch.arange(rows, device=logits.device), first].argmax(dim=-1)
+    return first * block + inner
+
+
 class RequestError(ValueError):
     """A request that cannot run (bad token id, too long, bad parameter); fails only that request."""
 
@@ -555,7 +572,7 @@ class ModelRunner:
         torch.nan_to_num_(logits, nan=float("-inf"), posinf=_LARGE_LOGIT)
 
         temps = [s.params.temperature for s in seqs]
-        chosen = torch.argmax(logits, dim=-1)
+        chosen = greedy_argmax(logits)
         sampled_rows = [i for i, t in enumerate(temps) if t > 0]
         if sampled_rows:
             rows = torch.tensor(sampled_rows, device=self.device)
