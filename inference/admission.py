@@ -775,16 +775,16 @@ def _histogram(h: dict[str, float], nbounds: int) -> dict[str, Any]:
 def _snapshot_parse(raw: list[Any]) -> dict[str, Any]:
     state, limits, refused, ttft, tenants, counts, *phases = raw
     state, limits, refused = _ints(state), _ints(limits), _ints(refused)
-    t = _floats(ttft)
+    t = _histogram(_floats(ttft), len(TTFT_BUCKETS_S))
     return {
         "queued_reqs": state.get("reqs", 0),
         "queued_tokens": state.get("tokens", 0),
         "max_num_queued_reqs": limits.get(REASON_REQS),
         "max_num_queued_tokens": limits.get(REASON_TOKENS),
         "refused": {reason: refused.get(reason, 0) for reason in REASONS},
-        "ttft_buckets": [int(t.get(f"b{i}", 0)) for i in range(len(TTFT_BUCKETS_S) + 1)],
-        "ttft_sum": t.get("sum", 0.0),
-        "ttft_count": int(t.get("count", 0)),
+        "ttft_buckets": t["buckets"],
+        "ttft_sum": t["sum"],
+        "ttft_count": t["count"],
         "latency": {phase: _histogram(_floats(h), len(PHASE_BUCKETS_S)) for phase, h in zip(LATENCY_PHASES, phases)},
         "fair_share_threshold_pct": limits.get("fair_share_threshold_pct", 100),
         "tier_ceilings_pct": {tier: limits.get(f"tier_ceiling_pct:{tier}", 100) for tier in TIERS},

@@ -408,16 +408,14 @@ class OutputProcessorOutput:
     """What one ``process_outputs`` call produced (vLLM's ``OutputProcessorOutput``).
 
     ``deltas``: new text per choice, in output order. ``reqs_to_abort``: child ids whose stop string matched
-    before the engine finished them (abort them on the engine). ``first_tokens``: ``(choice index, ttft_s)``
-    for each choice whose first output tokens arrived in this call; ``ttft_s`` (seconds since arrival) only on
-    the request's very first tokens, else ``None``. ``latency``: with the request's very first tokens, where its
-    TTFT went (``FirstTokenLatency``), else ``None``.
+    before the engine finished them (abort them on the engine). ``first_tokens``: ``(choice index, latency)``
+    for each choice whose first output tokens arrived in this call; ``latency`` (the request's TTFT and where it
+    went, ``FirstTokenLatency``) only on the request's very first tokens, else ``None``.
     """
 
     deltas: list[ChoiceDelta] = field(default_factory=list)
     reqs_to_abort: list[str] = field(default_factory=list)
-    first_tokens: list[tuple[int, float | None]] = field(default_factory=list)
-    latency: FirstTokenLatency | None = None
+    first_tokens: list[tuple[int, FirstTokenLatency | None]] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -443,10 +441,7 @@ class OutputProcessor:
             delta, abort = self._apply(choice, out)
             if out.new_token_ids and choice.index not in self._seen_first:
                 self._seen_first.add(choice.index)
-                latency = self.state.first_token_latency(choice) if first else None
-                result.first_tokens.append((choice.index, None if latency is None else latency.ttft_s))
-                if latency is not None:
-                    result.latency = latency
+                result.first_tokens.append((choice.index, self.state.first_token_latency(choice) if first else None))
             if abort:
                 result.reqs_to_abort.append(choice.request_id)
             if delta is not None:

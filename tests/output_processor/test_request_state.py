@@ -53,21 +53,22 @@ def test_first_token_latency_splits_ttft_into_its_phases(tok):
     proc = OutputProcessor(state)
     first = proc.process_outputs([EngineCoreOutput("r-0", queued_ts=1000.0), EngineCoreOutput("r-1", queued_ts=1000.0),
                                   EngineCoreOutput("r-1", queued_ts=2000.0)])  # r-1 sent again, read at 2000
-    assert first.first_tokens == [] and first.latency is None
+    assert first.first_tokens == []
     ids = tok.encode(" hi", add_special_tokens=False)
     result = proc.process_outputs([EngineCoreOutput("r-1", ids, scheduled_ts=2000.25, first_token_ts=2000.3),
                                    EngineCoreOutput("r-0", ids, scheduled_ts=1000.5, first_token_ts=1000.6)])
-    lat = result.latency
-    assert lat is not None and [i for i, _ in result.first_tokens] == [1, 0]
-    assert lat.ttft_s == result.first_tokens[0][1] and lat.ttft_s > 0
+    assert [i for i, _ in result.first_tokens] == [1, 0] and result.first_tokens[1][1] is None
+    lat = result.first_tokens[0][1]
+    assert lat is not None and lat.ttft_s == state.first_token_time - state.arrival_time and lat.ttft_s > 0
     assert lat.frontend_s == pytest.approx(0.012)
     assert lat.queue_s == pytest.approx(0.25) and lat.prefill_s == pytest.approx(0.05)  # r-1's, the second replica
     assert lat.phases() == pytest.approx({"frontend": 0.012, "queue": 0.25, "prefill": 0.05})
     # later tokens carry none; a replica that sends no timestamps leaves those phases out
-    assert proc.process_outputs([EngineCoreOutput("r-0", ids)]).latency is None
+    assert proc.process_outputs([EngineCoreOutput("r-0", ids)]).first_tokens == []
     bare = _state(tok)
     out = OutputProcessor(bare).process_outputs([EngineCoreOutput("r-0", ids)])
-    assert out.latency is not None and out.latency.phases() == {}
+    only = out.first_tokens[0][1]
+    assert only is not None and only.phases() == {}
 
 
 def test_stop_string_finishes_the_choice_and_asks_for_an_abort(tok):

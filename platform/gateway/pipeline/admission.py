@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
 
 from gateway.model_cache import ModelSnapshot
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
@@ -14,6 +13,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutErr
 from gateway.pipeline.clients import admission, retry_later
 from gateway.pipeline.failures import api_error_from
 from inference.admission import TIER_STANDARD, AdmissionRefused, Reservation, estimate_prompt_tokens
+from inference.output_processor import FirstTokenLatency
 from tenancy.selectors import AuthContext
 
 log = logging.getLogger(__name__)
@@ -45,15 +45,17 @@ async def reserve(reservation: Reservation, n: int, prompt_tokens: int) -> None:
         raise api_error_from(exc) from None
 
 
-async def release_prefill(reservation: Reservation | None, index: int, ttft_s: float | None,
-                          phases: Mapping[str, float] | None = None) -> None:
-    """Child ``index`` produced its first token: its prompt tokens leave the prefill backlog, and the request's
-    TTFT (``ttft_s``, seconds) and its ``phases`` go to the shared histograms (never raises: ``release`` at the end
+async def release_prefill(reservation: Reservation | None, index: int, latency: FirstTokenLatency | None) -> None:
+    """Child ``index`` produced its first token: its prompt tokens leave the prefill backlog, and with the request's
+    first token its TTFT and phases (``latency``) go to the shared histograms (never raises: ``release`` at the end
     is the backstop)."""
     if reservation is None or index in reservation.prefill_released:
         return
     try:
-        await admission().release_prefill(reservation, index, ttft_s, phases)
+        if latency is None:
+            await admission().release_prefill(reservation, index)
+        else:
+            await admission().release_prefill(reservation, index, latency.ttft_s, latency.phases())
     except Exception:
         log.exception("admission prefill release failed")
 

@@ -85,9 +85,8 @@ class GenerationRun:
             result = self.processor.process_outputs([await self.queue.get()])
             for rid in result.reqs_to_abort:
                 asyncio.get_running_loop().create_task(_abort(self.model.served_model_name, [rid]))
-            for index, ttft in result.first_tokens:
-                await admission.release_prefill(self.reservation, index, ttft,
-                                                result.latency.phases() if ttft is not None and result.latency else None)
+            for index, latency in result.first_tokens:
+                await admission.release_prefill(self.reservation, index, latency)
             for delta in result.deltas:
                 yield delta
 
