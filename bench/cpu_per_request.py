@@ -3,7 +3,7 @@
 What it measures: the CPU (user + system time, ``/proc/<pid>/stat``) that every process of each server spends per
 request, read before and after a bounded load of ``--requests`` calls with ``--clients`` concurrent clients.
 Every body is distinct (the request's number is in its last message), so no cache of whole prompts serves a
-repeat. The platform runs its default route (Celery ``render`` queue: one worker, two prefork children, as
+repeat. The platform runs its default route (Celery ``render`` queue: two solo workers, as
 ``tests/live_platform.start_platform`` starts it, without engines; or, with ``--serve``, as ``manage.py serve --demo``
 lays it out) with its own embedded Redis, so Redis's CPU is counted too
 (``REDIS_URL`` and ``DATABASE_URL`` of the environment are ignored: a shared Redis's or PostgreSQL's CPU cannot be
@@ -210,7 +210,8 @@ def warm(server: Server, template: dict, clients: int, n: int) -> None:
 def profiled(label: str) -> bool:
     """True for the processes ``profile_round`` samples: api processes and render workers with their children."""
     parts = label.split("/")
-    return parts[-1] in ("api", "worker") or parts[-1].startswith("celery worker -Q render") or parts[0] == "worker"
+    render_worker = parts[0] == "worker" or (parts[0].startswith("worker-") and parts[0][7:].isdigit())
+    return parts[-1] == "api" or parts[-1].startswith("celery worker -Q render") or render_worker
 
 
 def profile_round(server: Server, bodies: list[bytes], clients: int, max_seconds: float, py_spy: str,

@@ -4,7 +4,7 @@ What it measures: validate + chat template + tokenize + JSON, no engine work. Bo
 same Qwen3 tokenizer (the demo model ``.cache/models/tiny-qwen3``). Bodies: a chat of about 1,000 and one
 of about 8,000 tokens (multi-turn, checked with our own /tokenize), each request with its own number at the end of
 its last message (distinct bodies: issue 19's rule). Concurrency 1 and 32. Our side runs
-twice: the default rendering route (``RENDER_ROUTE=celery``: Celery ``render`` queue, 2 prefork workers)
+twice: the default rendering route (``RENDER_ROUTE=celery``: Celery ``render`` queue, 2 solo workers)
 and the in-process route (``RENDER_ROUTE=inline``: thread pool in the api process). One uvicorn process
 per side; vLLM runs its single api server.
 

@@ -8,7 +8,7 @@ request on the same bodies:
 * ``inline+cache`` / ``inline-nocache``: two api processes with ``RENDER_ROUTE=inline``, the second with
   ``SEGMENT_CACHE_MAX_TOKENS=0`` (whole-prompt encoding); the requests alternate between them (which one goes
   first alternates too), so both see the same machine load;
-* ``celery+cache`` then ``celery-nocache``: the default route (Celery ``render`` queue, 2 prefork children), the
+* ``celery+cache`` then ``celery-nocache``: the default route (Celery ``render`` queue, 2 solo workers), the
   worker restarted with the cache off for the second pass (same bodies, sequential passes);
 * ``vllm``: vLLM's CPU server on the same tokenizer, when ``--vllm-python`` imports vllm
   (../shared/reference/peer_vllm.md), interleaved with the inline pair.
@@ -179,14 +179,15 @@ def main() -> None:
         inline_hits, inline_misses = int(seg.get(b"hits", 0)), int(seg.get(b"misses", 0))
         targets = list(pair)
         if not args.skip_celery:
-            worker = next(c for c in live.sup.children if c.name == "worker")
+            workers = [c for c in live.sup.children if c.name in ("worker", "worker-2")]  # the render workers
             api = next(c for c in live.sup.children if c.name == "api")
             for name, env in (("celery+cache", {}), ("celery-nocache", {"SEGMENT_CACHE_MAX_TOKENS": "0"})):
                 if env:
-                    worker.env_extra.update(env)
-                    worker = live.sup.restart(worker)
-                assert worker.proc is not None and api.proc is not None
-                t = Target(name, live.base_url, hdr, [api.proc.pid, worker.proc.pid])
+                    for w in workers:
+                        w.env_extra.update(env)
+                    workers = [live.sup.restart(w) for w in workers]
+                assert all(w.proc is not None for w in workers) and api.proc is not None
+                t = Target(name, live.base_url, hdr, [api.proc.pid, *(w.proc.pid for w in workers if w.proc)])
                 wait_until(lambda t=t: t.client.post("/tokenize", json=convs[0][0]).status_code == 200, 120,
                            "render worker", live.sup)
                 for _ in range(4):

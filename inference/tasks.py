@@ -12,8 +12,10 @@ Django-free: they use ``celery.shared_task``; the app (``platform/config/celery.
 Time limits: ``soft_time_limit`` = ``RENDER_TIME_LIMIT_S`` (default 5 s) raises
 ``SoftTimeLimitExceeded`` inside the task (-> ``TemplateTimeoutError``); the hard ``time_limit``
 (soft + ``RENDER_HARD_TIME_LIMIT_EXTRA_S``, default 2 s) kills a prefork child stuck in C code or
-ignoring the soft signal, and Celery replaces it. The sandbox's operation budget normally stops
-runaway templates well before either limit.
+ignoring the soft signal, and Celery replaces it. A ``solo`` worker (``serve``'s default) runs tasks in
+its main process, where Celery enforces neither: ``inference.render_limits`` gives it the same two limits
+(the hard one exits the worker) and refuses a task handed back twice. The sandbox's operation budget
+normally stops runaway templates well before either limit.
 """
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ import json
 import orjson
 import redis
 from celery import shared_task
+from celery.concurrency import get_implementation
+from celery.concurrency.solo import TaskPool as SoloPool
 from celery.exceptions import SoftTimeLimitExceeded
+from celery.signals import worker_init
+
+from inference import render_limits
 
 from inference.config import SETTINGS
 from inference.renderer.chat_template import (
@@ -45,6 +52,19 @@ logger = logging.getLogger(__name__)
 
 RENDER_TIME_LIMIT_S = SETTINGS.render_time_limit_s
 RENDER_HARD_TIME_LIMIT_S = RENDER_TIME_LIMIT_S + SETTINGS.render_hard_time_limit_extra_s
+
+
+@worker_init.connect
+def _own_time_limits(sender: Any = None, **_kwargs: Any) -> None:
+    """A worker whose pool is ``solo`` runs tasks in its main process, where Celery enforces no time limit: arm
+    ``render_limits`` with the render queue's limits there (before the pool starts)."""
+    pool = getattr(sender, "pool_cls", None)
+    try:
+        cls = get_implementation(pool) if pool is not None else None
+    except (ImportError, KeyError, AttributeError):
+        return
+    if isinstance(cls, type) and issubclass(cls, SoloPool):
+        render_limits.enable(RENDER_TIME_LIMIT_S, RENDER_HARD_TIME_LIMIT_S)
 
 _RENDER_ARGS = (
     "add_generation_prompt",
@@ -191,6 +211,17 @@ def run_detokenize(payload: dict[str, Any]) -> dict[str, Any]:
 _reply_client: redis.Redis | None = None
 
 
+def _reply_redis() -> redis.Redis:
+    """This worker's Redis client for replies: ``REDIS_URL`` (every platform process gets it), else the Celery app's
+    result backend URL; made on first use."""
+    global _reply_client
+    if _reply_client is None:
+        from celery import current_app
+
+        _reply_client = redis.Redis.from_url(SETTINGS.redis_url or current_app.conf.result_backend)
+    return _reply_client
+
+
 def reply_if_requested(payload: Any, result: dict[str, Any]) -> dict[str, Any]:
     """Publish ``result`` on the caller's reply channel when the payload names one and return ``{"ok": ...,
     "replied": True}``; without a reply channel, return ``result`` (a Celery result backend then carries it).
@@ -201,15 +232,10 @@ def reply_if_requested(payload: Any, result: dict[str, Any]) -> dict[str, Any]:
     value then goes nowhere, but a prefork child still builds a ``saferepr`` of it (1 KiB of a ~1,000-id list, Python
     code) and pickles that to the worker's main process: the small stand-in spares both that work.
     """
-    global _reply_client
     if isinstance(payload, dict) and payload.get("reply_to") and payload.get("reply_id"):
-        if _reply_client is None:
-            from celery import current_app
-
-            _reply_client = redis.Redis.from_url(SETTINGS.redis_url or current_app.conf.result_backend)
         channel = payload["reply_to"]
         prefix = channel.split(":render:reply:")[0]
-        pipe = _reply_client.pipeline(transaction=False)
+        pipe = _reply_redis().pipeline(transaction=False)
         pipe.incr(render_tasks_counter_key(prefix))  # shared count of rendered tasks (metrics, tests)
         count_segment_cache(pipe, prefix, result)
         pipe.publish(channel, reply_json({"id": payload["reply_id"], "result": result}))
@@ -249,35 +275,80 @@ def render_tasks_counter_key(prefix: str) -> str:
 
 
 def _render_task(name: str, **options: Any) -> Callable[[Callable[..., Any]], Any]:
-    """``shared_task`` named ``name`` with the render queue's time limits (``RENDER_TIME_LIMIT_S`` soft,
-    ``RENDER_HARD_TIME_LIMIT_S`` hard), acknowledged when it ends (``acks_late``, DECISIONS D-190).
+    """Bound ``shared_task`` named ``name`` with the render queue's time limits (``RENDER_TIME_LIMIT_S`` soft,
+    ``RENDER_HARD_TIME_LIMIT_S`` hard; a ``solo`` worker enforces them itself, ``render_limits``), acknowledged when
+    it ends (``acks_late``, DECISIONS D-190).
 
-    A task whose worker's main process dies (``kill -9``, a lost machine) before it ended is still unacknowledged
-    in the broker, which hands it back after the worker's visibility timeout (``CELERY_REDELIVER_AFTER_S``), fetched
-    or started alike; the request is answered late. A task whose pool child dies under a live main process
-    (``WorkerLostError``) is acknowledged and not run again (``task_reject_on_worker_lost`` off: Redis counts no
-    deliveries, so a render that kills its process would be retried forever); the hard time limit likewise
-    acknowledges. Running twice is harmless: the first reply wins (``render_client``) and a render records
+    A task whose worker's main process dies (``kill -9``, a lost machine, a ``solo`` worker's hard time limit)
+    before it ended is still unacknowledged in the broker, which hands it back after the worker's visibility timeout
+    (``CELERY_REDELIVER_AFTER_S``), fetched or started alike; the request is answered late, and a task handed back a
+    second time is answered with an error instead of run (``run_task``). A task whose pool child dies under a live
+    main process (``WorkerLostError``) is acknowledged and not run again (``task_reject_on_worker_lost`` off: Redis
+    counts no deliveries, so a render that kills its process would be retried forever); the prefork hard time limit
+    likewise acknowledges. Running twice is harmless: the first reply wins (``render_client``) and a render records
     nothing."""
     decorator: Callable[[Callable[..., Any]], Any] = shared_task(
-        name=name, soft_time_limit=RENDER_TIME_LIMIT_S, time_limit=RENDER_HARD_TIME_LIMIT_S, acks_late=True,
-        reject_on_worker_lost=False, **options)
+        name=name, bind=True, soft_time_limit=RENDER_TIME_LIMIT_S, time_limit=RENDER_HARD_TIME_LIMIT_S,
+        acks_late=True, reject_on_worker_lost=False, **options)
     return decorator
 
 
+def _lost_twice(payload: Any) -> dict[str, Any]:
+    """The error of a task not run again because its workers were lost twice while it ran: a client's own chat
+    template is the likely cause (400), anything else is the server's (503, retry)."""
+    what = "rendering this request stopped its render worker twice (time limit or a lost worker)"
+    err: RenderError
+    if isinstance(payload, dict) and payload.get("client_chat_template"):
+        err = TemplateTimeoutError(f"{what}; it is not tried again")
+    else:
+        err = RenderOverloadedError(f"{what}; it is not tried again")
+    return {"ok": False, "error": err.to_dict()}
+
+
+def run_task(task: Any, payload: Any, body: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """Run a render task's ``body(payload)`` under ``render_limits.task_time_limits`` and reply
+    (``reply_if_requested``); a copy the broker handed back a second time (``render_limits.redelivery_refusal``) is
+    answered with ``_lost_twice`` without running. ``task``: the bound Celery task (its ``request.id`` and
+    ``delivery_info``). Never raises (a soft limit reached while the body returns becomes its error dict)."""
+    request = getattr(task, "request", None)
+    redelivered = bool((getattr(request, "delivery_info", None) or {}).get("redelivered"))
+    if redelivered and _refuse_redelivery(payload, getattr(request, "id", None)):
+        return reply_if_requested(payload, _lost_twice(payload))
+    try:
+        with render_limits.task_time_limits():
+            result = body(payload)
+    except SoftTimeLimitExceeded as exc:  # fired between the body's return and the disarm
+        result = _error(exc)
+    return reply_if_requested(payload, result)
+
+
+def _refuse_redelivery(payload: Any, task_id: str | None) -> bool:
+    """``render_limits.redelivery_refusal`` on the reply client's Redis under the payload's link prefix; a Redis
+    failure lets the copy run (the reply would fail the same way)."""
+    channel = payload.get("reply_to") if isinstance(payload, dict) else None
+    # a caller with no reply channel (a Celery result backend) has no link prefix: task ids are unique anyway
+    prefix = (channel.split(":render:reply:")[0] if isinstance(channel, str) and ":render:reply:" in channel
+              else "celery-results")
+    try:
+        return render_limits.redelivery_refusal(_reply_redis(), prefix, task_id, True)
+    except redis.RedisError:
+        logger.warning("redelivery check failed; running the task", exc_info=True)
+        return False
+
+
 @_render_task("inference.render_chat")
-def render_chat_task(payload: dict[str, Any]) -> dict[str, Any]:
+def render_chat_task(self: Any, payload: dict[str, Any]) -> dict[str, Any]:
     """Celery task: render + tokenize a chat (see ``run_render_chat``)."""
-    return reply_if_requested(payload, run_render_chat(payload))
+    return run_task(self, payload, run_render_chat)
 
 
 @_render_task("inference.tokenize_prompt")
-def tokenize_prompt_task(payload: dict[str, Any]) -> dict[str, Any]:
+def tokenize_prompt_task(self: Any, payload: dict[str, Any]) -> dict[str, Any]:
     """Celery task: tokenize a plain prompt (see ``run_tokenize_prompt``)."""
-    return reply_if_requested(payload, run_tokenize_prompt(payload))
+    return run_task(self, payload, run_tokenize_prompt)
 
 
 @_render_task("inference.detokenize")
-def detokenize_task(payload: dict[str, Any]) -> dict[str, Any]:
+def detokenize_task(self: Any, payload: dict[str, Any]) -> dict[str, Any]:
     """Celery task: ids -> text (see ``run_detokenize``)."""
-    return reply_if_requested(payload, run_detokenize(payload))
+    return run_task(self, payload, run_detokenize)

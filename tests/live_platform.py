@@ -272,9 +272,11 @@ def start_platform(tmp_dir: Path, *, max_model_len: int = 512, engine: bool = Tr
         live.manage("migrate", "--no-input", timeout=300)
         live.manage("register_model", DEMO_MODEL, str(MODEL_DIR), "--max-model-len", str(max_model_len))
         live.api_key = live.new_key(tenant="e2e")
-        sup.start("worker", [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "render", "-c",
-                             "2", "--pool", "prefork", "-n", f"w-{prefix}@%h", "--without-gossip", "--without-mingle",
-                             "-l", "WARNING"])
+        # two solo render workers, as `manage.py serve` runs them by default (one render slot each; D-296)
+        for i, name in enumerate(("worker", "worker-2")):
+            sup.start(name, [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "render", "-c", "1",
+                             "--pool", "solo", "-n", f"w{i}-{prefix}@%h", "--without-gossip", "--without-mingle",
+                             "-l", "WARNING"], env_extra={"CELERY_WORKER_PREFETCH_MULTIPLIER": "1"})
         # usage writes on their own worker, as `manage.py serve` runs them: a flush never holds a render slot
         sup.start("worker-usage", [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "usage", "-c", "1",
                                    "--pool", "prefork", "-n", f"u-{prefix}@%h", "--without-gossip",

@@ -55,11 +55,13 @@ def _init_main(**_kwargs) -> None:
 
 
 class RenderHeartbeat(bootsteps.StartStopStep):
-    """A worker consuming the ``render`` queue beats every ``HEARTBEAT_INTERVAL_S`` from its main process's event
-    loop (``inference.render_liveness``: the api waits for a render worker to come back rather than refusing after a
-    fixed time; D-191), once it consumes and one of its prefork children has loaded the renderer (a replacement
-    worker's children take 10-30 s to warm up on a loaded 2-core machine: beating before would start the api's
-    render timeout while nothing can render). Stops with the consumer."""
+    """A worker consuming the ``render`` queue beats every ``HEARTBEAT_INTERVAL_S`` (``inference.render_liveness``:
+    the api waits for a render worker to come back rather than refusing after a fixed time; D-191): a prefork worker
+    from its main process's event loop, once one of its children has loaded the renderer (a replacement worker's
+    children take 10-30 s to warm up on a loaded 2-core machine: beating before would start the api's render timeout
+    while nothing can render); a ``solo`` worker, which loaded the renderer before it consumes and whose loop waits
+    while it renders, from a thread of its main process (the beats stop while a task holds the GIL in C code).
+    Stops with the consumer."""
 
     requires = {"celery.worker.consumer.tasks:Tasks"}
 
@@ -69,6 +71,8 @@ class RenderHeartbeat(bootsteps.StartStopStep):
         self._client: redis.Redis | None = None
         self._failing = False
         self._wait_for_child = False
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
 
     def start(self, parent) -> None:
         """Beat now and then on the consumer's timer, for a worker that consumes ``render``."""
@@ -77,13 +81,26 @@ class RenderHeartbeat(bootsteps.StartStopStep):
         self._client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
         self._wait_for_child = isinstance(parent.pool, PreforkPool) and _child_ready is not None
         self._beat()
-        self._tref = parent.timer.call_repeatedly(HEARTBEAT_INTERVAL_S, self._beat, priority=10)
+        if isinstance(parent.pool, PreforkPool):
+            self._tref = parent.timer.call_repeatedly(HEARTBEAT_INTERVAL_S, self._beat, priority=10)
+        else:  # a solo worker's loop waits while it renders: beat from a thread (it stops if the GIL is held)
+            self._stopping = threading.Event()
+            self._thread = threading.Thread(target=self._beat_until_stopped, name="render-heartbeat", daemon=True)
+            self._thread.start()
+
+    def _beat_until_stopped(self) -> None:
+        while not self._stopping.wait(HEARTBEAT_INTERVAL_S):
+            self._beat()
 
     def stop(self, parent) -> None:
         """Stop beating (the api sees no render worker ``STALE_AFTER_S`` later unless another one beats)."""
         if self._tref is not None:
             self._tref.cancel()
             self._tref = None
+        if self._thread is not None:
+            self._stopping.set()
+            self._thread.join(timeout=HEARTBEAT_INTERVAL_S + 3)
+            self._thread = None
         if self._client is not None:
             self._client.close()
             self._client = None

@@ -60,3 +60,27 @@ def render_children(concurrency: int, workers: int) -> list[int]:
     workers = max(1, workers)
     concurrency = max(concurrency, workers)
     return [concurrency // workers + (1 if i < concurrency % workers else 0) for i in range(workers)]
+
+
+# Celery pools a render worker may run (``serve --render-pool``; DECISIONS D-296).
+RENDER_POOLS = ("solo", "prefork")
+
+
+def render_processes(pool: str, concurrency: int, workers: int) -> list[int]:
+    """Pool size (``-c``) of each render worker process ``serve`` starts: ``prefork``, ``render_children``;
+    ``solo``, one process per render slot of that split (``[1] * max(concurrency, workers)``, ``workers`` ≥ 1), each
+    rendering in its own process. Raises ``ValueError`` for another pool."""
+    if pool not in RENDER_POOLS:
+        raise ValueError(f"render pool must be one of {RENDER_POOLS}, got {pool!r}")
+    children = render_children(concurrency, workers)
+    return children if pool == "prefork" else [1] * sum(children)
+
+
+def render_worker_env(pool: str, redeliver_after_s: float) -> dict[str, str]:
+    """Environment of a render worker process: the broker's visibility timeout (``CELERY_REDELIVER_AFTER_S``), and
+    for ``solo`` a prefetch of one task: a solo worker renders one task at a time, so any task it prefetched beyond
+    that would wait behind it while another worker sits idle (a prefork worker's children share its prefetch)."""
+    env = {"CELERY_REDELIVER_AFTER_S": str(redeliver_after_s)}
+    if pool == "solo":
+        env["CELERY_WORKER_PREFETCH_MULTIPLIER"] = "1"
+    return env

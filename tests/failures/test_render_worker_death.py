@@ -46,14 +46,17 @@ def _slow_template(seconds: float) -> str:
 
 
 class _Worker:
-    """One ``celery -A config worker -Q render -c 1`` in its own process group."""
+    """One ``celery -A config worker -Q render -c 1`` of ``pool`` in its own process group (solo: one task fetched
+    at a time, as ``serve`` runs it)."""
 
-    def __init__(self, env: dict[str, str], name: str, log: Path):
+    def __init__(self, env: dict[str, str], name: str, log: Path, pool: str = "prefork"):
         self.name = name
+        if pool == "solo":
+            env = {**env, "CELERY_WORKER_PREFETCH_MULTIPLIER": "1"}
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "render", "-c", "1", "--pool",
-                 "prefork", "-n", name, "--without-gossip", "--without-mingle", "-l", "WARNING"],
+                 pool, "-n", name, "--without-gossip", "--without-mingle", "-l", "WARNING"],
                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def kill(self) -> None:
@@ -96,14 +99,20 @@ def render_env(tmp_path):
             client.close()
 
 
-def test_killed_render_worker_started_and_fetched_renders_are_answered(render_env, tmp_path):
+def _held(client: redis.Redis, prefix: str) -> tuple[int, int]:
+    """(tasks fetched by workers and not acknowledged, tasks still in the ``render`` queue) in the broker."""
+    return client.hlen(f"{prefix}:celery:unacked_redeliver"), client.llen(f"{prefix}:celery:render")
+
+
+@pytest.mark.parametrize("pool", ["prefork", "solo"])
+def test_killed_render_worker_started_and_fetched_renders_are_answered(render_env, tmp_path, pool):
     env, prefix, client, workers = render_env
     sender = Celery("rdeath-sender", broker=TEST_REDIS_URL)
     sender.conf.update(broker_transport_options={"global_keyprefix": f"{prefix}:celery:"},
                        broker_connection_retry_on_startup=True)
     tok = str(TOKENIZER_DIR)
     slow = _slow_template(2.5)
-    first = _Worker(env, f"rdeath1-{prefix}@%h", tmp_path / "w1.log")
+    first = _Worker(env, f"rdeath1-{prefix}@%h", tmp_path / "w1.log", pool)
     workers.append(first)
     alive = lambda: client.exists(liveness_key(prefix)) == 1
 
@@ -132,6 +141,8 @@ def test_killed_render_worker_started_and_fetched_renders_are_answered(render_en
                                          limit=1)
 
         def holds_both() -> bool:
+            if pool == "solo":  # it fetched only the one it runs (and answers no inspect while it runs)
+                return _held(client, prefix) == (1, 1)
             active, reserved = inspect.active() or {}, inspect.reserved() or {}
             return sum(len(v) for v in active.values()) == 1 and sum(len(v) for v in reserved.values()) == 1
 
@@ -140,7 +151,7 @@ def test_killed_render_worker_started_and_fetched_renders_are_answered(render_en
         killed = time.monotonic()
         await asyncio.sleep(TIMEOUT_S + STALE_AFTER_S)  # past the fixed timeout, with no render worker alive
         assert not started.done() and not fetched.done()
-        workers.append(_Worker(env, f"rdeath2-{prefix}@%h", tmp_path / "w2.log"))
+        workers.append(_Worker(env, f"rdeath2-{prefix}@%h", tmp_path / "w2.log", pool))
         (slow_out, slow_at), (fast_out, fast_at) = await asyncio.gather(started, fetched)
         return slow_out, slow_at, fast_out, fast_at, killed
 
@@ -151,3 +162,58 @@ def test_killed_render_worker_started_and_fetched_renders_are_answered(render_en
     assert slow_out["prompt_text"].endswith("Hello")
     # both answered by the replacement, after the kill and after the fixed timeout would have refused them
     assert min(slow_at, fast_at) > killed + TIMEOUT_S
+
+
+def test_a_render_that_lost_its_solo_worker_twice_is_answered_with_an_error(render_env, tmp_path):
+    """A render whose worker is killed while it runs is run again once by another worker; killed again there, its
+    third copy is answered with a 503 error instead of run (``inference.render_limits.redelivery_refusal``: a task
+    that kills every worker that takes it, such as one past the hard time limit, takes at most two; D-296)."""
+    env, prefix, client, workers = render_env
+    sender = Celery("rdeath-sender", broker=TEST_REDIS_URL)
+    sender.conf.update(broker_transport_options={"global_keyprefix": f"{prefix}:celery:"},
+                       broker_connection_retry_on_startup=True)
+    tok = str(TOKENIZER_DIR)
+    slow = _slow_template(30)  # runs until it is killed
+    workers.append(_Worker(env, f"rtwice1-{prefix}@%h", tmp_path / "t1.log", "solo"))
+    alive = lambda: client.exists(liveness_key(prefix)) == 1
+    marks = lambda: [int(client.get(k) or 0) for k in client.scan_iter(match=f"{prefix}:render:redelivered:*")]
+
+    async def scenario():
+        waiter = RenderReplyWaiter(TEST_REDIS_URL, prefix)
+
+        async def render(template: str | None):
+            payload = {"tokenizer_dir": tok, "messages": MESSAGES, "chat_template": template}
+            # waits for as long as the scenario takes: this test is about the workers, not the api's wait
+            return await waiter.call(sender, "inference.render_chat", payload, queue="render", timeout=120,
+                                     worker_return=120)
+
+        await asyncio.to_thread(_wait, alive, 120, "the first worker's heartbeat")
+        for _ in range(20):
+            try:
+                warm = await render(None)
+                break
+            except Exception:  # noqa: BLE001  (a slow start on a busy machine: try again)
+                continue
+        assert warm["ok"], warm
+        doomed = asyncio.create_task(render(slow))
+        await asyncio.to_thread(_wait, lambda: _held(client, prefix) == (1, 0), 60, "the first worker to run it")
+        await asyncio.sleep(0.5)
+        workers[0].kill()
+        workers.append(_Worker(env, f"rtwice2-{prefix}@%h", tmp_path / "t2.log", "solo"))
+        # the replacement runs the copy handed back (the first redelivery is run, its mark counts 1) ...
+        await asyncio.to_thread(_wait, lambda: marks() == [1] and _held(client, prefix) == (1, 0), 120,
+                                "the second worker to run the copy handed back")
+        await asyncio.sleep(0.5)
+        assert not doomed.done()
+        workers[1].kill()
+        workers.append(_Worker(env, f"rtwice3-{prefix}@%h", tmp_path / "t3.log", "solo"))
+        out = await doomed
+        # ... and the third worker still serves
+        after = await render(None)
+        return out, after
+
+    out, after = asyncio.run(scenario())
+    assert out["ok"] is False and out["error"]["type"] == "RenderOverloadedError", out
+    assert "twice" in out["error"]["message"]
+    assert marks() == [2]
+    assert after["ok"] and after["prompt_token_ids"] == render_chat(tok, MESSAGES).prompt_token_ids

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ops.layout import EngineLayout, engine_layout, engine_threads, render_children
+from ops.layout import (EngineLayout, engine_layout, engine_threads, render_children, render_processes,
+                        render_worker_env)
 from ops.supervisor import Supervisor, wait_until
 from tests.live_platform import REPO
 from tests.support.serve import serve_env
@@ -36,6 +37,18 @@ def test_render_children_split_among_the_render_workers():
     assert render_children(5, 2) == [3, 2]
     assert render_children(2, 3) == [1, 1, 1]  # every process gets a child
     assert render_children(1, 0) == [1]
+
+
+def test_render_processes_by_pool():
+    assert render_processes("prefork", 5, 2) == [3, 2]
+    assert render_processes("solo", 2, 2) == [1, 1]  # serve's default: two solo processes
+    assert render_processes("solo", 5, 2) == [1, 1, 1, 1, 1]  # one process per render slot
+    assert render_processes("solo", 1, 3) == [1, 1, 1]
+    with pytest.raises(ValueError):
+        render_processes("threads", 2, 2)
+    # a solo worker prefetches one task (what it held beyond that would wait while another worker is idle)
+    assert render_worker_env("solo", 8) == {"CELERY_REDELIVER_AFTER_S": "8", "CELERY_WORKER_PREFETCH_MULTIPLIER": "1"}
+    assert render_worker_env("prefork", 8) == {"CELERY_REDELIVER_AFTER_S": "8"}
 
 
 def test_engine_layout_takes_the_operators_threads_and_refuses_bad_values():

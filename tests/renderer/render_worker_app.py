@@ -1,5 +1,5 @@
 """A minimal Celery app for tests/renderer/test_render_tasks.py: runs ``inference.tasks`` in a real
-prefork worker on Redis, without Django (the project app in platform/config needs settings)."""
+worker (prefork or solo) on Redis, without Django (the project app in platform/config needs settings)."""
 
 from __future__ import annotations
 

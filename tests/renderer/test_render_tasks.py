@@ -128,8 +128,8 @@ def test_a_replied_task_returns_a_stand_in(monkeypatch):
     client.close()
 
 
-@pytest.fixture(scope="module")
-def worker():
+@pytest.fixture(scope="module", params=["prefork", "solo"])
+def worker(request):
     redis = pytest.importorskip("redis")
     url = os.environ.get("RENDER_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
     try:
@@ -146,7 +146,8 @@ def worker():
         PYTHONPATH=f"{REPO}:{REPO / 'platform'}",
     )
     proc = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "tests.renderer.render_worker_app", "worker", "-P", "prefork",
+        # solo: the worker enforces the limits itself (inference.render_limits; D-296)
+        [sys.executable, "-m", "celery", "-A", "tests.renderer.render_worker_app", "worker", "-P", request.param,
          "-c", "1", "-Q", queue, "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "warning"],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )

@@ -15,7 +15,8 @@ from django.core.management.base import BaseCommand, CommandError
 
 from ops.bootstrap import demo_bootstrap, embedded_redis_config_write, private_tree, redacted_url
 from ops.migrate import migrate_serialized
-from ops.layout import BACKGROUND_NICE, EngineLayout, engine_layout, render_children
+from ops.layout import (BACKGROUND_NICE, RENDER_POOLS, EngineLayout, engine_layout, render_processes,
+                        render_worker_env)
 from ops.supervisor import (RestartPolicy, Supervisor, http_ok, parse_cpu_list, python, redis_ping,
                             unix_socket_accepts, wait_until)
 from inference.admission import reap as admission_reap
@@ -74,11 +75,16 @@ class Command(BaseCommand):
                                  "Redis (default 1, SERVE_FRONTEND_RESERVED_CORES; 0 with --frontend-cores, whose "
                                  "cores are the frontend's already)")
         parser.add_argument("--render-concurrency", type=int, default=2,
-                            help="Celery prefork children rendering chat templates, all render workers together")
+                            help="chat templates rendered at once, all render workers together (solo: one render "
+                                 "worker process each; prefork: pool children)")
         parser.add_argument("--render-workers", type=int, default=2,
-                            help="render worker processes sharing --render-concurrency (at least one child each): "
-                                 "while serve replaces one that died (15-45 s), another serves, and takes over what "
-                                 "the dead one held (default 2; 1: a single worker)")
+                            help="prefork only: render worker processes sharing --render-concurrency (at least one "
+                                 "child each): while serve replaces one that died (15-45 s), another serves, and "
+                                 "takes over what the dead one held (default 2; 1: a single worker)")
+        parser.add_argument("--render-pool", choices=RENDER_POOLS, default="solo",
+                            help="Celery pool of the render workers: solo (default) renders in each worker's own "
+                                 "process, which enforces the time limits itself; prefork hands each task to a child "
+                                 "process (18%% more CPU per request measured; DECISIONS D-296)")
         parser.add_argument("--no-engine", action="store_true", help="render-only deployment (no engines)")
         parser.add_argument("--demo", action="store_true",
                             help="register the demo chat model and all-MiniLM-L6-v2 (embeddings), create the operator "
@@ -143,12 +149,13 @@ class Command(BaseCommand):
                                   max_model_len=opts["demo_max_model_len"], num_replicas=opts["demo_replicas"])
 
         py = python()
-        for i, children in enumerate(render_children(opts["render_concurrency"], opts["render_workers"])):
+        pool = opts["render_pool"]
+        for i, children in enumerate(render_processes(pool, opts["render_concurrency"], opts["render_workers"])):
             name = "worker" if i == 0 else f"worker-{i + 1}"
             sup.start(name, [py, "-m", "celery", "-A", "config", "worker", "-Q", "render", "-c", str(children),
-                             "--pool", "prefork", "-n", f"{name.replace('-', '')}@%h", "--without-gossip",
+                             "--pool", pool, "-n", f"{name.replace('-', '')}@%h", "--without-gossip",
                              "--without-mingle", "-l", "WARNING"],  # INFO would log prompts
-                      cpus=back_cpus, env_extra={"CELERY_REDELIVER_AFTER_S": str(RENDER_REDELIVER_AFTER_S)})
+                      cpus=back_cpus, env_extra=render_worker_env(pool, RENDER_REDELIVER_AFTER_S))
         # usage writes on their own worker: a database flush (up to 200 ms measured on SQLite under load) never
         # holds one of the render slots that every request's template and tokenization wait for
         sup.start("worker-usage", [py, "-m", "celery", "-A", "config", "worker", "-Q", "usage", "-c", "1",

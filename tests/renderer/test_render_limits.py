@@ -1,0 +1,115 @@
+"""``inference.render_limits``: the time limits a ``solo`` render worker enforces itself, and the guard that stops
+a task that lost its worker twice (DECISIONS D-296). The limits run in a child Python process (the hard limit exits
+it); the guard runs on the test Redis."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+from inference import render_limits
+from tests.support.redis import TEST_REDIS_URL
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(code: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess[str], float]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    return out, time.monotonic() - t0
+
+
+PRELUDE = (
+    "import time\n"
+    "from celery.exceptions import SoftTimeLimitExceeded\n"
+    "from inference import render_limits\n"
+    "render_limits.enable(0.3, 1.0)\n"
+)
+
+
+def test_soft_limit_stops_python_code_and_the_process_lives_on():
+    code = PRELUDE + (
+        "t0 = time.monotonic()\n"
+        "try:\n"
+        "    with render_limits.task_time_limits():\n"
+        "        while True:\n"
+        "            pass\n"
+        "except SoftTimeLimitExceeded:\n"
+        "    print('soft', round(time.monotonic() - t0, 1))\n"
+        "with render_limits.task_time_limits():\n"
+        "    x = sum(range(1000))\n"  # a task within the limits: nothing fires, now or later
+        "time.sleep(1.5)\n"  # past the hard limit of both tasks: it was disarmed
+        "print('alive')\n"
+    )
+    out, _ = _run(code)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split()
+    assert lines[0] == "soft" and 0.25 <= float(lines[1]) <= 0.9 and lines[-1] == "alive", out.stdout
+
+
+def test_hard_limit_exits_a_process_stuck_in_c_code_holding_the_gil():
+    # builtin sum over a range runs in C and never checks for signals: the SIGALRM handler cannot run, only the
+    # C watchdog ends it (about a minute of work otherwise)
+    code = PRELUDE + (
+        "with render_limits.task_time_limits():\n"
+        "    sum(range(10**11))\n"
+        "print('not stopped')\n"
+    )
+    out, took = _run(code, timeout=120)
+    assert out.returncode == 1 and "not stopped" not in out.stdout, (out.returncode, out.stdout)
+    assert "Timeout (0:00:01)" in out.stderr, out.stderr  # faulthandler's dump: where the task was stuck
+    assert took < 15, took
+
+
+def test_limits_are_off_unless_enabled_and_off_the_main_thread():
+    code = (
+        "import threading, time\n"
+        "from inference import render_limits\n"
+        "with render_limits.task_time_limits():\n"  # not enabled: a test runner or shell calling a task body
+        "    time.sleep(0.2)\n"
+        "render_limits.enable(0.1, 0.2)\n"
+        "def body():\n"
+        "    with render_limits.task_time_limits():\n"  # the inline pool's threads in the api
+        "        time.sleep(0.5)\n"
+        "t = threading.Thread(target=body); t.start(); t.join()\n"
+        "print('ok')\n"
+    )
+    out, _ = _run(code)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    with pytest.raises(ValueError):
+        render_limits.enable(2.0, 1.0)
+
+
+def test_a_task_handed_back_twice_is_refused_on_its_second_copy():
+    client = redis.Redis.from_url(TEST_REDIS_URL)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"no Redis at {TEST_REDIS_URL}: {exc}")
+    prefix, task_id = f"rlim-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    key = render_limits.redelivery_mark_key(prefix, task_id)
+    try:
+        # a first delivery costs nothing and leaves nothing
+        assert render_limits.redelivery_refusal(client, prefix, task_id, redelivered=False) is False
+        assert client.exists(key) == 0
+        # the first copy handed back runs (its worker was killed: answered late) ...
+        assert render_limits.redelivery_refusal(client, prefix, task_id, redelivered=True) is False
+        assert 0 < client.ttl(key) <= render_limits.REDELIVERY_MARK_TTL_S
+        # ... a second one does not (the task's run lost its worker twice)
+        assert render_limits.redelivery_refusal(client, prefix, task_id, redelivered=True) is True
+        other = uuid.uuid4().hex
+        assert render_limits.redelivery_refusal(client, prefix, other, redelivered=True) is False
+        client.delete(render_limits.redelivery_mark_key(prefix, other))
+    finally:
+        client.delete(key)
+        client.close()
