@@ -3,15 +3,16 @@ pool; DECISIONS D-296).
 
 Celery enforces a task's ``soft_time_limit`` and ``time_limit`` only in its ``prefork`` pool, where a parent process
 signals or kills the child running the task. A ``solo`` worker runs each task in its own main process (no pool
-hop: 18 % less CPU per ``/tokenize`` request measured on the 2-core box), so it gets both limits from here:
+hop: 16-25 % less CPU per ``/tokenize`` request measured on the 2-core box), so it gets both limits from here:
 
 * soft: ``signal.setitimer(ITIMER_REAL)``; its ``SIGALRM`` raises Celery's own ``SoftTimeLimitExceeded`` in the
   task, between two Python bytecodes, as the prefork child's ``SIGUSR1`` does;
-* hard: ``faulthandler.dump_traceback_later(exit=True)``, whose watchdog is a C thread that needs no GIL: a task
-  stuck in C code holding the GIL is stopped too. The process writes its Python stacks to stderr and exits with
-  status 1; its supervisor starts a new one (``serve``, systemd, Kubernetes). The task is unacknowledged
-  (``acks_late``), so the broker hands it back after the visibility timeout: ``redelivery_refusal`` bounds how often
-  a task that kills its worker runs again.
+* hard: a watchdog process forked by ``enable`` reads the task's deadline from shared memory (one store per task,
+  no thread per task) and, once it has passed, sends ``SIGUSR2``, on which ``faulthandler`` writes the
+  Python stacks to stderr from C, then ``SIGKILL``. Both act with no help from the worker's Python code, so a task
+  stuck in C code holding the GIL is stopped too. The worker's supervisor starts a new one (``serve``, systemd,
+  Kubernetes). The task is unacknowledged (``acks_late``), so the broker hands it back after the visibility timeout:
+  ``redelivery_refusal`` bounds how often a task that kills its worker runs again.
 
 Only a worker arms them (``enable``, from the worker's start signal): any other process that calls a task body in
 its main thread (a test runner, a shell) keeps its own ``SIGALRM`` and is never exited.
@@ -20,9 +21,13 @@ its main thread (a test runner, a shell) keeps its own ``SIGALRM`` and is never 
 from __future__ import annotations
 
 import faulthandler
+import mmap
+import os
 import signal
+import struct
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -32,8 +37,16 @@ from celery.exceptions import SoftTimeLimitExceeded
 # waits for a lost worker's return), so a task handed back twice is still known when its second copy arrives.
 REDELIVERY_MARK_TTL_S = 600
 
-_limits: tuple[float, float] | None = None  # (soft, hard) seconds once ``enable`` ran in this worker
+# The watchdog looks at the deadline this often (seconds): the hard limit is enforced within this much past it.
+WATCHDOG_POLL_S = 0.1
+# Seconds between the stack dump (SIGUSR2) and SIGKILL.
+DUMP_GRACE_S = 0.5
+
+_soft_s: float | None = None  # the soft limit once ``enable`` ran in this worker
+_hard_s = 0.0
+_deadline: mmap.mmap | None = None  # 8 bytes shared with the watchdog: CLOCK_MONOTONIC deadline, 0.0 = no task
 _armed = False
+_DOUBLE = struct.Struct("d")
 
 
 def _on_alarm(_signum: int, _frame: Any) -> None:
@@ -41,41 +54,68 @@ def _on_alarm(_signum: int, _frame: Any) -> None:
         raise SoftTimeLimitExceeded("soft time limit exceeded")
 
 
+def _watch(deadline: mmap.mmap, pid: int) -> None:
+    """The watchdog process's loop: while ``pid`` is its parent, once the deadline in ``deadline`` has passed, dump
+    the parent's stacks (``SIGUSR2``) and kill it (``SIGKILL``)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group: the worker handles it
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    while os.getppid() == pid:
+        due = _DOUBLE.unpack_from(deadline)[0]
+        if due and time.monotonic() > due:
+            os.kill(pid, signal.SIGUSR2)
+            time.sleep(DUMP_GRACE_S)
+            if os.getppid() == pid:
+                os.kill(pid, signal.SIGKILL)
+            return
+        time.sleep(WATCHDOG_POLL_S)
+
+
 def enable(soft_s: float, hard_s: float) -> None:
     """Arm ``task_time_limits`` in this process: soft limit ``soft_s`` and hard limit ``hard_s`` seconds of wall time
-    per task (``hard_s`` > ``soft_s`` > 0). Call from the main thread of a worker process that runs tasks itself
-    (the ``solo`` pool); installs the ``SIGALRM`` handler. Raises ``ValueError`` for limits out of order."""
-    global _limits
+    per task (``hard_s`` > ``soft_s`` > 0). Call once, from the main thread of a worker process that runs tasks
+    itself (the ``solo`` pool), before it starts other threads: installs the ``SIGALRM`` handler and ``faulthandler``
+    on ``SIGUSR2``, and forks the watchdog process (it exits when this process does). Raises ``ValueError`` for
+    limits out of order, ``RuntimeError`` when called twice."""
+    global _soft_s, _hard_s, _deadline
     if not 0 < soft_s < hard_s:
         raise ValueError(f"time limits must satisfy 0 < soft < hard, got soft={soft_s} hard={hard_s}")
+    if _deadline is not None:
+        raise RuntimeError("render time limits are already enabled in this process")
     signal.signal(signal.SIGALRM, _on_alarm)
-    _limits = (soft_s, hard_s)
+    faulthandler.register(signal.SIGUSR2, file=sys.__stderr__ or 2, all_threads=True)
+    deadline = mmap.mmap(-1, _DOUBLE.size)
+    parent = os.getpid()
+    if os.fork() == 0:  # the watchdog: nothing but the loop, then out without the parent's exit handlers
+        try:
+            _watch(deadline, parent)
+        finally:
+            os._exit(0)
+    _deadline, _soft_s, _hard_s = deadline, soft_s, hard_s
 
 
 def enabled() -> bool:
     """True once ``enable`` ran in this process."""
-    return _limits is not None
+    return _soft_s is not None
 
 
 @contextmanager
 def task_time_limits() -> Iterator[None]:
-    """The body of a ``with``: ``SoftTimeLimitExceeded`` raised in it after the soft limit; the process exits
-    (status 1, Python stacks on stderr) after the hard limit. Nothing when ``enable`` did not run here or when
-    called off the main thread (the inline pool's threads in the api)."""
+    """The body of a ``with``: ``SoftTimeLimitExceeded`` raised in it after the soft limit; the process is killed
+    (Python stacks on stderr, then ``SIGKILL``) after the hard limit. Nothing when ``enable`` did not run here or
+    when called off the main thread (the inline pool's threads in the api)."""
     global _armed
-    if _limits is None or threading.current_thread() is not threading.main_thread():
+    if _soft_s is None or _deadline is None or threading.current_thread() is not threading.main_thread():
         yield
         return
-    soft_s, hard_s = _limits
-    faulthandler.dump_traceback_later(hard_s, exit=True, file=sys.__stderr__ or 2)
+    _DOUBLE.pack_into(_deadline, 0, time.monotonic() + _hard_s)
     _armed = True
-    signal.setitimer(signal.ITIMER_REAL, soft_s)
+    signal.setitimer(signal.ITIMER_REAL, _soft_s)
     try:
         yield
     finally:
         _armed = False
         signal.setitimer(signal.ITIMER_REAL, 0)
-        faulthandler.cancel_dump_traceback_later()
+        _DOUBLE.pack_into(_deadline, 0, 0.0)
 
 
 def redelivery_mark_key(prefix: str, task_id: str) -> str:
