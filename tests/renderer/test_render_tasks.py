@@ -85,11 +85,15 @@ def test_task_objects_are_registered_with_their_names():
 def test_reply_json_reads_back_as_the_reply():
     import json
 
+    from inference.render_client import parse_reply
     from inference.tasks import reply_json
 
     for reply in ({"id": "a", "result": {"ok": True, "prompt_text": "é 東京 \u2028 🙂", "prompt_token_ids": [1, 2]}},
                   {"id": "b", "result": {"ok": True, "prompt_text": "lone \ud800", "n": 2**70}}):  # stdlib path
         assert json.loads(reply_json(reply)) == reply
+        assert parse_reply(reply_json(reply)) == reply  # the api's reader: orjson, else the standard library
+    with pytest.raises(ValueError):
+        parse_reply(b"{not json")
 
 
 def test_a_replied_task_returns_a_stand_in(monkeypatch):
