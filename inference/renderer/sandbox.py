@@ -36,6 +36,10 @@ What we add, for templates that are not well-behaved:
   ``optimized=False`` (no optimizer pass), and every filter and ``finalize`` take the render
   context (``pass_context``), which Jinja never calls at compile time (``nodes.Filter.as_const``
   and ``CodeGenerator.visit_Output`` refuse them); only template text is still folded.
+* No bytes: ``int.to_bytes``, ``str.encode`` and every attribute of ``bytes``/``bytearray``/``memoryview`` are unsafe
+  attributes. A chat template has no use for bytes, and the size checks above are for text: ``(0).to_bytes(n)``
+  built a value of ``n`` bytes past every cap, and ``bytes.count`` over it held a render worker in C code until its
+  hard time limit killed it.
 * ``range`` is capped by Jinja's sandbox (``MAX_RANGE`` = 100000 items per call, ``OverflowError``
   -> ``TemplateLimitError``); ``lipsum`` is refused past ``max_chars`` estimated characters.
 
@@ -87,8 +91,8 @@ class RenderBudget:
             )
 
     def check_size(self, value: Any) -> Any:
-        """Raise ``TemplateLimitError`` if ``value`` is a str/list/tuple/dict longer than ``max_chars``."""
-        if isinstance(value, (str, list, tuple, dict)) and len(value) > self.max_chars:
+        """Raise ``TemplateLimitError`` if ``value`` is a str/bytes/list/tuple/dict longer than ``max_chars``."""
+        if isinstance(value, (str, list, tuple, dict, *_BYTES_TYPES)) and len(value) > self.max_chars:
             raise TemplateLimitError(
                 f"chat template built a value of {len(value)} items, over the limit of {self.max_chars}"
             )
@@ -523,6 +527,9 @@ def _strftime_now_budgeted(fmt: Any) -> str:
 
 
 _MAX_POW_BITS = 4096
+# bytes are unreachable from a template (``ChatTemplateEnvironment.is_safe_attribute``)
+_BYTES_TYPES = (bytes, bytearray, memoryview)
+_TO_BYTES = frozenset({"to_bytes", "encode"})
 
 
 class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
@@ -547,6 +554,12 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
         self.globals["namespace"] = _TemplateNamespace
 
     # -- sandbox escapes fail loudly ----------------------------------------------------------
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        """Jinja's rule, and nothing that makes or reads bytes (module docstring)."""
+        if isinstance(obj, _BYTES_TYPES) or (attr in _TO_BYTES and isinstance(obj, (int, str))):
+            return False
+        return bool(super().is_safe_attribute(obj, attr, value))
+
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         raise TemplateSecurityError(
             f"chat template accessed unsafe attribute {attribute!r} of {type(obj).__name__!r}"
