@@ -159,13 +159,16 @@ class RenderReplyWaiter:
         argsrepr = f"[<{task_name} payload, reply {reply_id}>]"
         publisher = self._publisher(app)
 
-        async def publish() -> None:
+        async def publish(resent: bool = False) -> None:
+            # a copy sent again is marked: the worker counts it with the copies the broker handed back
+            # (inference.render_limits.redelivery_refusal), so a render that kills its worker runs at most twice
+            args = [{**body, "resent": True} if resent else body]
             if publisher is not None:
-                await publisher.send(task_name, [body], queue=queue, expires=expires_at(longest), argsrepr=argsrepr)
+                await publisher.send(task_name, args, queue=queue, expires=expires_at(longest), argsrepr=argsrepr)
                 return
 
             def send() -> None:
-                app.send_task(task_name, args=[body], queue=queue, ignore_result=True, expires=expires_at(longest),
+                app.send_task(task_name, args=args, queue=queue, ignore_result=True, expires=expires_at(longest),
                               argsrepr=argsrepr, kwargsrepr="{}")
 
             await loop.run_in_executor(self._pool(), send)
@@ -197,7 +200,7 @@ class _Deadline:
     ``asyncio.wait``, measured on the 2-core box."""
 
     def __init__(self, waiter: RenderReplyWaiter, fut: asyncio.Future[Any], sent: float, timeout: float,
-                 worker_return: float, publish: Callable[[], Awaitable[None]]):
+                 worker_return: float, publish: Callable[[bool], Awaitable[None]]):
         self._waiter, self._fut, self._sent, self._publish = waiter, fut, sent, publish
         self._republished = False
         self._timeout, self._worker_return = timeout, worker_return
@@ -234,7 +237,7 @@ class _Deadline:
             # half the timeout more (D-194)
             self._republished = True
             try:
-                await self._publish()
+                await self._publish(True)
                 wait = min(self._timeout / 2, self._timeout + self._worker_return - waited)
             except Exception:
                 log.exception("render task could not be sent again")

@@ -21,6 +21,7 @@ its main thread (a test runner, a shell) keeps its own ``SIGALRM`` and is never 
 from __future__ import annotations
 
 import faulthandler
+import logging
 import mmap
 import os
 import signal
@@ -46,7 +47,9 @@ _soft_s: float | None = None  # the soft limit once ``enable`` ran in this worke
 _hard_s = 0.0
 _deadline: mmap.mmap | None = None  # 8 bytes shared with the watchdog: CLOCK_MONOTONIC deadline, 0.0 = no task
 _armed = False
+_watchdog_pid = 0
 _DOUBLE = struct.Struct("d")
+log = logging.getLogger(__name__)
 
 
 def _on_alarm(_signum: int, _frame: Any) -> None:
@@ -83,14 +86,37 @@ def enable(soft_s: float, hard_s: float) -> None:
         raise RuntimeError("render time limits are already enabled in this process")
     signal.signal(signal.SIGALRM, _on_alarm)
     faulthandler.register(signal.SIGUSR2, file=sys.__stderr__ or 2, all_threads=True)
-    deadline = mmap.mmap(-1, _DOUBLE.size)
+    _deadline, _soft_s, _hard_s = mmap.mmap(-1, _DOUBLE.size), soft_s, hard_s
+    _fork_watchdog()
+
+
+def _fork_watchdog() -> None:
+    global _watchdog_pid
+    assert _deadline is not None
     parent = os.getpid()
-    if os.fork() == 0:  # the watchdog: nothing but the loop, then out without the parent's exit handlers
+    pid = os.fork()
+    if pid == 0:  # the watchdog: nothing but the loop, then out without the parent's exit handlers
         try:
-            _watch(deadline, parent)
+            _watch(_deadline, parent)
         finally:
             os._exit(0)
-    _deadline, _soft_s, _hard_s = deadline, soft_s, hard_s
+    _watchdog_pid = pid
+
+
+def watchdog_pid() -> int:
+    """The pid of this worker's watchdog process (0 before ``enable``)."""
+    return _watchdog_pid
+
+
+def _ensure_watchdog() -> None:
+    """Start another watchdog when this worker's has exited (killed by someone): one ``waitpid`` per task."""
+    try:
+        gone, _ = os.waitpid(_watchdog_pid, os.WNOHANG)
+    except ChildProcessError:  # reaped by someone else
+        gone = _watchdog_pid
+    if gone:
+        log.warning("the render time-limit watchdog (pid %d) exited; starting another", _watchdog_pid)
+        _fork_watchdog()
 
 
 def enabled() -> bool:
@@ -107,6 +133,7 @@ def task_time_limits() -> Iterator[None]:
     if _soft_s is None or _deadline is None or threading.current_thread() is not threading.main_thread():
         yield
         return
+    _ensure_watchdog()
     _DOUBLE.pack_into(_deadline, 0, time.monotonic() + _hard_s)
     _armed = True
     signal.setitimer(signal.ITIMER_REAL, _soft_s)
@@ -118,21 +145,22 @@ def task_time_limits() -> Iterator[None]:
         _DOUBLE.pack_into(_deadline, 0, 0.0)
 
 
-def redelivery_mark_key(prefix: str, task_id: str) -> str:
-    """Redis counter of the redelivered copies of task ``task_id`` that began running, under link prefix ``prefix``."""
-    return f"{prefix}:render:redelivered:{task_id}"
+def redelivery_mark_key(prefix: str, request_id: str) -> str:
+    """Redis counter of the second copies (handed back or sent again) of render request ``request_id`` that came to
+    a worker, under link prefix ``prefix``."""
+    return f"{prefix}:render:redelivered:{request_id}"
 
 
-def redelivery_refusal(client: Any, prefix: str, task_id: str | None, redelivered: bool) -> bool:
-    """Whether a task must not run again: True when it is a redelivered copy (``redelivered``: kombu's flag on a
-    message the broker handed back) and an earlier redelivered copy of the same ``task_id`` already began, so the
-    task's worker was lost at least twice while it ran. The first redelivery runs (a worker killed by an operator,
-    the OOM killer or a lost machine: the request is answered late); a task whose run kills every worker that takes
-    it (the hard time limit) thus takes at most two. ``client``: a synchronous Redis client (one ``INCR`` + ``EXPIRE``,
-    only for redelivered copies). Raises ``redis.RedisError``."""
-    if not redelivered or not task_id:
+def redelivery_refusal(client: Any, prefix: str, request_id: str | None, redelivered: bool) -> bool:
+    """Whether a copy of a render must not run: True when it is a second copy (``redelivered``: one the broker
+    handed back, kombu's flag, or one the api sent again) of request ``request_id`` after an earlier such copy
+    began, so the request's render was started at least twice before. The first copy again runs (a worker killed by
+    an operator, the OOM killer or a lost machine: the request is answered late); a render that kills every worker
+    that runs it (the hard time limit) thus takes at most two. ``client``: a synchronous Redis client (one ``INCR``
+    + ``EXPIRE``, only for such copies). Raises ``redis.RedisError``."""
+    if not redelivered or not request_id:
         return False
-    key = redelivery_mark_key(prefix, task_id)
+    key = redelivery_mark_key(prefix, request_id)
     pipe = client.pipeline(transaction=False)
     pipe.incr(key)
     pipe.expire(key, REDELIVERY_MARK_TTL_S)

@@ -299,7 +299,7 @@ def _lost_twice(payload: Any) -> dict[str, Any]:
     what = "rendering this request stopped its render worker twice (time limit or a lost worker)"
     err: RenderError
     if isinstance(payload, dict) and payload.get("client_chat_template"):
-        err = TemplateTimeoutError(f"{what}; it is not tried again")
+        err = TemplateTimeoutError(f"{what}; it is not tried again", param="chat_template")
     else:
         err = RenderOverloadedError(f"{what}; it is not tried again")
     return {"ok": False, "error": err.to_dict()}
@@ -307,12 +307,14 @@ def _lost_twice(payload: Any) -> dict[str, Any]:
 
 def run_task(task: Any, payload: Any, body: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
     """Run a render task's ``body(payload)`` under ``render_limits.task_time_limits`` and reply
-    (``reply_if_requested``); a copy the broker handed back a second time (``render_limits.redelivery_refusal``) is
-    answered with ``_lost_twice`` without running. ``task``: the bound Celery task (its ``request.id`` and
+    (``reply_if_requested``). A copy the broker handed back or the api sent again, when such a copy of the same
+    request already began (``render_limits.redelivery_refusal``), is answered with ``_lost_twice`` without running:
+    a render that kills the worker running it (hard time limit) takes at most two. ``task``: the bound Celery task (its ``request.id`` and
     ``delivery_info``). Never raises (a soft limit reached while the body returns becomes its error dict)."""
     request = getattr(task, "request", None)
     redelivered = bool((getattr(request, "delivery_info", None) or {}).get("redelivered"))
-    if redelivered and _refuse_redelivery(payload, getattr(request, "id", None)):
+    resent = isinstance(payload, dict) and bool(payload.get("resent"))  # the api sent it again (render_client)
+    if (redelivered or resent) and _refuse_redelivery(payload, getattr(request, "id", None)):
         return reply_if_requested(payload, _lost_twice(payload))
     try:
         with render_limits.task_time_limits():
@@ -323,14 +325,16 @@ def run_task(task: Any, payload: Any, body: Callable[[Any], dict[str, Any]]) -> 
 
 
 def _refuse_redelivery(payload: Any, task_id: str | None) -> bool:
-    """``render_limits.redelivery_refusal`` on the reply client's Redis under the payload's link prefix; a Redis
-    failure lets the copy run (the reply would fail the same way)."""
+    """``render_limits.redelivery_refusal`` on the reply client's Redis under the payload's link prefix, counted per
+    request (its ``reply_id``, shared by the api's copy sent again; else the task id); a Redis failure lets the copy
+    run (the reply would fail the same way)."""
     channel = payload.get("reply_to") if isinstance(payload, dict) else None
+    reply_id = payload.get("reply_id") if isinstance(payload, dict) else None
     # a caller with no reply channel (a Celery result backend) has no link prefix: task ids are unique anyway
     prefix = (channel.split(":render:reply:")[0] if isinstance(channel, str) and ":render:reply:" in channel
               else "celery-results")
     try:
-        return render_limits.redelivery_refusal(_reply_redis(), prefix, task_id, True)
+        return render_limits.redelivery_refusal(_reply_redis(), prefix, str(reply_id or task_id or ""), True)
     except redis.RedisError:
         logger.warning("redelivery check failed; running the task", exc_info=True)
         return False

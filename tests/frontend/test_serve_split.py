@@ -1,6 +1,7 @@
 """``manage.py serve`` as the README runs it, with ``--frontend-cores``: the front api alone on its core, every
 other process on the rest, image requests handed to the multimodal api process (restarted when killed; the
-front covers for it meanwhile), and bad ``--frontend-cores`` values refused before anything starts."""
+front covers for it meanwhile; one that keeps crashing is set aside, and so is a render worker), and bad
+``--frontend-cores`` values refused before anything starts."""
 
 from __future__ import annotations
 
@@ -114,6 +115,23 @@ def test_serve_pins_the_front_api_and_hands_images_to_the_multimodal_api(tmp_pat
             assert resp.status_code == 400 and resp.json()["error"]["code"] == "images_not_supported", resp.text
             tok = http.post("/tokenize", json={"model": "tiny-qwen3", "prompt": "hello"})
             assert tok.status_code == 200, tok.text
+
+            # so is a render worker that keeps dying (a tenant's template killed by the hard time limit again and
+            # again, D-296): the other one renders, and serve goes on
+            def worker2() -> list[int]:  # its main process (a child of serve's), not its watchdog
+                return [p for p in child_pids(proc.pid) if "worker2@" in cmdline(p) and "-Q render" in cmdline(p)]
+
+            for _ in range(6):
+                wait_until(worker2, 60, "render worker 2")
+                pid = worker2()[0]
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+                wait_until(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), 10, "render worker 2 to be reaped")
+            time.sleep(1.5)
+            assert proc.poll() is None, "serve stopped"
+            assert not worker2()
+            for i in range(4):
+                tok = http.post("/tokenize", json={"model": "tiny-qwen3", "prompt": f"hello {i}"})
+                assert tok.status_code == 200, tok.text
     finally:
         stop_serve(proc)
         if env.get("REDIS_URL"):

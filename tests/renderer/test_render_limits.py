@@ -4,6 +4,7 @@ it); the guard runs on the test Redis."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -73,6 +74,23 @@ def test_hard_limit_exits_a_process_stuck_in_c_code_holding_the_gil():
     assert took < 15, took
 
 
+def test_a_killed_watchdog_is_replaced_before_the_next_task():
+    code = PRELUDE + (
+        "import os, signal\n"
+        "first = render_limits.watchdog_pid()\n"
+        "os.kill(first, signal.SIGKILL)\n"
+        "time.sleep(0.3)\n"
+        "with render_limits.task_time_limits():\n"
+        "    assert render_limits.watchdog_pid() != first\n"
+        "    sum(range(10**11))\n"
+        "print('not stopped')\n"
+    )
+    out, took = _run(code, timeout=120)
+    assert out.returncode == -signal.SIGKILL and "not stopped" not in out.stdout, (out.returncode, out.stderr)
+    assert "exited; starting another" in out.stderr and "most recent call first" in out.stderr, out.stderr
+    assert took < 15, took
+
+
 def test_limits_are_off_unless_enabled_and_off_the_main_thread():
     code = (
         "import threading, time\n"
@@ -122,4 +140,54 @@ def test_a_task_handed_back_twice_is_refused_on_its_second_copy():
         client.delete(render_limits.redelivery_mark_key(prefix, other))
     finally:
         client.delete(key)
+        client.close()
+
+
+def test_copies_handed_back_or_sent_again_count_per_request():
+    """``inference.tasks.run_task``: a request's render runs at most twice, whether its second copy came back from
+    the broker (a lost worker) or from the api sending it again (its reply timer; render_client); the third copy of
+    either kind is answered with the error, not run."""
+    from types import SimpleNamespace
+
+    from inference import tasks
+
+    client = redis.Redis.from_url(TEST_REDIS_URL)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"no Redis at {TEST_REDIS_URL}: {exc}")
+    prefix, reply_id = f"rlim-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    channel = f"{prefix}:render:reply:test"
+    payload = {"reply_to": channel, "reply_id": reply_id, "client_chat_template": True}
+    ran: list[dict] = []
+
+    def body(p):
+        ran.append(p)
+        return {"ok": True}
+
+    def task(redelivered: bool):
+        return SimpleNamespace(request=SimpleNamespace(id=uuid.uuid4().hex, delivery_info={"redelivered": redelivered}))
+
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(channel)
+    try:
+        assert tasks.run_task(task(False), payload, body)["replied"]  # the first copy: no mark
+        assert client.exists(render_limits.redelivery_mark_key(prefix, reply_id)) == 0
+        assert tasks.run_task(task(True), payload, body)["ok"]  # handed back once: runs
+        out = tasks.run_task(task(False), {**payload, "resent": True}, body)  # sent again after that: refused
+        assert out == {"ok": False, "replied": True} and len(ran) == 2
+        replies = []
+        for _ in range(50):
+            msg = pubsub.get_message(timeout=0.1)
+            if msg is not None:
+                replies.append(json.loads(msg["data"]))
+            if len(replies) == 3:
+                break
+        assert [r["result"]["ok"] for r in replies] == [True, True, False]
+        err = replies[2]["result"]["error"]
+        # the client's own template: a 400 naming it
+        assert err["type"] == "TemplateTimeoutError" and err["param"] == "chat_template" and "twice" in err["message"]
+    finally:
+        pubsub.close()
+        client.delete(render_limits.redelivery_mark_key(prefix, reply_id), tasks.render_tasks_counter_key(prefix))
         client.close()

@@ -33,6 +33,13 @@ from registry.selectors import served_models_enabled
 RENDER_REDELIVER_AFTER_S = math.ceil(SETTINGS.render_time_limit_s + SETTINGS.render_hard_time_limit_extra_s) + 1
 
 
+def parkable(name: str) -> bool:
+    """Whether serve sets child ``name`` aside (and tries it again after the restart window) when it crashes past its
+    restart budget, rather than stopping everything: the multimodal api and the render workers (``worker``,
+    ``worker-2``, ...)."""
+    return name in ("api-mm", "worker") or (name.startswith("worker-") and name[len("worker-"):].isdigit())
+
+
 def proxy_header_args() -> list[str]:
     """uvicorn options for proxy headers: ``--forwarded-allow-ips FORWARDED_ALLOW_IPS`` when the operator set
     that setting, else ``--no-proxy-headers`` (uvicorn would otherwise believe ``X-Forwarded-For`` from
@@ -200,7 +207,7 @@ class Command(BaseCommand):
         wait_until(lambda: http_ok(base + "/health"), 60, "the API server", sup)
         self._banner(base, info, var_dir)
         policy = RestartPolicy()
-        parked: tuple | None = None  # (child, retry at): a multimodal api that crashed past its restart budget
+        parked: list[tuple] = []  # (child, retry at): a multimodal api or render worker crashing past its budget
         next_reap = 0.0  # serve reaps dead api processes' admission reservations too (D-180), every second
         while not stop["flag"]:
             dead = sup.dead_child()
@@ -214,28 +221,33 @@ class Command(BaseCommand):
                 # served once it is back on its port. Redis is not: without it nothing can be served (and an
                 # embedded one lost its data), so everything stops. While the multimodal api is down, the front
                 # api serves image chats itself (gateway/handoff.py), so one that keeps crashing is set aside
-                # and tried again after the restart window, not fatal.
+                # and tried again after the restart window, not fatal; so is a render worker (the others render
+                # meanwhile, and with none the api refuses renders with 503 until one is back, D-191): a tenant's
+                # template that runs into the hard time limit again and again kills solo workers (D-296), and must
+                # not stop the whole platform.
                 code = dead.proc.returncode
                 if dead.name == "api-mm" and mm_socket and os.path.exists(mm_socket):
                     os.unlink(mm_socket)  # a killed launcher leaves its socket file
                 if dead.name == "redis":
                     raise RuntimeError(f"{dead.name} exited with code {code}; see {dead.log_path}")
                 if not policy.allow(dead.name, time.monotonic()):
-                    if dead.name != "api-mm":
+                    if not parkable(dead.name):
                         raise RuntimeError(f"{dead.name} exited with code {code}; see {dead.log_path}")
                     sup.kill_group(dead)
                     sup.children.remove(dead)
-                    parked = (dead, time.monotonic() + policy.window_s)
-                    self.stderr.write(f"api-mm exited with code {code} and keeps crashing; the front api serves image "
-                                      f"requests itself; trying api-mm again in {policy.window_s:.0f} s "
-                                      f"(see {dead.log_path})")
+                    parked.append((dead, time.monotonic() + policy.window_s))
+                    meanwhile = ("the front api serves image requests itself" if dead.name == "api-mm"
+                                 else "the other render workers serve")
+                    self.stderr.write(f"{dead.name} exited with code {code} and keeps crashing; {meanwhile}; trying "
+                                      f"it again in {policy.window_s:.0f} s (see {dead.log_path})")
                 else:
                     self.stderr.write(f"{dead.name} exited with code {code}; restarting it (see {dead.log_path})")
                     sup.restart(dead)
-            if parked is not None and time.monotonic() >= parked[1] and policy.allow("api-mm", time.monotonic()):
-                sup.children.append(parked[0])
-                sup.restart(parked[0])
-                parked = None
+            for entry in list(parked):
+                if time.monotonic() >= entry[1] and policy.allow(entry[0].name, time.monotonic()):
+                    parked.remove(entry)
+                    sup.children.append(entry[0])
+                    sup.restart(entry[0])
             if time.monotonic() >= next_reap:
                 next_reap = time.monotonic() + 1.0
                 _reap_dead_holders(client)
