@@ -325,6 +325,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds (platform, vLLM, platform, ...)")
     ap.add_argument("--max-seconds", type=float, default=300, help="per server per round")
     ap.add_argument("--idle-seconds", type=float, default=5)
+    ap.add_argument("--render-pool", choices=("solo", "prefork"), default="solo",
+                    help="the render workers' Celery pool: solo (two workers, serve's default) or prefork (one worker, "
+                         "two children; DECISIONS D-296)")
     ap.add_argument("--vllm-python", default=str(REPO / ".peer" / "vllm" / "bin" / "python"))
     ap.add_argument("--no-vllm", action="store_true", help="the platform only")
     ap.add_argument("--json", type=Path, help="write the figures here too")
@@ -341,7 +344,7 @@ def main() -> None:
     if args.serve is not None:
         platform, stop_platform = start_serve(tmp, args.serve)
     else:
-        live = start_platform(tmp, max_model_len=4096, engine=False)
+        live = start_platform(tmp, max_model_len=4096, engine=False, render_pool=args.render_pool)
         stop_platform = live.stop
         platform = Server("platform", live.base_url, {"Authorization": f"Bearer {live.api_key}"},
                           [(c.name, c.proc.pid) for c in live.sup.children if c.proc is not None])

@@ -10,7 +10,7 @@ per side; vLLM runs its single api server.
 
 Usage::
 
-    .venv/bin/python bench/frontend.py [--requests 200] [--vllm-python .peer/vllm/bin/python] [--no-vllm]
+    .venv/bin/python bench/frontend.py [--requests 200] [--vllm-python .peer/vllm/bin/python] [--no-vllm] [--render-pool solo|prefork]
 
 Needs Redis (``REDIS_URL``, e.g. redis://127.0.0.1:6379/13) or starts the embedded one, and vLLM installed
 as in ../shared/reference/peer_vllm.md (``.peer/vllm``). Prints p50/p99 latency (ms), requests/s and the
@@ -143,6 +143,9 @@ def first_tokens(url: str, headers: dict, body: dict, tries: int = 10) -> list[i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=200, help="requests per cell (concurrency 1 uses a quarter)")
+    ap.add_argument("--render-pool", choices=("solo", "prefork"), default="solo",
+                    help="the render workers' Celery pool: solo (two workers, serve's default) or prefork (one worker, "
+                         "two children; DECISIONS D-296)")
     ap.add_argument("--vllm-python", default=str(REPO / ".peer" / "vllm" / "bin" / "python"))
     ap.add_argument("--no-vllm", action="store_true",
                     help="our two routes only; ratios against ours/inline (the render hop's cost, no vLLM to start)")
@@ -150,7 +153,7 @@ def main() -> None:
     base = "ours/inline" if args.no_vllm else "vllm"
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-frontend-"))
-    live = start_platform(tmp, max_model_len=4096, engine=False)
+    live = start_platform(tmp, max_model_len=4096, engine=False, render_pool=args.render_pool)
     vllm = None
     try:
         inline_url = live.start_inline_api()

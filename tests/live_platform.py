@@ -258,8 +258,10 @@ def redis_for(sup: Supervisor, env: dict[str, str], var_dir: Path) -> str:
 
 
 def start_platform(tmp_dir: Path, *, max_model_len: int = 512, engine: bool = True,
-                   mm_worker: bool = True) -> LivePlatform:
-    """Start Redis (unless ``REDIS_URL``), migrate, register the demo model, create a key, start the rest."""
+                   mm_worker: bool = True, render_pool: str = "solo") -> LivePlatform:
+    """Start Redis (unless ``REDIS_URL``), migrate, register the demo model, create a key, start the rest.
+    ``render_pool``: the render workers' Celery pool, ``solo`` (two workers, as ``serve`` runs them) or ``prefork``
+    (one worker with two children: the layout before D-296, for benchmarks that compare them)."""
     ensure_demo_assets()
     var_dir, prefix, env, scratch = child_env(tmp_dir, "e2e")
     sup = Supervisor(env=env, log_dir=var_dir / "log")
@@ -273,10 +275,11 @@ def start_platform(tmp_dir: Path, *, max_model_len: int = 512, engine: bool = Tr
         live.manage("register_model", DEMO_MODEL, str(MODEL_DIR), "--max-model-len", str(max_model_len))
         live.api_key = live.new_key(tenant="e2e")
         # two solo render workers, as `manage.py serve` runs them by default (one render slot each; D-296)
-        for i, name in enumerate(("worker", "worker-2")):
-            sup.start(name, [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "render", "-c", "1",
-                             "--pool", "solo", "-n", f"w{i}-{prefix}@%h", "--without-gossip", "--without-mingle",
-                             "-l", "WARNING"], env_extra={"CELERY_WORKER_PREFETCH_MULTIPLIER": "1"})
+        for i, name in enumerate(("worker", "worker-2") if render_pool == "solo" else ("worker",)):
+            sup.start(name, [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "render", "-c",
+                             "1" if render_pool == "solo" else "2", "--pool", render_pool, "-n", f"w{i}-{prefix}@%h",
+                             "--without-gossip", "--without-mingle", "-l", "WARNING"],
+                      env_extra={"CELERY_WORKER_PREFETCH_MULTIPLIER": "1"} if render_pool == "solo" else None)
         # usage writes on their own worker, as `manage.py serve` runs them: a flush never holds a render slot
         sup.start("worker-usage", [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "usage", "-c", "1",
                                    "--pool", "prefork", "-n", f"u-{prefix}@%h", "--without-gossip",
