@@ -14,10 +14,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-import redis
 
 from inference import render_limits
-from tests.support.redis import TEST_REDIS_URL
+from tests.support.redis import redis_or_skip
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -123,11 +122,7 @@ def test_the_watchdog_leaves_with_its_worker():
 
 
 def test_a_task_handed_back_twice_is_refused_on_its_second_copy():
-    client = redis.Redis.from_url(TEST_REDIS_URL)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        pytest.skip(f"no Redis at {TEST_REDIS_URL}: {exc}")
+    client = redis_or_skip()
     prefix, task_id = f"rlim-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     key = render_limits.redelivery_mark_key(prefix, task_id)
     try:
@@ -155,11 +150,7 @@ def test_copies_handed_back_or_sent_again_count_per_request():
 
     from inference import tasks
 
-    client = redis.Redis.from_url(TEST_REDIS_URL)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        pytest.skip(f"no Redis at {TEST_REDIS_URL}: {exc}")
+    client = redis_or_skip()
     prefix, reply_id = f"rlim-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     channel = f"{prefix}:render:reply:test"
     payload = {"reply_to": channel, "reply_id": reply_id, "client_chat_template": True}

@@ -13,6 +13,19 @@ import redis
 TEST_REDIS_URL = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/9"
 
 
+def redis_or_skip(url: str = TEST_REDIS_URL) -> redis.Redis:
+    """A client of the Redis at ``url``; the calling test is skipped when it does not answer."""
+    import pytest
+
+    client = redis.Redis.from_url(url)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        client.close()
+        pytest.skip(f"no Redis at {url}: {exc}")
+    return client
+
+
 def delete_matching(url: str, pattern: str) -> None:
     """Delete every key matching the glob ``pattern`` (Redis ``SCAN MATCH`` syntax) in the Redis at ``url``."""
     client = redis.Redis.from_url(url)
