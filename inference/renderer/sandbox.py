@@ -36,6 +36,11 @@ What we add, for templates that are not well-behaved:
   ``optimized=False`` (no optimizer pass), and every filter and ``finalize`` take the render
   context (``pass_context``), which Jinja never calls at compile time (``nodes.Filter.as_const``
   and ``CodeGenerator.visit_Output`` refuse them); only template text is still folded.
+* Calls whose C code costs len(s) x len(argument) (``rfind``/``rindex``/``rsplit``/``rpartition``, ``strip``
+  and its kin with a character set) are charged for that before they run; ``sum`` adds numbers only (a sum of
+  lists copies its growing total at every item); printf keys are read as Python reads them (``%((x))9s``: key
+  ``(x)``, width 9); ``Markup`` values (``|safe``, ``|e``) get the same method and ``format`` checks as ``str``;
+  ``strftime_now`` counts glibc's width flags (``%200000000Y``).
 * No bytes: ``int.to_bytes``, ``str.encode`` and every attribute of ``bytes``/``bytearray``/``memoryview`` are unsafe
   attributes. A chat template has no use for bytes, and the size checks above are for text: ``(0).to_bytes(n)``
   built a value of ``n`` bytes past every cap, and ``bytes.count`` over it held a render worker in C code until its
@@ -328,6 +333,12 @@ def _pre_batch(budget: RenderBudget, value: Any, linecount: Any, fill_with: Any 
         budget.check_planned(linecount, "batch")
 
 
+def _pre_sum(budget: RenderBudget, value: Any, attribute: Any = None, start: Any = 0) -> None:
+    # ``sum`` of lists (``start=[]``) copies the growing total at every item: quadratic, in one C call
+    if not isinstance(start, (int, float)):
+        raise TemplateLimitError("the sum filter adds numbers only (its start was not a number)")
+
+
 def _pre_format(budget: RenderBudget, value: Any, *args: Any, **kwargs: Any) -> None:
     check_printf(budget, value, kwargs or args)
 
@@ -350,6 +361,7 @@ _PRECHECKS: dict[str, Callable[..., None]] = {
     "batch": _pre_batch,
     "format": _pre_format,
     "pprint": _pre_pprint,
+    "sum": _pre_sum,
 }
 # Filters that turn their value into a string (soft_str/str): the text is measured first.
 for _name in ("capitalize", "e", "escape", "forceescape", "lower", "upper", "title", "trim", "striptags", "string",
@@ -365,8 +377,31 @@ _ITERATING_FILTERS = frozenset({
 # On a string (already within max_chars) these run at C speed: not charged per character.
 _C_SPEED_ON_STR = frozenset({"join", "list", "reverse"})
 
-_PRINTF_SPEC = re.compile(r"%(?:\((?P<key>[^)]*)\))?[#0\- +]*(?P<width>\*|\d+)?(?:\.(?P<prec>\*|\d+))?[hlL]?(?P<type>.)",
-                          re.S)
+# What follows ``%`` and an optional ``(key)`` in a printf-style conversion.
+_PRINTF_REST = re.compile(r"[#0\- +]*(?P<width>\*|\d+)?(?:\.(?P<prec>\*|\d+))?[hlL]?(?P<type>.)", re.S)
+
+
+def printf_specs(fmt: str) -> Iterator[tuple[str | None, str | None, str | None, str]]:
+    """The conversions of printf-style ``fmt`` as ``(key, width, prec, type)`` (``None`` where absent), parsed as
+    Python's ``%`` does (``Objects/unicodeobject.c``): a ``(key)`` ends at its matching parenthesis, so
+    ``%((x))9s`` has key ``(x)`` and width 9. Stops where ``%`` would raise (an unclosed key, a trailing ``%``)."""
+    i, n = 0, len(fmt)
+    while (i := fmt.find("%", i)) >= 0:
+        i += 1
+        key = None
+        if i < n and fmt[i] == "(":
+            depth, j = 1, i + 1
+            while j < n and depth:
+                depth += {"(": 1, ")": -1}.get(fmt[j], 0)
+                j += 1
+            if depth:
+                return
+            key, i = fmt[i + 1:j - 1], j
+        m = _PRINTF_REST.match(fmt, i)
+        if m is None:
+            return
+        yield key, m.group("width"), m.group("prec"), m.group("type")
+        i = m.end()
 
 
 def check_printf(budget: RenderBudget, fmt: Any, args: Any) -> None:
@@ -384,11 +419,10 @@ def check_printf(budget: RenderBudget, fmt: Any, args: Any) -> None:
     else:
         positional = [args]
     index = 0
-    for m in _PRINTF_SPEC.finditer(fmt):
-        if m.group("type") == "%":
+    for key, width, prec, conversion in printf_specs(fmt):
+        if conversion == "%":
             continue
-        for part in ("width", "prec"):
-            spec = m.group(part)
+        for spec in (width, prec):
             if spec == "*":
                 n = positional[index] if index < len(positional) else 0
                 index += 1
@@ -397,7 +431,6 @@ def check_printf(budget: RenderBudget, fmt: Any, args: Any) -> None:
             if isinstance(n, int):
                 total += abs(n)
                 budget.check_planned(total, "formatted string")
-        key = m.group("key")
         if key is not None and isinstance(args, Mapping):
             value = args.get(key, "")
         else:
@@ -476,10 +509,16 @@ class _BudgetedFormatter(SandboxedFormatter):
         return super().format_field(value, format_spec)
 
 
-def _check_str_method(budget: RenderBudget, method: types.BuiltinMethodType, args: tuple[Any, ...],
+# ``str`` methods whose C code costs up to len(s) x len(first argument) character comparisons.
+_QUADRATIC_STR_METHODS = frozenset({"rfind", "rindex", "rsplit", "rpartition", "strip", "lstrip", "rstrip"})
+_CHAR_COMPARISONS_PER_OP = 1000
+
+
+def _check_str_method(budget: RenderBudget, method: Callable[..., Any], args: tuple[Any, ...],
                       kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """Precheck of a call to a ``str`` method (``args``/``kwargs`` as given); returns the args to call with."""
-    s, name = cast(str, method.__self__), method.__name__  # a bound ``str`` method (the caller checks)
+    """Precheck of a call to a method of a ``str`` or of a subclass such as ``Markup`` (``args``/``kwargs`` as
+    given); returns the args to call with."""
+    s, name = cast(str, cast(Any, method).__self__), method.__name__  # a bound method of a str (the caller checks)
     if name in ("ljust", "rjust", "center", "zfill"):
         if args and isinstance(args[0], int):
             budget.check_planned(max(len(s), args[0]), "padded string")
@@ -502,6 +541,10 @@ def _check_str_method(budget: RenderBudget, method: types.BuiltinMethodType, arg
         if isinstance(count, int) and count >= 0:
             hits = min(hits, count)
         budget.check_planned(len(s) + hits * (len(args[1]) - len(args[0])), "replaced string")
+    elif name in _QUADRATIC_STR_METHODS and args and isinstance(args[0], str):
+        # backward searches compare naively, and strip tests each character against the whole set: one unit per
+        # _CHAR_COMPARISONS_PER_OP comparisons of the worst case, before the call (it runs in C, uninterruptible)
+        budget.spend(len(s) * len(args[0]) // _CHAR_COMPARISONS_PER_OP)
     elif name == "translate" and args and isinstance(args[0], Mapping):
         table = args[0]
         total = 0
@@ -519,10 +562,15 @@ def _lipsum(n: Any = 5, html: Any = True, min: Any = 20, max: Any = 100) -> str:
     return jinja2.utils.generate_lorem_ipsum(n=n, html=html, min=min, max=max)
 
 
+# A strftime directive's glibc flags and width (``%200000000Y`` pads to that width).
+_STRFTIME_WIDTH = re.compile(r"%[_\-0^#]*(\d+)")
+
+
 def _strftime_now_budgeted(fmt: Any) -> str:
     budget = _BUDGET.get()
     if budget is not None and isinstance(fmt, str):
-        budget.check_planned(len(fmt) + fmt.count("%") * 64, "date string")
+        widths = sum(int(w) for w in _STRFTIME_WIDTH.findall(fmt))
+        budget.check_planned(len(fmt) + fmt.count("%") * 64 + widths, "date string")
     return _strftime_now(fmt)
 
 
@@ -570,7 +618,9 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
         budget = _BUDGET.get()
         if budget is not None:
             budget.spend()
-            if isinstance(__obj, types.BuiltinMethodType) and isinstance(getattr(__obj, "__self__", None), str):
+            # str's own methods, and those of str subclasses (Markup's are Python functions: MethodType)
+            if (isinstance(__obj, (types.BuiltinMethodType, types.MethodType))
+                    and isinstance(getattr(__obj, "__self__", None), str)):
                 args = _check_str_method(budget, __obj, args, kwargs)
         result = super().call(__context, __obj, *args, **kwargs)
         if budget is not None:
@@ -587,10 +637,22 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
             budget is None
             or not isinstance(value, (types.MethodType, types.BuiltinMethodType))
             or value.__name__ not in ("format", "format_map")
-            or type(getattr(value, "__self__", None)) is not str
+            or not isinstance(getattr(value, "__self__", None), str)
         ):
             return super().wrap_str_format(value)
-        fmt, is_format_map = cast(str, value.__self__), value.__name__ == "format_map"  # checked above
+        if type(value.__self__) is not str:  # Markup: Jinja's escaping formatter, after the same size checks
+            escaping = super().wrap_str_format(value)
+            plain = getattr(str(value.__self__), value.__name__)
+            check = self.wrap_str_format(plain)
+            if escaping is None or check is None:
+                return escaping
+
+            def checked(*args: Any, **kwargs: Any) -> str:
+                check(*args, **kwargs)
+                return escaping(*args, **kwargs)
+
+            return functools.update_wrapper(checked, value)
+        fmt, is_format_map = value.__self__, value.__name__ == "format_map"  # a str: checked above
         formatter = _BudgetedFormatter(self, budget)
 
         def wrapper(*args: Any, **kwargs: Any) -> str:

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from inference.renderer.chat_template import detect_content_format, render_chat
+from inference.renderer.chat_template import detect_content_format, render_chat, render_template
+from inference.renderer.sandbox import printf_specs
 from inference.renderer.errors import (
     InvalidMessagesError, InvalidTemplateKwargsError, NoChatTemplateError, RenderError, TemplateLimitError,
     TemplateRenderError, TemplateSecurityError, TemplateSyntaxError,
@@ -275,6 +276,52 @@ def test_resource_bombs_fail_fast(template):
     # each would run for ever or exhaust memory: a TemplateLimitError (the sandbox's budgets) means it was stopped
     with pytest.raises(TemplateLimitError):
         render_chat(tok_dir("qwen3"), BASIC, chat_template=template)
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        # printf keys with nested parentheses, as Python's % reads them: the width was not seen
+        '{{ ("%((x))2000000000s" % {"(x)": "a"}) | length }}',
+        '{{ "%((x))100000000s" | format(**{"(x)": "a"}) }}',
+        # Markup (|safe, |e) methods and format had none of str's prechecks
+        '{{ ("x"|safe).center(1000000000) | length }}',
+        '{{ ("x"|e).zfill(1000000000) | length }}',
+        '{{ (("a" * 30000)|safe).replace("a", "b" * 30000) | length }}',
+        '{{ ("{:>1000000000}"|safe).format("x") | length }}',
+        '{{ (""|safe).join(["x" * 1000000] * 1000) | length }}',
+        # glibc's strftime width flags
+        '{{ strftime_now("x" * 900000 ~ "%200000000Y") | length }}',
+        # sum of lists: quadratic copying in one C call
+        '{{ ([[0] * 1000000] * 40) | sum(start=[]) | length }}',
+        '{{ ([[0]] * 100000) | sum(start=[]) | length }}',
+        # backward search and strip sets: len(s) x len(arg) comparisons in one C call
+        '{% set s = "a" * 1000000 %}{% set t = "aab" ~ "a" * 10000 %}{{ s.rfind(t) }}',
+        '{% set s = "a" * 1000000 %}{% set t = "aab" ~ "a" * 300000 %}{{ s.rsplit(t) | length }}',
+        '{{ ("a" * 200000).strip("b" * 1000000 ~ "a") | length }}',
+    ],
+)
+def test_size_and_cost_are_refused_before_the_work(template):
+    # found by a sandbox review (DECISIONS D-297): each built gigabytes or held a worker for seconds in one C call;
+    # refused from the arguments, never by measuring what was built ("built a value") or running out of memory
+    with pytest.raises(TemplateLimitError) as exc:
+        render_chat(tok_dir("qwen3"), BASIC, chat_template=template)
+    assert "built a value" not in exc.value.message and "out of memory" not in exc.value.message, exc.value.message
+
+
+def test_the_same_calls_within_bounds_render_as_before():
+    t = ('{{ "%(a)s-%(b)05d" % {"a": "x", "(b)": 1, "b": 7} }}|{{ "%((b))d" % {"(b)": 3} }}|'
+         '{{ ("<b>"|e) ~ ("{}"|safe).format("<i>") }}|{{ ("x"|safe).center(5) }}|{{ [1, 2.5]|sum }}|'
+         '{{ "a</think>b".rsplit("</think>", 1)[-1] }}|{{ "  hi\n".strip() }}|{{ strftime_now("%Y") | length }}')
+    assert render_template(t, {}, max_output_chars=1 << 20, max_ops=10_000) == "x-00007|3|&lt;b&gt;&lt;i&gt;|  x  |3.5|b|hi|4"
+
+
+def test_printf_specs_read_keys_as_python_does():
+    assert list(printf_specs("%((x))9s %-3.2f %% %(a)d")) == [
+        ("(x)", "9", None, "s"), (None, "3", "2", "f"), (None, None, None, "%"), ("a", None, None, "d")]
+    assert list(printf_specs("%((x)s")) == []  # unclosed key: Python's % raises ValueError
+    fmt, args = "%((x))9s|%(a)s", {"(x)": "v", "a": "w"}
+    assert len(fmt % args) == 11  # the same reading as Python's
 
 
 def test_output_size_cap():
