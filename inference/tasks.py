@@ -309,8 +309,9 @@ def run_task(task: Any, payload: Any, body: Callable[[Any], dict[str, Any]]) -> 
     """Run a render task's ``body(payload)`` under ``render_limits.task_time_limits`` and reply
     (``reply_if_requested``). A copy the broker handed back or the api sent again, when such a copy of the same
     request already began (``render_limits.redelivery_refusal``), is answered with ``_lost_twice`` without running:
-    a render that kills the worker running it (hard time limit) takes at most two. ``task``: the bound Celery task (its ``request.id`` and
-    ``delivery_info``). Never raises (a soft limit reached while the body returns becomes its error dict)."""
+    a render that kills the worker running it (hard time limit) takes at most two. ``task``: the bound Celery task
+    (its ``request.id`` and ``delivery_info``). Never raises (a soft limit reached while the body returns becomes
+    its error dict)."""
     request = getattr(task, "request", None)
     redelivered = bool((getattr(request, "delivery_info", None) or {}).get("redelivered"))
     resent = isinstance(payload, dict) and bool(payload.get("resent"))  # the api sent it again (render_client)
