@@ -299,6 +299,9 @@ def test_resource_bombs_fail_fast(template):
         '{% set s = "a" * 1000000 %}{% set t = "aab" ~ "a" * 10000 %}{{ s.rfind(t) }}',
         '{% set s = "a" * 1000000 %}{% set t = "aab" ~ "a" * 300000 %}{{ s.rsplit(t) | length }}',
         '{{ ("a" * 200000).strip("b" * 1000000 ~ "a") | length }}',
+        # an object per character: ~85 MB per call for a 1 MB string outside Latin-1
+        '{% set ns = namespace(x=[]) %}{% for i in range(40) %}{% set ns.x = ns.x + [("ā" * 1000000) | list] %}'
+        '{% endfor %}{{ ns.x | length }}',
     ],
 )
 def test_size_and_cost_are_refused_before_the_work(template):
@@ -314,6 +317,12 @@ def test_the_same_calls_within_bounds_render_as_before():
          '{{ ("<b>"|e) ~ ("{}"|safe).format("<i>") }}|{{ ("x"|safe).center(5) }}|{{ [1, 2.5]|sum }}|'
          '{{ "a</think>b".rsplit("</think>", 1)[-1] }}|{{ "  hi\n".strip() }}|{{ strftime_now("%Y") | length }}')
     assert render_template(t, {}, max_output_chars=1 << 20, max_ops=10_000) == "x-00007|3|&lt;b&gt;&lt;i&gt;|  x  |3.5|b|hi|4"
+
+
+def test_list_of_a_string_pays_per_character():
+    assert render_template('{{ "abc" | list | join("-") }}', {}, max_output_chars=1 << 20, max_ops=100) == "a-b-c"
+    with pytest.raises(TemplateLimitError):
+        render_template('{{ ("x" * 5000) | list | length }}', {}, max_output_chars=1 << 20, max_ops=1000)
 
 
 def test_printf_specs_read_keys_as_python_does():
