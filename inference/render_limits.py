@@ -119,11 +119,6 @@ def _ensure_watchdog() -> None:
         _fork_watchdog()
 
 
-def enabled() -> bool:
-    """True once ``enable`` ran in this process."""
-    return _soft_s is not None
-
-
 @contextmanager
 def task_time_limits() -> Iterator[None]:
     """The body of a ``with``: ``SoftTimeLimitExceeded`` raised in it after the soft limit; the process is killed
@@ -151,14 +146,14 @@ def redelivery_mark_key(prefix: str, request_id: str) -> str:
     return f"{prefix}:render:redelivered:{request_id}"
 
 
-def redelivery_refusal(client: Any, prefix: str, request_id: str | None, redelivered: bool) -> bool:
-    """Whether a copy of a render must not run: True when it is a second copy (``redelivered``: one the broker
-    handed back, kombu's flag, or one the api sent again) of request ``request_id`` after an earlier such copy
-    began, so the request's render was started at least twice before. The first copy again runs (a worker killed by
-    an operator, the OOM killer or a lost machine: the request is answered late); a render that kills every worker
-    that runs it (the hard time limit) thus takes at most two. ``client``: a synchronous Redis client (one ``INCR``
-    + ``EXPIRE``, only for such copies). Raises ``redis.RedisError``."""
-    if not redelivered or not request_id:
+def redelivery_refusal(client: Any, prefix: str, request_id: str | None) -> bool:
+    """Whether a second copy of a render (one the broker handed back, kombu's ``redelivered`` flag, or one the api
+    sent again; the caller asks only for those: a first copy costs nothing) must not run: True when an earlier such
+    copy of request ``request_id`` already came, so the request's render was started at least twice before. The
+    first copy again runs (a worker killed by an operator, the OOM killer or a lost machine: the request is answered
+    late); a render that kills every worker that runs it (the hard time limit) thus takes at most two. ``client``: a
+    synchronous Redis client (one ``INCR`` + ``EXPIRE``). Raises ``redis.RedisError``."""
+    if not request_id:
         return False
     key = redelivery_mark_key(prefix, request_id)
     pipe = client.pipeline(transaction=False)

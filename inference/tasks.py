@@ -211,6 +211,11 @@ def run_detokenize(payload: dict[str, Any]) -> dict[str, Any]:
 _reply_client: redis.Redis | None = None
 
 
+def _link_prefix(reply_channel: str) -> str:
+    """The link prefix of a reply channel (``<prefix>:render:reply:<id>``, ``render_client``)."""
+    return reply_channel.split(":render:reply:")[0]
+
+
 def _reply_redis() -> redis.Redis:
     """This worker's Redis client for replies: ``REDIS_URL`` (every platform process gets it), else the Celery app's
     result backend URL; made on first use."""
@@ -234,7 +239,7 @@ def reply_if_requested(payload: Any, result: dict[str, Any]) -> dict[str, Any]:
     """
     if isinstance(payload, dict) and payload.get("reply_to") and payload.get("reply_id"):
         channel = payload["reply_to"]
-        prefix = channel.split(":render:reply:")[0]
+        prefix = _link_prefix(channel)
         pipe = _reply_redis().pipeline(transaction=False)
         pipe.incr(render_tasks_counter_key(prefix))  # shared count of rendered tasks (metrics, tests)
         count_segment_cache(pipe, prefix, result)
@@ -332,10 +337,9 @@ def _refuse_redelivery(payload: Any, task_id: str | None) -> bool:
     channel = payload.get("reply_to") if isinstance(payload, dict) else None
     reply_id = payload.get("reply_id") if isinstance(payload, dict) else None
     # a caller with no reply channel (a Celery result backend) has no link prefix: task ids are unique anyway
-    prefix = (channel.split(":render:reply:")[0] if isinstance(channel, str) and ":render:reply:" in channel
-              else "celery-results")
+    prefix = _link_prefix(channel) if isinstance(channel, str) else "celery-results"
     try:
-        return render_limits.redelivery_refusal(_reply_redis(), prefix, str(reply_id or task_id or ""), True)
+        return render_limits.redelivery_refusal(_reply_redis(), prefix, str(reply_id or task_id or ""))
     except redis.RedisError:
         logger.warning("redelivery check failed; running the task", exc_info=True)
         return False
