@@ -5,19 +5,27 @@ Run by ``manage.py serve`` as ``python -m ops.mm_api --uds PATH [--workers N]``.
 (uvicorn's own ``--uds`` binding would make the file 0666, world-writable), and handed to ``uvicorn.Server``; with
 ``--workers N`` it is shared by N server processes (the kernel spreads connections across them); when one exits,
 the others are stopped and this process exits with its code, so the supervisor restarts the whole multimodal api.
+A worker still alive ``--timeout-graceful-shutdown`` + ``STRAGGLER_GRACE_S`` seconds after it was told to stop has its
+Python stacks written to the log (SIGUSR2, faulthandler) and is killed, so a stuck worker never holds up the restart.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import multiprocessing
 import os
 import signal
 import socket
 import sys
+import time
 
 import uvicorn
 from django.conf import settings
+
+#: seconds a stopping worker gets past uvicorn's graceful shutdown (which cancels the requests still running) to exit,
+#: before its stacks are dumped and it is killed
+STRAGGLER_GRACE_S = 10.0
 
 
 def bind_unix(path: str, mode: int = 0o600) -> socket.socket:
@@ -41,6 +49,7 @@ def _config(uds: str, graceful_s: float) -> uvicorn.Config:
 
 
 def _worker(uds: str, graceful_s: float, http_sock: socket.socket) -> None:
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # the launcher's stack dump of a worker that will not exit
     uvicorn.Server(_config(uds, graceful_s)).run(sockets=[http_sock])
 
 
@@ -85,9 +94,30 @@ def _run_workers(args, http_sock: socket.socket) -> int:
 
     wait([p.sentinel for p in procs])  # the first to exit ends the group
     stop(signal.SIGTERM, None)
+    stop_within(procs, args.timeout_graceful_shutdown + STRAGGLER_GRACE_S)
+    return next((p.exitcode for p in procs if p.exitcode), 0)
+
+
+def stop_within(procs, timeout_s: float) -> None:
+    """Wait up to ``timeout_s`` seconds in all for ``procs`` (multiprocessing processes already told to stop) to exit;
+    each one still alive then gets SIGUSR2 (its worker wrote faulthandler's dump of every thread's stack to the log)
+    and, half a second later, SIGKILL. Returns once all have exited."""
+    from multiprocessing.connection import wait
+
+    deadline = time.monotonic() + timeout_s
+    while (alive := [p for p in procs if p.is_alive()]) and (left := deadline - time.monotonic()) > 0:
+        wait([p.sentinel for p in alive], timeout=left)
+    for p in alive:
+        print(f"ops.mm_api: worker {p.pid} still running {timeout_s:.0f} s after it was told to stop; its stacks "
+              "follow, then it is killed", file=sys.stderr, flush=True)
+        os.kill(p.pid, signal.SIGUSR2)
+    if alive:
+        wait([p.sentinel for p in alive], timeout=0.5)
+    for p in alive:
+        if p.is_alive():
+            p.kill()
     for p in procs:
         p.join()
-    return next((p.exitcode for p in procs if p.exitcode), 0)
 
 
 if __name__ == "__main__":
