@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import random
 import re
+import string
 import time
+import uuid
 
 import httpx
 import openai
@@ -435,9 +438,14 @@ def test_c35_health_responsive_during_costly_render(http, live):
     """A heavy (server-side) render in flight does not block /health (render runs off the loop)."""
     # 60,000 characters: as heavy as a render gets while still fitting the model (max_model_len 512 x 128, the
     # longest llama3_1 token, = 65,536 characters; longer text is refused before rendering)
-    msgs = [{"role": "user", "content": "word " * 1000} for _ in range(12)]
+    # words never seen before (a fresh seed each run): no segment of the tokenization cache can serve them, so the
+    # render costs its full time whatever rendered before (a warm cache made it too quick to overlap a probe)
+    rng = random.Random(uuid.uuid4().int)
+    words = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(3, 8))) for _ in range(500)]
+    msgs = [{"role": "user", "content": " ".join(rng.choices(words, k=1000))[:5000]} for _ in range(12)]
     answered_meanwhile = 0
     with cf.ThreadPoolExecutor(1) as pool, httpx.Client(base_url=live.base_url, timeout=30) as probe:
+        assert probe.get("/health").status_code == 200  # the probe's connection is open before the render starts
         fut = pool.submit(lambda: http.post("/tokenize", json={"model": M, "messages": msgs}))
         for _ in range(100_000):  # bounded by the render's own duration
             if fut.done():
