@@ -121,7 +121,9 @@ class LivePlatform:
         """Start one uvicorn api process (as ``start_api``) without waiting for it; ``(child, base URL)``."""
         port = port or free_port()
         child = self.sup.start(name, [sys.executable, "-m", "uvicorn", "config.asgi:application", "--host",
-                                      "127.0.0.1", "--port", str(port), "--no-access-log"], env_extra=env_extra)
+                                      "127.0.0.1", "--port", str(port), "--no-access-log",
+                                      "--timeout-graceful-shutdown", "5"],  # as serve starts its api processes
+                            env_extra=env_extra)
         return child, f"http://127.0.0.1:{port}"
 
     def wait_api(self, name: str, url: str, timeout: float = 60) -> None:

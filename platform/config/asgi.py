@@ -5,9 +5,15 @@ admission lease and reaper start with the process). HTTP requests under the gate
 Channels consumers; everything else (admin, REST control API, dashboards) goes to Django's ASGI handler.
 """
 
+import faulthandler
 import os
+import signal
 
 from django.core.asgi import get_asgi_application
+
+# ``kill -USR2 <pid>`` writes every thread's Python stack to the process's log (faulthandler, from C: it works while
+# the loop or a thread is stuck); the render workers do the same (inference/render_limits.py)
+faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 django_asgi_app = get_asgi_application()

@@ -8,7 +8,9 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
+import time
 import uuid
 
 import httpx
@@ -35,12 +37,31 @@ def _start_mm_api(live, sock: str):
 
 
 def stop_child(live, child, sig=signal.SIGTERM) -> None:
+    """Send ``sig`` to ``child``'s process group and wait (30 s at most) for it to exit; one that does not is
+    failed with its stacks (SIGUSR2: faulthandler in every api process) and the end of its log."""
     try:
         os.killpg(child.proc.pid, sig)
     except ProcessLookupError:
         pass
-    child.proc.wait(timeout=30)
+    try:
+        child.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        fail_with_stacks(child)
     live.sup.children.remove(child)
+
+
+def fail_with_stacks(child) -> None:
+    """Dump the stacks of ``child``'s process group to its log (SIGUSR2), kill the group and fail the test with
+    the end of that log: a process that would not stop shows where it was."""
+    try:
+        os.killpg(child.proc.pid, signal.SIGUSR2)
+        time.sleep(1.0)
+        os.killpg(child.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    child.proc.wait(timeout=10)
+    tail = child.log_path.read_text(errors="replace")[-12000:]
+    raise AssertionError(f"{child.name} did not exit 30 s after it was told to; the end of its log:\n{tail}")
 
 
 @pytest.fixture(scope="module")

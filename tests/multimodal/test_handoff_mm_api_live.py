@@ -23,7 +23,7 @@ from tests.live_platform import free_port
 from tests.multimodal.conftest import VL_MODEL
 from tests.multimodal.imgs import data_url, image_bytes
 from tests.multimodal.test_handoff_live import (IMAGE_TOKEN, assert_same_answer, handoffs, image_messages, post,
-                                                stop_child)
+                                                fail_with_stacks, stop_child)
 
 OUTCOMES = ("forwarded", "fallback", "failed")
 
@@ -228,6 +228,18 @@ def _listening_inode(path: str) -> str:
     raise AssertionError(f"{path} is not a listening socket")
 
 
+def test_sigusr2_writes_every_threads_stack_to_the_api_log_and_the_api_goes_on(live_vl, relaying):
+    """``kill -USR2`` of an api process dumps its Python stacks to its log (faulthandler, config/asgi.py): what a
+    process that will not stop shows (``fail_with_stacks``); the process keeps serving."""
+    front = relaying["front"]
+    before = front.log_path.stat().st_size
+    os.kill(front.proc.pid, signal.SIGUSR2)
+    wait_until(lambda: "Current thread" in front.log_path.read_text(errors="replace")[before:], 10, "the stack dump")
+    assert "uvicorn" in front.log_path.read_text(errors="replace")[before:]
+    r = httpx.get(relaying["base"] + "/health", timeout=10)
+    assert r.status_code == 200 and front.proc.poll() is None
+
+
 def test_killing_one_multimodal_worker_leaves_no_client_waiting(live_vl, relaying):
     """kill -9 of one of the two workers stops the multimodal api (its supervisor restarts it whole); image chats
     sent meanwhile are served. The launcher holds no copy of the listening socket: once the surviving worker begins
@@ -256,6 +268,9 @@ def test_killing_one_multimodal_worker_leaves_no_client_waiting(live_vl, relayin
         time.sleep(0.3)
     d = delta(before, handoffs(live_vl))
     assert d["failed"] == 0 and d["forwarded"] + d["fallback"] == 4, d
-    relaying["mm"].proc.wait(timeout=30)
+    try:
+        relaying["mm"].proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        fail_with_stacks(relaying["mm"])
     live_vl.sup.children.remove(relaying["mm"])
     relaying["mm"] = _start_mm_api(live_vl, relaying["sock"])
