@@ -302,6 +302,14 @@ def test_resource_bombs_fail_fast(template):
         # an object per character: ~85 MB per call for a 1 MB string outside Latin-1
         '{% set ns = namespace(x=[]) %}{% for i in range(40) %}{% set ns.x = ns.x + [("ā" * 1000000) | list] %}'
         '{% endfor %}{{ ns.x | length }}',
+        # comparisons: 1 MB strings equal but for the last character, compared item by item in one C call
+        # (DECISIONS D-298: 3.5 to 5.2 s each, past the soft limit, before comparisons were charged)
+        '{% set a = "x" * 1000000 %}{% set b = a[:-1] ~ "y" %}{{ b in [a] * 200000 }}',
+        '{% set a = "x" * 1000000 %}{% set b = a[:-1] ~ "y" %}{{ b not in [a] * 200000 }}',
+        '{% set a = "x" * 1000000 %}{% set b = a[:-1] ~ "y" %}{{ b is in ([a] * 200000) }}',
+        '{% set a = "x" * 1000000 %}{% set b = a[:-1] ~ "y" %}{{ [b] * 200000 == [a] * 200000 }}',
+        '{% set a = "x" * 1000000 %}{% set b = a[:-1] ~ "y" %}{{ [] < [[b]] * 200000 < [[a]] * 200000 }}',
+        '{% set a = "x" * 1000000 %}{% set b = a[:-1] ~ "y" %}{{ ([a] * 200000) | select("equalto", b) | list }}',
     ],
 )
 def test_size_and_cost_are_refused_before_the_work(template):
@@ -317,6 +325,25 @@ def test_the_same_calls_within_bounds_render_as_before():
          '{{ ("<b>"|e) ~ ("{}"|safe).format("<i>") }}|{{ ("x"|safe).center(5) }}|{{ [1, 2.5]|sum }}|'
          '{{ "a</think>b".rsplit("</think>", 1)[-1] }}|{{ "  hi\n".strip() }}|{{ strftime_now("%Y") | length }}')
     assert render_template(t, {}, max_output_chars=1 << 20, max_ops=10_000) == "x-00007|3|&lt;b&gt;&lt;i&gt;|  x  |3.5|b|hi|4"
+
+
+def test_comparisons_keep_pythons_meaning_and_cheap_ones_spend_nothing():
+    t = ('{{ 1 < 2 < 3 }}|{{ 3 > 2 > 5 }}|{{ "a" in "cat" }}|{{ x in y }}|{{ x not in y }}|{{ y == [1, 2] }}|'
+         '{{ y == z }}|{{ y != z }}|{{ y < z }}|{{ x < y[1] <= 2 }}|{{ 2 is in y }}|{{ z | select("gt", x) | list }}|'
+         '{{ "ab" in w }}|{{ w == "cab" }}')
+    variables = {"x": 1, "y": [1, 2], "z": [1, 3], "w": "cab"}
+    assert (render_template(t, variables, max_output_chars=1 << 20, max_ops=20) ==
+            "True|False|True|True|False|True|False|True|True|True|True|[3]|True|True")
+    # comparisons of numbers and short strings spend nothing: 100 of each in a loop fit the budget of the bare loop
+    # (range's call, 100 iterations, the output); a membership test in a list pays its items walked (2 per test here)
+    bare, budget = '{% for i in range(100) %}{% endfor %}ok', 102
+    assert render_template(bare, variables, max_output_chars=1 << 20, max_ops=budget) == "ok"
+    loop = '{% for i in range(100) %}{% if i > x and w != v and w < "d" %}{% endif %}{% endfor %}ok'
+    assert render_template(loop, {**variables, "v": "c"}, max_output_chars=1 << 20, max_ops=budget) == "ok"
+    member = '{% for i in range(100) %}{% if i in y %}{% endif %}{% endfor %}ok'
+    assert render_template(member, variables, max_output_chars=1 << 20, max_ops=budget + 200) == "ok"
+    with pytest.raises(TemplateLimitError):
+        render_template(member, variables, max_output_chars=1 << 20, max_ops=budget + 199)
 
 
 def test_list_of_a_string_pays_per_character():
