@@ -627,7 +627,8 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
         self.filters["tojson"] = _tojson
         self.filters = {name: _guard_filter(name, f) for name, f in self.filters.items()}
         # ``x is in seq``, ``select("equalto", x)``...: charged as the operators are (compare_guard)
-        self.tests = {**self.tests, **{name: _guard_test(op, self.tests[name]) for name, op in _TEST_OPS.items()}}
+        self.tests = {**self.tests, **{name: _guard_test(op, cast(Callable[..., Any], self.tests[name]))
+                                       for name, op in _TEST_OPS.items()}}
         self.globals["raise_exception"] = _raise_exception
         self.globals["strftime_now"] = _strftime_now_budgeted
         self.globals["lipsum"] = _lipsum
@@ -808,7 +809,7 @@ _TEST_OPS = {"in": "in", "==": "eq", "eq": "eq", "equalto": "eq", "!=": "ne", "n
              "le": "lteq"}
 
 
-def _guard_test(op: str, test: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+def _guard_test(op: str, test: Callable[..., Any]) -> Callable[..., Any]:
     """Jinja comparison test ``test(value, other)`` charged ``compare_cost(op)`` before it runs."""
 
     def guarded(value: Any, other: Any) -> Any:
