@@ -45,7 +45,9 @@ What we add, for templates that are not well-behaved:
   ``equalto``...) are charged before Python runs them: one unit per item compared plus one per 1,000 characters
   (``compare_cost``; ``b in [a] * 200000`` with distinct 1 MB strings was 5 s in one C call). The code generator
   compiles such a comparison to ``environment.compare_guard(...)``; one with a literal on either side (the usual
-  ``message.role == "user"``) stays Python's own operator, and numbers and short strings spend nothing.
+  ``message.role == "user"``) stays Python's own operator, and numbers and short strings spend nothing. The
+  filters that order or hash items (``sort``, ``dictsort``, ``groupby``, ``unique``, ``min``, ``max``) pay for the
+  characters their comparisons walk the same way (``_pre_sorting``).
 * No bytes: ``int.to_bytes``, ``str.encode`` and every attribute of ``bytes``/``bytearray``/``memoryview`` are unsafe
   attributes. A chat template has no use for bytes, and the size checks above are for text: ``(0).to_bytes(n)``
   built a value of ``n`` bytes past every cap, and ``bytes.count`` over it held a render worker in C code until its
@@ -358,7 +360,23 @@ def _pre_pprint(budget: RenderBudget, value: Any, *args: Any, **kwargs: Any) -> 
     budget.check_planned(2 * budget.text_size(value), "pretty-printed string")
 
 
+def _pre_sorting(budget: RenderBudget, value: Any, *args: Any, **kwargs: Any) -> None:
+    """``sort``, ``dictsort``, ``groupby``, ``unique``, ``min``, ``max``: Python orders or hashes the items in one C
+    call, each comparison walking as far as the shorter item, each item in about log2(n) of them (once for
+    ``min``/``max``/``unique``): one unit per 1,000 characters so walked, charged before (``sort`` of 200,000
+    references to a 1 MB string was 3.4 s; D-298). The per-item unit was paid by ``charge_items``."""
+    if isinstance(value, (list, tuple, Mapping)) and len(value) > 1:
+        size = _compare_size(budget, value)
+        budget.spend(size * max(1, len(value).bit_length()) // 1000)
+
+
 _PRECHECKS: dict[str, Callable[..., None]] = {
+    "sort": _pre_sorting,
+    "dictsort": _pre_sorting,
+    "groupby": _pre_sorting,
+    "unique": _pre_sorting,
+    "min": _pre_sorting,
+    "max": _pre_sorting,
     "center": _pre_center,
     "indent": _pre_indent,
     "wordwrap": _pre_wordwrap,
@@ -463,6 +481,8 @@ def _guard_filter(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
             budget.spend()
             if iterating and not (isinstance(value, str) and name in _C_SPEED_ON_STR):
                 value = budget.charge_items(value)
+            if precheck is _pre_sorting and isinstance(value, Iterator):
+                value = list(value)  # what the filter would hold anyway; its items are measured before it orders them
             if name == "join":
                 value, args, kwargs = _join_items(context, value, args, kwargs)
             if precheck is not None:

@@ -310,6 +310,11 @@ def test_resource_bombs_fail_fast(template):
         '{% set a = "x" * 1000000 %}{% set b = a[:-1] ~ "y" %}{{ [b] * 200000 == [a] * 200000 }}',
         '{% set a = "x" * 1000000 %}{% set b = a[:-1] ~ "y" %}{{ [] < [[b]] * 200000 < [[a]] * 200000 }}',
         '{% set a = "x" * 1000000 %}{% set b = a[:-1] ~ "y" %}{{ ([a] * 200000) | select("equalto", b) | list }}',
+        # ordering and hashing filters: the same comparisons (or hashes) of every item, in one C call
+        '{% set a = "x" * 1000000 %}{{ ([a] * 40000) | sort | length }}',
+        '{% set a = "x" * 1000000 %}{{ ([a] * 1000) | map("lower") | sort | length }}',
+        '{% set a = "x" * 1000000 %}{{ ([a] * 40000) | max | length }}',
+        '{% set a = "x" * 1000000 %}{{ ([a] * 2000) | unique | list | length }}',
     ],
 )
 def test_size_and_cost_are_refused_before_the_work(template):
@@ -330,10 +335,12 @@ def test_the_same_calls_within_bounds_render_as_before():
 def test_comparisons_keep_pythons_meaning_and_cheap_ones_spend_nothing():
     t = ('{{ 1 < 2 < 3 }}|{{ 3 > 2 > 5 }}|{{ "a" in "cat" }}|{{ x in y }}|{{ x not in y }}|{{ y == [1, 2] }}|'
          '{{ y == z }}|{{ y != z }}|{{ y < z }}|{{ x < y[1] <= 2 }}|{{ 2 is in y }}|{{ z | select("gt", x) | list }}|'
-         '{{ "ab" in w }}|{{ w == "cab" }}')
+         '{{ "ab" in w }}|{{ w == "cab" }}|{{ z | sort(reverse=true) }}|{{ ["b", "a", "b"] | unique | list }}|'
+         '{{ {"b": 1, "a": 2} | dictsort }}|{{ y | max }}')
     variables = {"x": 1, "y": [1, 2], "z": [1, 3], "w": "cab"}
-    assert (render_template(t, variables, max_output_chars=1 << 20, max_ops=20) ==
-            "True|False|True|True|False|True|False|True|True|True|True|[3]|True|True")
+    assert (render_template(t, variables, max_output_chars=1 << 20, max_ops=100) ==
+            "True|False|True|True|False|True|False|True|True|True|True|[3]|True|True|[3, 1]|['b', 'a']|"
+            "[('a', 2), ('b', 1)]|2")
     # comparisons of numbers and short strings spend nothing: 100 of each in a loop fit the budget of the bare loop
     # (range's call, 100 iterations, the output); a membership test in a list pays its items walked (2 per test here)
     bare, budget = '{% for i in range(100) %}{% endfor %}ok', 102
