@@ -78,6 +78,7 @@ import jinja2.ext
 import jinja2.filters
 import jinja2.nodes
 import jinja2.parser
+import jinja2.runtime
 import jinja2.utils
 import jinja2.visitor
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter
@@ -363,9 +364,10 @@ def _pre_pprint(budget: RenderBudget, value: Any, *args: Any, **kwargs: Any) -> 
 def _pre_sorting(budget: RenderBudget, value: Any, *args: Any, **kwargs: Any) -> None:
     """``sort``, ``dictsort``, ``groupby``, ``unique``, ``min``, ``max``: Python orders or hashes the items in one C
     call, each comparison walking as far as the shorter item, each item in about log2(n) of them (once for
-    ``min``/``max``/``unique``): one unit per 1,000 characters so walked, charged before (``sort`` of 200,000
-    references to a 1 MB string was 3.4 s; D-298). The per-item unit was paid by ``charge_items``."""
-    if isinstance(value, (list, tuple, Mapping)) and len(value) > 1:
+    ``min``/``max``/``unique``; without ``case_sensitive`` each string is first copied lowercased): one unit per
+    1,000 characters so walked (namespaces' attributes included, for ``attribute=``), charged before
+    (``([a] * 40000) | sort`` of a 1 MB string was 22 s; D-298). The per-item unit was paid by ``charge_items``."""
+    if isinstance(value, (list, tuple, Mapping, set, frozenset, KeysView, ValuesView, ItemsView)) and value:
         size = _compare_size(budget, value)
         budget.spend(size * max(1, len(value).bit_length()) // 1000)
 
@@ -573,6 +575,9 @@ def _check_str_method(budget: RenderBudget, method: Callable[..., Any], args: tu
         # backward searches compare naively, and strip tests each character against the whole set: one unit per
         # _CHAR_COMPARISONS_PER_OP comparisons of the worst case, before the call (it runs in C, uninterruptible)
         budget.spend(len(s) * len(args[0]) // _CHAR_COMPARISONS_PER_OP)
+    elif name in ("startswith", "endswith") and args and isinstance(args[0], tuple):
+        # each candidate compared in turn, in C: one unit per candidate and per 1,000 characters of theirs
+        budget.spend(len(args[0]) + sum(len(x) for x in args[0] if isinstance(x, str)) // 1000)
     elif name == "translate" and args and isinstance(args[0], Mapping):
         table = args[0]
         total = 0
@@ -581,6 +586,15 @@ def _check_str_method(budget: RenderBudget, method: Callable[..., Any], args: tu
             total += n * (len(out) if isinstance(out, str) else 1)
             budget.check_planned(total, "translated string")
     return args
+
+
+def _check_comparing_method(budget: RenderBudget, owner: Any, name: str, args: tuple[Any, ...]) -> None:
+    """Charge, before the call, the C comparisons of ``list``/``tuple`` ``count``/``index`` (the argument against
+    every item, as ``in``) and of ``loop.changed`` (its arguments against the previous ones, as ``!=``)."""
+    if name in ("count", "index") and isinstance(owner, (list, tuple)):
+        budget.spend(compare_cost(budget, "in", args[0], owner))
+    elif name == "changed" and isinstance(owner, jinja2.runtime.LoopContext):
+        budget.spend(compare_cost(budget, "ne", args, getattr(owner, "_last_changed_value", None)))
 
 
 def _lipsum(n: Any = 5, html: Any = True, min: Any = 20, max: Any = 100) -> str:  # Jinja's parameter names
@@ -617,16 +631,32 @@ class _GuardedCodeGenerator(jinja2.compiler.CodeGenerator):
     def visit_Compare(self, node: jinja2.nodes.Compare, frame: jinja2.compiler.Frame) -> None:
         left, cheap = node.expr, True
         for operand in node.ops:
-            cheap = cheap and _cheap_pair(left, operand.expr)
+            cheap = cheap and _cheap_pair(operand.op, left, operand.expr)
             left = operand.expr
         if cheap:
             super().visit_Compare(node, frame)
             return
-        self.write(f"environment.compare_guard({tuple(operand.op for operand in node.ops)!r}, ")
-        self.visit(node.expr, frame)
-        for operand in node.ops:
+        # ``a < b < c`` as Python runs it: ``(a < (t := b)) and (t < c)``, each pair guarded, ``b`` evaluated once
+        # and ``c`` only when the first pair held
+        self.write("(")
+        previous: str | None = None
+        for i, operand in enumerate(node.ops):
+            if i:
+                self.write(" and ")
+            self.write(f"environment.compare_guard({operand.op!r}, ")
+            if previous is None:
+                self.visit(node.expr, frame)
+            else:
+                self.write(previous)
             self.write(", ")
-            self.visit(operand.expr, frame)
+            if i < len(node.ops) - 1:
+                previous = self.temporary_identifier()
+                self.write(f"({previous} := ")
+                self.visit(operand.expr, frame)
+                self.write(")")
+            else:
+                self.visit(operand.expr, frame)
+            self.write(")")
         self.write(")")
 
 
@@ -673,9 +703,11 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
         if budget is not None:
             budget.spend()
             # str's own methods, and those of str subclasses (Markup's are Python functions: MethodType)
-            if (isinstance(__obj, (types.BuiltinMethodType, types.MethodType))
-                    and isinstance(getattr(__obj, "__self__", None), str)):
+            owner = getattr(__obj, "__self__", None)
+            if isinstance(__obj, (types.BuiltinMethodType, types.MethodType)) and isinstance(owner, str):
                 args = _check_str_method(budget, __obj, args, kwargs)
+            elif owner is not None and args:
+                _check_comparing_method(budget, owner, getattr(__obj, "__name__", ""), args)
         result = super().call(__context, __obj, *args, **kwargs)
         if budget is not None:
             if isinstance(result, list):
@@ -752,21 +784,14 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
             budget.check_size(result)
         return result
 
-    def compare_guard(self, ops: tuple[str, ...], left: Any, *operands: Any) -> Any:
-        """A comparison ``left op1 operand1 op2 operand2 ...`` (Jinja's operator names: ``eq``, ``ne``, ``lt``,
-        ``lteq``, ``gt``, ``gteq``, ``in``, ``notin``), each pair charged ``compare_cost`` units before Python
-        compares it, with Python's chaining (the first false result, else the last). The operands of a chain are
-        all evaluated first (Python evaluates a later one only when the earlier pairs held)."""
+    def compare_guard(self, op: str, left: Any, right: Any) -> Any:
+        """``left op right`` (Jinja's operator names: ``eq``, ``ne``, ``lt``, ``lteq``, ``gt``, ``gteq``, ``in``,
+        ``notin``), charged ``compare_cost`` units before Python compares (``_GuardedCodeGenerator`` chains the
+        pairs of ``a < b < c`` as Python does)."""
         budget = _BUDGET.get()
-        result: Any = True
-        for op, right in zip(ops, operands):
-            if budget is not None and (cost := compare_cost(budget, op, left, right)):
-                budget.spend(cost)
-            result = _COMPARE_OPS[op](left, right)
-            if not result:
-                return result
-            left = right
-        return result
+        if budget is not None and (cost := compare_cost(budget, op, left, right)):
+            budget.spend(cost)
+        return _COMPARE_OPS[op](left, right)
 
     def loop_guard(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """Wraps every ``{% for %}`` iterable: one budget unit per iteration."""
@@ -830,13 +855,15 @@ _TEST_OPS = {"in": "in", "==": "eq", "eq": "eq", "equalto": "eq", "!=": "ne", "n
 
 
 def _guard_test(op: str, test: Callable[..., Any]) -> Callable[..., Any]:
-    """Jinja comparison test ``test(value, other)`` charged ``compare_cost(op)`` before it runs."""
+    """Jinja comparison test ``test(value, other)`` (``other`` given by position or by name) charged
+    ``compare_cost(op)`` before it runs."""
 
-    def guarded(value: Any, other: Any) -> Any:
+    def guarded(value: Any, *args: Any, **kwargs: Any) -> Any:
         budget = _BUDGET.get()
-        if budget is not None and (cost := compare_cost(budget, op, value, other)):
+        others = [*args, *kwargs.values()]
+        if budget is not None and len(others) == 1 and (cost := compare_cost(budget, op, value, others[0])):
             budget.spend(cost)
-        return test(value, other)
+        return test(value, *args, **kwargs)
 
     return functools.update_wrapper(guarded, test)
 
@@ -849,9 +876,12 @@ def _literal(node: jinja2.nodes.Node) -> bool:
         isinstance(item, jinja2.nodes.Const) for item in node.items)
 
 
-def _cheap_pair(left: jinja2.nodes.Node, right: jinja2.nodes.Node) -> bool:
-    """A comparison whose C work is bounded by a literal of the template: one side a literal (an ordering or
-    equality test walks no further than the shorter side), or, for ``in``, a literal needle or container."""
+def _cheap_pair(op: str, left: jinja2.nodes.Node, right: jinja2.nodes.Node) -> bool:
+    """A comparison whose C work is bounded by a literal of the template: for ``in``, a literal container (a
+    literal needle is compared with every item of a container of any size); for ``==`` and the orderings, a literal
+    on either side (the walk stops at the shorter side)."""
+    if op in ("in", "notin"):
+        return _literal(right)
     return _literal(left) or _literal(right)
 
 
@@ -859,19 +889,20 @@ def compare_cost(budget: RenderBudget, op: str, left: Any, right: Any) -> int:
     """Budget units for Python to compare ``left`` with ``right`` (``op`` as in ``compare_guard``), from the
     operands, before it runs: in one C call, ``b in [a] * 200000`` with ``a`` and ``b`` distinct 1 MB strings equal
     but for their last character compared 200 GB (5.2 s; DECISIONS D-298). One unit per container item compared
-    plus one per 1,000 characters compared: ``x in seq`` compares ``x`` with each item, ``seq1 == seq2`` (and
-    ``<``...) item by item as far as the shorter one. Membership in a str is a linear search (one unit per 1,000
-    characters); in a dict or set, one hash. 0 for what costs little whatever the values (numbers, short strings,
-    a container against a scalar), so such comparisons spend nothing, as before. Raises ``TemplateLimitError``
-    (operation budget) when walking the operands alone would pass it."""
+    plus one per 1,000 characters or items walked (``_compare_size``): ``x in seq`` compares ``x`` with each item;
+    ``seq1 == seq2`` and the orderings go item by item as far as the shorter side; membership in a str is a linear
+    search; in a dict, set or keys view, a hash of the needle (a tuple's hash is not cached: it walks the tuple).
+    0 for what costs little whatever the values (numbers, short strings, a container against a scalar), so such
+    comparisons spend nothing, as before. Raises ``TemplateLimitError`` (operation budget) when walking the
+    operands alone would pass it."""
     if op == "in" or op == "notin":
         if isinstance(right, str):
             return len(right) // 1000
-        if isinstance(right, (list, tuple)):
+        if isinstance(right, _SCANNED):
             needle = _compare_size(budget, left)
             return len(right) + min(len(right) * needle, _compare_size(budget, right)) // 1000
-        if isinstance(right, (Mapping, set, frozenset)) and isinstance(left, str):
-            return len(left) // 1000
+        if isinstance(right, _HASHED):
+            return 0 if isinstance(left, (int, float, type(None))) else _compare_size(budget, left) // 1000
         return 0
     if isinstance(left, _COMPARED_ITEMWISE) and isinstance(right, _COMPARED_ITEMWISE):
         return min(len(left), len(right)) + min(_compare_size(budget, left), _compare_size(budget, right)) // 1000
@@ -880,34 +911,38 @@ def compare_cost(budget: RenderBudget, op: str, left: Any, right: Any) -> int:
     return 0
 
 
-_COMPARED_ITEMWISE = (list, tuple, Mapping)
+#: containers whose membership test compares the needle with each item
+_SCANNED = (list, tuple, ValuesView, collections.deque)
+#: containers whose membership test hashes the needle (an items view also compares the value)
+_HASHED = (Mapping, set, frozenset, KeysView, ItemsView)
+#: containers that ``==`` and the orderings compare item by item
+_COMPARED_ITEMWISE = (list, tuple, Mapping, set, frozenset, KeysView, ValuesView, ItemsView, collections.deque)
 
 
 def _compare_size(budget: RenderBudget, value: Any) -> int:
-    """Characters plus items that comparing ``value`` item by item can walk: strings their length, containers
-    their items (and what they hold, each shared reference again), anything else 1. Stops with
-    ``TemplateLimitError`` once more items are walked than the budget has left."""
-    total = 0
-    walked = 0
+    """Characters plus items that comparing or hashing ``value`` item by item can walk: strings their length,
+    containers (lists, tuples, sets, dicts and their views, namespaces' attributes) their items and what they hold,
+    each shared reference again; anything else 1. Raises ``TemplateLimitError`` once more items are walked than the
+    budget has left."""
+    total = walked = 0
     room = max(0, budget.max_ops - budget.ops)
     stack = [value]
     while stack:
         v = stack.pop()
         if isinstance(v, str):
             total += len(v)
-        elif isinstance(v, (list, tuple)):
+            continue
+        if isinstance(v, jinja2.utils.Namespace):
+            v = object.__getattribute__(v, "_Namespace__attrs")
+        if isinstance(v, (Mapping, ItemsView, list, tuple, set, frozenset, KeysView, ValuesView, collections.deque)):
             walked += len(v)
             total += len(v)
             if walked > room:
-                budget.spend(walked)
-            stack.extend(v)
-        elif isinstance(v, Mapping):
-            walked += len(v)
-            total += len(v)
-            if walked > room:
-                budget.spend(walked)
-            stack.extend(v.keys())
-            stack.extend(v.values())
+                budget.spend(walked)  # more to walk than the budget has left: raises
+            if isinstance(v, (Mapping, ItemsView)):
+                stack.extend(x for kv in (v.items() if isinstance(v, Mapping) else v) for x in kv)
+            else:
+                stack.extend(v)
         else:
             total += 1
     return total

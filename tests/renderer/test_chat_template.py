@@ -310,6 +310,17 @@ def test_resource_bombs_fail_fast(template):
         '{% set a = "x" * 1000000 %}{% set b = a[:-1] ~ "y" %}{{ [b] * 200000 == [a] * 200000 }}',
         '{% set a = "x" * 1000000 %}{% set b = a[:-1] ~ "y" %}{{ [] < [[b]] * 200000 < [[a]] * 200000 }}',
         '{% set a = "x" * 1000000 %}{% set b = a[:-1] ~ "y" %}{{ ([a] * 200000) | select("equalto", b) | list }}',
+        # found by a fresh-eyes review of the comparison guard: list methods, dict views, tuple hashes, namespaces'
+        # attributes, loop.changed, a long literal needle, startswith with a tuple (each 1.7 to 15 s in one C call)
+        '{% set a = "x" * 1000000 %}{% set b = a[:-1] ~ "y" %}{{ ([a] * 100000).count(b) }}',
+        '{% set a = "x" * 1000000 %}{% set b = a[:-1] ~ "y" %}{{ b in dict.fromkeys(range(100000), a).values() }}',
+        '{% set t = (((1,) * 1000,) * 1000,) * 1000 %}{{ t in {} }}',
+        '{% set t = (((1,) * 1000,) * 1000,) * 1000 %}{{ [t] | unique | list | length }}',
+        '{% set a = "x" * 1000000 %}{% set n1 = namespace(k=a) %}{% set n2 = namespace(k=a[:-1] ~ "y") %}'
+        '{{ ([n1, n2] * 49500) | sort(attribute="k", case_sensitive=true) | length }}',
+        '{% set a = "x" * 1000000 %}{% for s in [a, a[:-1] ~ "x"] %}{{ loop.changed([s] * 100000) }}{% endfor %}',
+        '{% set a = "x" * 1000000 %}{{ "' + "x" * 20000 + '" in [a[:19999] ~ "y"] * 1000000 }}',
+        '{% set a = "x" * 1000000 %}{% set c = a[:500000] ~ "z" ~ a[500001:] %}{{ a.startswith((c,) * 100000) }}',
         # ordering and hashing filters: the same comparisons (or hashes) of every item, in one C call
         '{% set a = "x" * 1000000 %}{{ ([a] * 40000) | sort | length }}',
         '{% set a = "x" * 1000000 %}{{ ([a] * 1000) | map("lower") | sort | length }}',
@@ -351,6 +362,15 @@ def test_comparisons_keep_pythons_meaning_and_cheap_ones_spend_nothing():
     assert render_template(member, variables, max_output_chars=1 << 20, max_ops=budget + 200) == "ok"
     with pytest.raises(TemplateLimitError):
         render_template(member, variables, max_output_chars=1 << 20, max_ops=budget + 199)
+
+
+def test_chained_comparisons_stop_at_the_first_false_pair_and_tests_take_keywords():
+    # as Python (and Jinja without the guard): the later operands of a chain are evaluated only while pairs hold
+    t = ('{% macro bump(ns) %}{% set ns.i = ns.i + 1 %}{{ ns.i }}{% endmacro %}{% set ns = namespace(i=0) %}'
+         '{{ y > z > undefined_var.attr }}|{{ y > z > (1 / 0) }}|{{ y > z > bump(ns) | int }}|{{ ns.i }}|'
+         '{{ y < z < [2] }}|{{ 2 is in(seq=y) }}')
+    assert render_template(t, {"y": [1, 2], "z": [1, 3]}, max_output_chars=1 << 20, max_ops=100) == (
+        "False|False|False|0|True|True")
 
 
 def test_list_of_a_string_pays_per_character():
