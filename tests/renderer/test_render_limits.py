@@ -140,7 +140,7 @@ def test_a_task_handed_back_twice_is_refused_on_its_second_copy():
         client.close()
 
 
-def test_copies_handed_back_or_sent_again_count_per_request():
+def test_copies_handed_back_or_sent_again_count_per_request(monkeypatch):
     """``inference.tasks.run_task``: a request's render runs at most twice, whether its second copy came back from
     the broker (a lost worker) or from the api sending it again (its reply timer; render_client); the third copy of
     either kind is answered with the error, not run."""
@@ -149,6 +149,8 @@ def test_copies_handed_back_or_sent_again_count_per_request():
     from inference import tasks
 
     client = redis_or_skip()
+    # the worker's reply client on the test Redis (it reads REDIS_URL, else the embedded Redis a platform starts)
+    monkeypatch.setattr(tasks, "_reply_client", client)
     prefix, reply_id = f"rlim-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
     channel = f"{prefix}:render:reply:test"
     payload = {"reply_to": channel, "reply_id": reply_id, "client_chat_template": True}
