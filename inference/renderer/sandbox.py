@@ -367,7 +367,7 @@ def _pre_sorting(budget: RenderBudget, value: Any, *args: Any, **kwargs: Any) ->
     ``min``/``max``/``unique``; without ``case_sensitive`` each string is first copied lowercased): one unit per
     1,000 characters so walked (namespaces' attributes included, for ``attribute=``), charged before
     (``([a] * 40000) | sort`` of a 1 MB string was 22 s; D-298). The per-item unit was paid by ``charge_items``."""
-    if isinstance(value, (list, tuple, Mapping, set, frozenset, KeysView, ValuesView, ItemsView)) and value:
+    if isinstance(value, _COMPARED_ITEMWISE) and value:
         size = _compare_size(budget, value)
         budget.spend(size * max(1, len(value).bit_length()) // 1000)
 
@@ -934,7 +934,7 @@ def _compare_size(budget: RenderBudget, value: Any) -> int:
             continue
         if isinstance(v, jinja2.utils.Namespace):
             v = object.__getattribute__(v, "_Namespace__attrs")
-        if isinstance(v, (Mapping, ItemsView, list, tuple, set, frozenset, KeysView, ValuesView, collections.deque)):
+        if isinstance(v, _COMPARED_ITEMWISE):
             walked += len(v)
             total += len(v)
             if walked > room:
