@@ -106,3 +106,28 @@ def test_usage_api_isolation(keys):
     ci = APIClient()
     ci.credentials(HTTP_AUTHORIZATION=f"Bearer {inference_only}")
     assert ci.get("/api/v1/usage", q).status_code == 403
+
+
+def test_usage_api_reads_bounds_with_any_offset_in_utc(keys):
+    """An offset PostgreSQL cannot store (-20:29, beyond +-15:59) or one of no whole hour is read in UTC:
+    200 on every database (the CI's schemathesis run found a 500 on PostgreSQL), buckets on UTC boundaries,
+    and the same records counted as with the UTC spelling of the same instants."""
+    ka, pa, _, _ = keys
+    UsageRecord.objects.bulk_create([_rec(i, ka, 0) for i in range(5)])
+    usage_rollup_all()
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {pa}")
+    far = timezone(-timedelta(hours=20, minutes=29))
+    start, end = (T0 - timedelta(minutes=31)).astimezone(far), (T0 + timedelta(hours=2)).astimezone(far)
+    r = client.get("/api/v1/usage", {"start": start.isoformat(), "end": end.isoformat(), "granularity": "hour",
+                                     "group_by": "model"})
+    assert r.status_code == 200, r.content
+    body = r.json()
+    assert body["start"] == "2026-11-28T09:00:00Z" and body["end"] == "2026-11-28T12:00:00Z"
+    assert [p["t"] for p in body["points"]] == ["2026-11-28T09:00:00Z", "2026-11-28T10:00:00Z",
+                                                "2026-11-28T11:00:00Z"]
+    assert body["totals"]["requests"] == 5 and body["groups"]["m"]["requests"] == 5
+    # a start far in the future with such an offset (the case the fuzzer sent): no points, not a 500
+    r = client.get("/api/v1/usage", {"start": "3547-06-14T06:04:17-20:29", "granularity": "hour",
+                                     "group_by": "model"})
+    assert r.status_code == 200 and r.json()["points"] == [] and r.json()["totals"]["requests"] == 0

@@ -56,7 +56,8 @@ def _when(value: str, name: str):
     """``value`` as an aware datetime (UTC when it has no offset); 400 naming ``name`` when it is not an
     ISO-8601 datetime or names an impossible date or time (``2026-13-45T99:00``: ``parse_datetime`` raises
     ``ValueError``). A year before 1000 or after 9998 is taken as 1000-01-01 or 9998-12-31 UTC (keeps the
-    bucket arithmetic clear of ``datetime``'s limits; every schema-valid date-time is answered)."""
+    bucket arithmetic clear of ``datetime``'s limits; every schema-valid date-time is answered). The result is
+    in UTC whatever offset ``value`` carries."""
     try:
         parsed = parse_datetime(value)
     except ValueError as exc:
@@ -67,7 +68,9 @@ def _when(value: str, name: str):
         return _EARLIEST
     if parsed.year > 9998:
         return _LATEST
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt_timezone.utc)
+    # In UTC: buckets are UTC (a -20:29 offset would floor to a bucket no rollup has), and PostgreSQL refuses a
+    # bound whose offset is beyond +-15:59 (``timezone displacement out of range``: a 500 before this).
+    return (parsed if parsed.tzinfo else parsed.replace(tzinfo=dt_timezone.utc)).astimezone(dt_timezone.utc)
 
 
 def _bounded_start(start, end, granularity: str):
