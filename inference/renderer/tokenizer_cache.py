@@ -25,6 +25,8 @@ What transformers 5.24 does on top of ``tokenizer.json`` that we reproduce (chec
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import logging
@@ -273,12 +275,15 @@ class LoadedTokenizer:
         once per process; the shared ``tokenizer`` is never switched (other threads encode with it)."""
         with self._lock:
             if self._text_only is None:
-                data = json.loads(self.tokenizer.to_str())
+                # Re-adding an added token with ``special=True`` keeps its id and its other flags; done in Rust, not by
+                # editing the JSON in Python (gemma3: 1.9 s instead of 3.1 s, no transient dicts of 262k entries)
+                copy = tokenizers.Tokenizer.from_str(self.tokenizer.to_str())
                 control = set(self.control_tokens)
-                for added in data.get("added_tokens", []):
-                    if added.get("content") in control:
-                        added["special"] = True
-                copy = tokenizers.Tokenizer.from_str(json.dumps(data))
+                retag = [tokenizers.AddedToken(a.content, single_word=a.single_word, lstrip=a.lstrip, rstrip=a.rstrip,
+                                               normalized=a.normalized, special=True)
+                         for a in copy.get_added_tokens_decoder().values() if a.content in control and not a.special]
+                if retag:
+                    copy.add_special_tokens(retag)
                 copy.no_padding()
                 copy.no_truncation()
                 copy.encode_special_tokens = True
@@ -541,6 +546,33 @@ def _load_into_cache(real: str, key: tuple[str, float, float], loading: Future[L
         loaded.text_only_tokenizer()
     except Exception:  # built again (and its error raised) on first use
         logger.exception("text-only copy of %s", real)
+    release_free_heap()
+
+
+def _malloc_trim() -> Any:
+    """glibc's ``malloc_trim`` (``int malloc_trim(size_t pad)``), or None where the C library has none."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to call
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
+def release_free_heap() -> bool:
+    """Give the C heap's free pages back to the operating system (glibc ``malloc_trim(0)``); True when the C
+    library has the call. A tokenizer load leaves most of its transient memory (the parse of a ``tokenizer.json``
+    of up to ~33 MB, the text-only copy) free in the heap but resident: with the six reference tokenizers loaded,
+    one call takes a process from ~700 to ~530 MB RSS, in ~25 ms (DECISIONS D-301). Called once per load, on the
+    loading thread (never on a request's path)."""
+    if _MALLOC_TRIM is None:
+        return False
+    _MALLOC_TRIM(0)
+    return True
 
 
 def clear_tokenizer_cache() -> None:
