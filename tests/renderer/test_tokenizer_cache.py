@@ -116,11 +116,11 @@ def test_tokenize_and_detokenize_helpers():
 
 
 _HEAP_PROBE = r"""
-import sys, threading
+import os, sys, threading
 from inference.renderer.tokenizer_cache import get_tokenizer, load_tokenizer, release_free_heap
 
 def rss_mb():
-    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 lt = load_tokenizer(sys.argv[1])  # the bare load and copy: nothing gives their transient memory back
 lt.text_only_tokenizer()

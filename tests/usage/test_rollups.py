@@ -127,6 +127,10 @@ def test_usage_api_reads_bounds_with_any_offset_in_utc(keys):
     assert [p["t"] for p in body["points"]] == ["2026-11-28T09:00:00Z", "2026-11-28T10:00:00Z",
                                                 "2026-11-28T11:00:00Z"]
     assert body["totals"]["requests"] == 5 and body["groups"]["m"]["requests"] == 5
+    utc = client.get("/api/v1/usage", {"start": (T0 - timedelta(minutes=31)).isoformat(),
+                                       "end": (T0 + timedelta(hours=2)).isoformat(), "granularity": "hour",
+                                       "group_by": "model"})
+    assert utc.json() == body  # the same instants spelled in UTC: the same answer
     # a start far in the future with such an offset (the case the fuzzer sent): no points, not a 500
     r = client.get("/api/v1/usage", {"start": "3547-06-14T06:04:17-20:29", "granularity": "hour",
                                      "group_by": "model"})
