@@ -1,7 +1,7 @@
 """API-key authentication for the ASGI routes (the same selector the DRF class uses: one code path).
 
 Verified keys (and refusals) are cached per process for at most ``AUTH_CACHE_TTL_S`` (1 s), so the hot path usually
-costs one dictionary lookup. A change to a key or tenant (revocation, rotation, edit, deactivation) is published on
+costs one dictionary lookup; concurrent misses of one token share one lookup (``gateway.single_flight``). A change to a key or tenant (revocation, rotation, edit, deactivation) is published on
 Redis Pub/Sub (``tenancy.invalidation``); every api process listens on its event loop and drops the matching
 entries at once, so a revoked key is refused everywhere within milliseconds (DESIGN.md §7; measured in
 tests/security/test_revocation_live.py). The 1 s lifetime stays as the fallback: a process clears its whole cache
@@ -28,6 +28,7 @@ from django.db import DatabaseError
 
 from gateway.errors import ApiError, database_unavailable, forbidden, unauthorized
 from gateway.pipeline.clients import redis
+from gateway.single_flight import SingleFlight
 from tenancy.invalidation import KEY_TOPIC, TENANT_TOPIC, auth_invalidation_channel, auth_invalidation_parse
 from tenancy.selectors import AuthContext, AuthRefusal, api_key_check
 
@@ -104,6 +105,9 @@ class _AuthCache:
 
 
 _cache = _AuthCache()
+# concurrent misses of one token share one lookup, and only within one cache generation (an invalidation since a
+# lookup started makes the next miss look up again): gateway/single_flight.py
+_lookups: SingleFlight[CachedAuth] = SingleFlight()
 _listeners: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Task[None]]] = {}
 
 
@@ -221,6 +225,17 @@ def bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
+async def _lookup(token: str, now: float, generation: int) -> CachedAuth:
+    """The ORM's verdict on ``token``, cached until ``now + AUTH_CACHE_TTL_S`` unless an invalidation came since
+    ``generation``; 503 ``database_unavailable`` when the database cannot be reached."""
+    try:
+        result = await database_sync_to_async(api_key_check, thread_sensitive=False)(token)
+    except DatabaseError:
+        raise database_unavailable() from None
+    _cache.put(token, result, now + AUTH_CACHE_TTL_S, generation)
+    return result
+
+
 async def authenticate(headers: list[tuple[bytes, bytes]]) -> AuthContext:
     """Return the ``AuthContext`` of the request's key; raise ``ApiError`` 401 when missing or invalid (a
     presented key's refusal is counted for ``/metrics``)."""
@@ -232,11 +247,7 @@ async def authenticate(headers: list[tuple[bytes, bytes]]) -> AuthContext:
     result = _cache.get(token, now)
     if result is None:
         generation = _cache.generation
-        try:
-            result = await database_sync_to_async(api_key_check, thread_sensitive=False)(token)
-        except DatabaseError:
-            raise database_unavailable() from None
-        _cache.put(token, result, now + AUTH_CACHE_TTL_S, generation)
+        result = await _lookups.run(token, lambda: _lookup(token, now, generation), tag=generation)
     if isinstance(result, AuthRefusal):
         refusal_count(result)
         raise unauthorized()

@@ -1,6 +1,6 @@
 """Per-process cache of served-model snapshots (``ModelSnapshot``: frozen, typed), at most 1 s old.
 
-The ORM read runs off the event loop; a model disabled or edited in the admin is seen by every api process
+The ORM read runs off the event loop, one at a time per name (concurrent misses share it: ``gateway.single_flight``); a model disabled or edited in the admin is seen by every api process
 within a second. The cache is a bounded LRU (``MODEL_CACHE_MAX_ENTRIES``) holding known and unknown names
 alike, so a stream of made-up names can neither grow it nor flush the served models out of it all at once;
 a name that cannot be a served model name (``SERVED_MODEL_NAME_RE``) is answered ``None`` without a query
@@ -19,6 +19,7 @@ from channels.db import database_sync_to_async  # closes broken DB connections (
 from django.db import DatabaseError
 
 from gateway.errors import database_unavailable
+from gateway.single_flight import SingleFlight
 
 from inference.protocol.openai import SERVED_MODEL_NAME_RE
 from registry.selectors import served_model_snapshot
@@ -61,6 +62,7 @@ class ModelSnapshot:
 
 
 _cache: OrderedDict[str, tuple[float, ModelSnapshot | None]] = OrderedDict()
+_lookups: SingleFlight[ModelSnapshot | None] = SingleFlight()  # concurrent misses of one name share one read
 
 
 async def get_model(name: str) -> ModelSnapshot | None:
@@ -73,6 +75,11 @@ async def get_model(name: str) -> ModelSnapshot | None:
     if hit is not None and hit[0] > now:
         _cache.move_to_end(name)
         return hit[1]
+    return await _lookups.run(name, lambda: _lookup(name, now))
+
+
+async def _lookup(name: str, now: float) -> ModelSnapshot | None:
+    """Read ``name``'s registry row and cache its snapshot until ``now + MODEL_CACHE_TTL_S``."""
     try:
         raw = await database_sync_to_async(served_model_snapshot, thread_sensitive=False)(name)
     except DatabaseError:
