@@ -18,7 +18,9 @@ Also the CPU time every process on the machine spent during each side's rounds (
 after each round; processes grouped by role: ``bench/cpu_per_request.describe``), as CPU seconds per 1,000 output
 tokens: how much of the cores the side's model forward had, and how much went to its frontend. Usage:
 ``.venv/bin/python bench/vllm_backend.py [--concurrency 16] [--max-tokens 64] [--rounds 2] [--dtype bfloat16] [--native]``
-(``--native``: also the same rounds on our native engine through the same platform, issue 20's CPU goal).
+(``--native``: also the same rounds on our native engine through the same platform, issue 20's CPU goal; it runs
+as ``manage.py serve`` runs a CPU engine, one core left to the frontend at niceness 10, unless
+``--native-layout all-cores``).
 (needs ``.peer/vllm``: ``scripts/setup.sh --vllm``; ``VLLM_PYTHON`` points elsewhere).
 """
 
@@ -112,7 +114,8 @@ def start_platform_side(args) -> tuple[object, list[tuple[str, str, str, str]]]:
         if args.native:
             live.manage("register_model", NATIVE_MODEL, str(MODEL_DIR), "--max-model-len", str(args.max_model_len),
                         "--dtype", args.dtype, "--reasoning-parser", "none")
-            live.start_engine("engine-native", model=NATIVE_MODEL, extra_args=("--dtype", args.dtype))
+            live.start_engine("engine-native", model=NATIVE_MODEL, extra_args=("--dtype", args.dtype),
+                              serve_layout=args.native_layout == "serve")
             sides.append(("native", live.base_url, live.api_key, NATIVE_MODEL))
         return live, sides
     except BaseException:
@@ -130,6 +133,10 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--native", action="store_true",
                     help="also our native engine through the platform (issue 20: >= 1.0x vLLM's server at 16 streams)")
+    ap.add_argument("--native-layout", choices=["serve", "all-cores"], default="serve",
+                    help="the native engine's CPU share: serve (default): as `manage.py serve` and quickstart start it, "
+                         "the cores less one for the frontend, at niceness 10, as vLLM's CPU engine leaves a core to "
+                         "its api server; all-cores: torch's default, every core at normal priority (D-302)")
     args = ap.parse_args()
     if not VLLM_PYTHON.exists():
         sys.exit(f"no vLLM environment at {VLLM_PYTHON}: scripts/setup.sh --vllm")

@@ -25,6 +25,7 @@ import redis
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "platform"), str(REPO)]
 
+from ops.layout import DEFAULT_ENGINE_NICE, DEFAULT_FRONTEND_RESERVED_CORES, engine_layout  # noqa: E402
 from ops.supervisor import Supervisor, wait_until  # noqa: E402
 from ops.supervisor import http_ok as _http_ok, redis_ping as _ping  # noqa: E402  (tests import these names)
 
@@ -92,11 +93,19 @@ class LivePlatform:
         return [EngineStats.from_wire(v) for v in r.mget(keys) if v] if keys else []
 
     def start_engine(self, name: str = "engine", model: str = DEMO_MODEL, model_dir: Path = MODEL_DIR,
-                     backend: str = "native", extra_args: tuple[str, ...] = ()):
+                     backend: str = "native", extra_args: tuple[str, ...] = (), serve_layout: bool = False):
         """Start one engine replica and wait for its heartbeat. ``backend="vllm"``: vLLM's engine behind the link
         (``python -m inference.engine.vllm_backend`` run by ``VLLM_PYTHON``, the repository on its path).
-        ``extra_args``: more engine options (e.g. ``("--dtype", "bfloat16")``)."""
+        ``extra_args``: more engine options (e.g. ``("--dtype", "bfloat16")``). ``serve_layout``: a native engine
+        gets the torch threads and niceness ``manage.py serve`` gives one CPU engine by default (ops/layout.py: the
+        usable cores less one for the frontend, niceness 10), as benchmarks against vLLM's server need (vLLM's
+        CPU engine likewise leaves a core to its api server); without it, torch's default of every core."""
         before = {s.engine_id for s in self.replicas(model)}
+        nice = 0
+        if serve_layout and backend == "native":
+            layout = engine_layout(cores=len(os.sched_getaffinity(0)), cpu_engines=1,
+                                   reserved=DEFAULT_FRONTEND_RESERVED_CORES, threads=0, nice=DEFAULT_ENGINE_NICE)
+            extra_args, nice = ("--num-threads", str(layout.threads), *extra_args), layout.nice
         if backend == "vllm":
             cmd, extra, env_extra = ([str(VLLM_PYTHON), "-m", "inference.engine.vllm_backend"], ["--kv-cache-gb", "1"],
                                      {"PYTHONPATH": str(REPO)})
@@ -105,7 +114,8 @@ class LivePlatform:
         child = self.sup.start(name, [*cmd, "--model", model, "--model-dir",
                                       str(model_dir), "--redis-url", self.redis_url, "--link-prefix", self.prefix,
                                       "--max-num-seqs", "32", "--max-model-len", str(self.max_model_len), *extra,
-                                      *extra_args, *os.environ.get("ENGINE_EXTRA_ARGS", "").split()], env_extra=env_extra)
+                                      *extra_args, *os.environ.get("ENGINE_EXTRA_ARGS", "").split()], env_extra=env_extra,
+                              nice=nice)
         wait_until(lambda: {s.engine_id for s in self.replicas(model)} - before, 900 if backend == "vllm" else 180,
                    f"{name} heartbeat", self.sup)
         return child

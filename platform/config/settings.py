@@ -102,6 +102,7 @@ from urllib.parse import parse_qs, urlsplit
 import dj_database_url
 
 from inference.redis_timeouts import blocking_socket_timeout
+from ops import layout as _layout  # serve's engine-layout defaults (a plain module: no Django)
 
 BASE_DIR = Path(__file__).resolve().parent.parent  # platform/
 REPO_DIR = BASE_DIR.parent
@@ -413,8 +414,9 @@ ADMISSION_REPUBLISH_S = float(_env_first("ADMISSION_REPUBLISH_S", default="10"))
 OPERATOR_PASSWORD = _env_first("OPERATOR_PASSWORD")
 SERVE_PORT = int(_env_first("PORT", default="8000"))
 SERVE_ENGINE_THREADS = int(_env_first("SERVE_ENGINE_THREADS", default="0"))
-SERVE_ENGINE_NICE = int(_env_first("SERVE_ENGINE_NICE", default="10"))
-SERVE_FRONTEND_RESERVED_CORES = int(_env_first("SERVE_FRONTEND_RESERVED_CORES", default="1"))
+SERVE_ENGINE_NICE = int(_env_first("SERVE_ENGINE_NICE", default=str(_layout.DEFAULT_ENGINE_NICE)))
+SERVE_FRONTEND_RESERVED_CORES = int(_env_first("SERVE_FRONTEND_RESERVED_CORES",
+                                               default=str(_layout.DEFAULT_FRONTEND_RESERVED_CORES)))
 
 # --- TLS deployments, cookies, login throttling, admin second factor, body size --------------
 SESSION_COOKIE_HTTPONLY = True

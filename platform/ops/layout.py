@@ -16,6 +16,10 @@ from dataclasses import dataclass
 # niceness of the processes whose work may lag under load without a client waiting on it: the usage writer, beat,
 # and image preprocessing (the mm worker: image chats wait on it, text never does)
 BACKGROUND_NICE = 10
+# serve's defaults (settings SERVE_ENGINE_NICE, SERVE_FRONTEND_RESERVED_CORES): engines at niceness 10, one core
+# left to the frontend by the automatic engine threads
+DEFAULT_ENGINE_NICE = 10
+DEFAULT_FRONTEND_RESERVED_CORES = 1
 
 
 @dataclass(frozen=True)
