@@ -229,7 +229,7 @@ async def _lookup(token: str, now: float, generation: int) -> CachedAuth:
     """The ORM's verdict on ``token``, cached until ``now + AUTH_CACHE_TTL_S`` unless an invalidation came since
     ``generation``; 503 ``database_unavailable`` when the database cannot be reached."""
     try:
-        result = await database_sync_to_async(api_key_check, thread_sensitive=False)(token)
+        result: CachedAuth = await database_sync_to_async(api_key_check, thread_sensitive=False)(token)
     except DatabaseError:
         raise database_unavailable() from None
     _cache.put(token, result, now + AUTH_CACHE_TTL_S, generation)
@@ -247,7 +247,8 @@ async def authenticate(headers: list[tuple[bytes, bytes]]) -> AuthContext:
     result = _cache.get(token, now)
     if result is None:
         generation = _cache.generation
-        result = await _lookups.run(token, lambda: _lookup(token, now, generation), tag=generation)
+        result = await _lookups.run(token, lambda: _lookup(token, now, generation), tag=generation,
+                                    max_age_s=AUTH_CACHE_TTL_S)
     if isinstance(result, AuthRefusal):
         refusal_count(result)
         raise unauthorized()

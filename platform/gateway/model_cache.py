@@ -75,7 +75,7 @@ async def get_model(name: str) -> ModelSnapshot | None:
     if hit is not None and hit[0] > now:
         _cache.move_to_end(name)
         return hit[1]
-    return await _lookups.run(name, lambda: _lookup(name, now))
+    return await _lookups.run(name, lambda: _lookup(name, now), max_age_s=MODEL_CACHE_TTL_S)
 
 
 async def _lookup(name: str, now: float) -> ModelSnapshot | None:

@@ -4,7 +4,7 @@ A burst of requests with one key and one model after an idle second used to run 
 the key and one for the model; these tests hold the helper to its rules and then check, on the real database and
 the real selectors (counted, not replaced), that a cold burst of 16 reads each row once, that an invalidation
 during a lookup still makes the next caller read again, and that a caller that leaves does not cancel the lookup
-the others wait on."""
+another caller waits on."""
 
 from __future__ import annotations
 
@@ -164,6 +164,22 @@ def test_a_cold_burst_reads_the_key_and_the_model_once(keyed):
     assert key_check.calls == 2 and snapshot.calls == 2
 
 
+async def _until(condition, what: str, timeout_s: float = 10.0) -> None:
+    """Poll ``condition()`` every 10 ms; fail the test (instead of hanging) after ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def _listening(auth) -> None:
+    """Start this loop's invalidation listener and wait for its subscription (which clears the cache and bumps its
+    generation), so that nothing but the test moves the generation afterwards."""
+    before = auth._cache.generation
+    auth.listener_ensure()
+    await _until(lambda: auth._cache.generation != before, "the invalidation listener's subscription")
+
+
 @pytest.mark.django_db(transaction=True)
 def test_an_invalidation_during_a_lookup_makes_the_next_caller_read_again(keyed):
     from gateway import auth
@@ -173,16 +189,69 @@ def test_an_invalidation_during_a_lookup_makes_the_next_caller_read_again(keyed)
     key_check.gate = threading.Event()
 
     async def main():
-        first = asyncio.ensure_future(auth.authenticate(headers))
-        while key_check.calls < 1:  # the first lookup is running (held at the gate)
-            await asyncio.sleep(0.01)
-        auth._cache.drop_key(secret.partition(".")[0])  # the key changed while it ran
-        second = asyncio.ensure_future(auth.authenticate(headers))
-        while key_check.calls < 2:  # not shared with the lookup that started before the change
-            await asyncio.sleep(0.01)
-        key_check.gate.set()
+        await _listening(auth)
+        generation = auth._cache.generation
+        try:
+            first = asyncio.ensure_future(auth.authenticate(headers))
+            await _until(lambda: key_check.calls >= 1, "the first lookup")  # running, held at the gate
+            assert auth._cache.generation == generation
+            auth._cache.drop_key(secret.partition(".")[0])  # the key changed while it ran
+            second = asyncio.ensure_future(auth.authenticate(headers))
+            await _until(lambda: key_check.calls >= 2, "a second lookup")  # not shared with the older one
+        finally:
+            key_check.gate.set()
         return await first, await second
 
     first, second = asyncio.run(main())
     assert first.tenant_name == second.tenant_name == "sf-tenant"
     assert key_check.calls == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_caller_that_leaves_does_not_cancel_the_lookup_the_others_wait_on(keyed):
+    from gateway import auth
+
+    secret, key_check, _snapshot = keyed
+    headers = [(b"authorization", f"Bearer {secret}".encode())]
+    key_check.gate = threading.Event()
+
+    async def main():
+        await _listening(auth)
+        try:
+            leaving = asyncio.ensure_future(auth.authenticate(headers))
+            await _until(lambda: key_check.calls >= 1, "the lookup")
+            staying = asyncio.ensure_future(auth.authenticate(headers))
+            await asyncio.sleep(0.05)
+            leaving.cancel()  # its client went away
+            await asyncio.sleep(0.05)
+        finally:
+            key_check.gate.set()
+        ctx = await staying
+        assert leaving.cancelled()
+        return ctx
+
+    assert asyncio.run(main()).tenant_name == "sf-tenant"
+    assert key_check.calls == 1
+
+
+def test_a_fetch_older_than_max_age_is_not_joined():
+    calls = []
+
+    async def main():
+        flight: SingleFlight[int] = SingleFlight()
+        release = asyncio.Event()
+
+        async def slow():
+            calls.append(1)
+            await release.wait()
+            return len(calls)
+
+        old = asyncio.ensure_future(flight.run("k", slow, max_age_s=0.05))
+        await asyncio.sleep(0.1)  # the first lookup is stuck past the age a caller may be given
+        new = asyncio.ensure_future(flight.run("k", slow, max_age_s=0.05))
+        await asyncio.sleep(0)
+        release.set()
+        return await old, await new
+
+    first, second = asyncio.run(main())
+    assert len(calls) == 2 and first == second == 2
