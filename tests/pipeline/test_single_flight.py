@@ -115,6 +115,8 @@ class Counted:
 def keyed(settings, monkeypatch):
     """A tenant's key and a served model in the test database, the gateway on a fresh Redis prefix, the two
     selectors counted, and both caches empty."""
+    from django.db import connections
+
     from gateway import auth, model_cache
     from gateway.pipeline import clients
     from registry.services import served_model_register
@@ -124,6 +126,9 @@ def keyed(settings, monkeypatch):
     if not (Path(MODEL_DIR) / "config.json").exists():
         pytest.skip(f"{MODEL_DIR} missing: run scripts/setup.sh")
     redis_or_skip().close()
+    # the lookups run in the event loop's executor threads, which end with each asyncio.run: their connections are
+    # closed after each lookup (as on SQLite), not kept open past the test for the test database's teardown to trip on
+    monkeypatch.setitem(connections.settings["default"], "CONN_MAX_AGE", 0)
     with fresh_prefix("sflight") as prefix:
         settings.REDIS_URL, settings.LINK_PREFIX = TEST_REDIS_URL, prefix
         clients._pools.clear()
