@@ -234,8 +234,10 @@ def test_sigusr2_writes_every_threads_stack_to_the_api_log_and_the_api_goes_on(l
     front = relaying["front"]
     before = front.log_path.stat().st_size
     os.kill(front.proc.pid, signal.SIGUSR2)
-    wait_until(lambda: "Current thread" in front.log_path.read_text(errors="replace")[before:], 10, "the stack dump")
-    assert "uvicorn" in front.log_path.read_text(errors="replace")[before:]
+    # faulthandler writes the dump line by line: wait for the frames of the thread running uvicorn, not merely for
+    # the "Current thread" line (a read between the two saw a partial dump)
+    wait_until(lambda: all(s in front.log_path.read_text(errors="replace")[before:] for s in ("Current thread", "uvicorn")),
+               10, "the stack dump with the api's uvicorn frames")
     r = httpx.get(relaying["base"] + "/health", timeout=10)
     assert r.status_code == 200 and front.proc.poll() is None
 
