@@ -114,8 +114,8 @@ class LivePlatform:
         child = self.sup.start(name, [*cmd, "--model", model, "--model-dir",
                                       str(model_dir), "--redis-url", self.redis_url, "--link-prefix", self.prefix,
                                       "--max-num-seqs", "32", "--max-model-len", str(self.max_model_len), *extra,
-                                      *extra_args, *os.environ.get("ENGINE_EXTRA_ARGS", "").split()], env_extra=env_extra,
-                              nice=nice)
+                                      *extra_args, *os.environ.get("ENGINE_EXTRA_ARGS", "").split()],
+                              env_extra=env_extra, nice=nice)
         wait_until(lambda: {s.engine_id for s in self.replicas(model)} - before, 900 if backend == "vllm" else 180,
                    f"{name} heartbeat", self.sup)
         return child

@@ -1,10 +1,10 @@
 """Per-process cache of served-model snapshots (``ModelSnapshot``: frozen, typed), at most 1 s old.
 
-The ORM read runs off the event loop, one at a time per name (concurrent misses share it: ``gateway.single_flight``); a model disabled or edited in the admin is seen by every api process
-within a second. The cache is a bounded LRU (``MODEL_CACHE_MAX_ENTRIES``) holding known and unknown names
-alike, so a stream of made-up names can neither grow it nor flush the served models out of it all at once;
-a name that cannot be a served model name (``SERVED_MODEL_NAME_RE``) is answered ``None`` without a query
-and is not cached.
+The ORM read runs off the event loop, one at a time per name (concurrent misses share it:
+``gateway.single_flight``); a model disabled or edited in the admin is seen by every api process within a second.
+The cache is a bounded LRU (``MODEL_CACHE_MAX_ENTRIES``) holding known and unknown names alike, so a stream of
+made-up names can neither grow it nor flush the served models out of it all at once; a name that cannot be a served
+model name (``SERVED_MODEL_NAME_RE``) is answered ``None`` without a query and is not cached.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-from collections.abc import Awaitable, Callable, Hashable
-from typing import Generic, TypeVar
+from collections.abc import Callable, Coroutine, Hashable
+from typing import Any, Generic, TypeVar
 
 V = TypeVar("V")
 
@@ -37,7 +37,7 @@ class SingleFlight(Generic[V]):
     def __init__(self) -> None:
         self._in_flight: dict[tuple[asyncio.AbstractEventLoop, Hashable], tuple[asyncio.Task[V], Hashable, float]] = {}
 
-    async def run(self, key: Hashable, fetch: Callable[[], Awaitable[V]], tag: Hashable = None,
+    async def run(self, key: Hashable, fetch: Callable[[], Coroutine[Any, Any, V]], tag: Hashable = None,
                   max_age_s: float = 1.0) -> V:
         """The shared result of ``fetch()`` for ``key`` (see the class); raises what ``fetch`` raises."""
         loop = asyncio.get_running_loop()
@@ -47,7 +47,7 @@ class SingleFlight(Generic[V]):
         if entry is not None and entry[1] == tag and now - entry[2] < max_age_s and not entry[0].done():
             task = entry[0]
         else:
-            task = loop.create_task(_awaited(fetch), context=contextvars.Context())
+            task = loop.create_task(fetch(), context=contextvars.Context())  # fetch() only builds the coroutine
             self._in_flight[slot] = (task, tag, now)
             task.add_done_callback(functools.partial(self._forget, slot))
         return await asyncio.shield(task)
@@ -62,7 +62,3 @@ class SingleFlight(Generic[V]):
             del self._in_flight[slot]
         if not done.cancelled():
             done.exception()  # retrieved: a failed fetch whose callers all left is not logged as never retrieved
-
-
-async def _awaited(fetch: Callable[[], Awaitable[V]]) -> V:
-    return await fetch()
