@@ -8,8 +8,10 @@ request on the same bodies:
 * ``inline+cache`` / ``inline-nocache``: two api processes with ``RENDER_ROUTE=inline``, the second with
   ``SEGMENT_CACHE_MAX_TOKENS=0`` (whole-prompt encoding); the requests alternate between them (which one goes
   first alternates too), so both see the same machine load;
-* ``celery+cache`` then ``celery-nocache``: the default route (Celery ``render`` queue, 2 solo workers), the
-  worker restarted with the cache off for the second pass (same bodies, sequential passes);
+* ``celery+cache``, ``celery+local`` then ``celery-nocache``: the default route (Celery ``render`` queue, 2 solo
+  workers) with both tiers of the segment cache (per-worker LRU and the workers' shared tier in Redis), then the
+  workers restarted with the shared tier off (``SEGMENT_CACHE_REDIS_MIN_CHARS=0``), then with the cache off (same
+  bodies, sequential passes; each pass's segment-cache counts are printed);
 * ``vllm``: vLLM's CPU server on the same tokenizer, when ``--vllm-python`` imports vllm
   (../shared/reference/peer_vllm.md), interleaved with the inline pair.
 
@@ -181,7 +183,10 @@ def main() -> None:
         if not args.skip_celery:
             workers = [c for c in live.sup.children if c.name in ("worker", "worker-2")]  # the render workers
             api = next(c for c in live.sup.children if c.name == "api")
-            for name, env in (("celery+cache", {}), ("celery-nocache", {"SEGMENT_CACHE_MAX_TOKENS": "0"})):
+            passes = (("celery+cache", {}), ("celery+local", {"SEGMENT_CACHE_REDIS_MIN_CHARS": "0"}),
+                      ("celery-nocache", {"SEGMENT_CACHE_MAX_TOKENS": "0"}))
+            for name, env in passes:
+                seg0 = r.hgetall(key)
                 if env:
                     for w in workers:
                         w.env_extra.update(env)
@@ -198,13 +203,18 @@ def main() -> None:
                     for body in bodies:
                         t.tokenize(body)
                 targets.append(t)
+                seg1 = r.hgetall(key)
+                print(f"{name}: segment cache {int(seg1.get(b'hits', 0)) - int(seg0.get(b'hits', 0))} hits "
+                      f"({int(seg1.get(b'shared_hits', 0)) - int(seg0.get(b'shared_hits', 0))} from the shared tier) / "
+                      f"{int(seg1.get(b'misses', 0)) - int(seg0.get(b'misses', 0))} misses (warm-up included)")
         seg = r.hgetall(key)
         print(f"\nmulti-turn /tokenize, Qwen3 tokenizer, {args.conversations} conversations × {args.turns} turns "
               f"(≈{args.turn_tokens} tokens a turn, histories up to "
               f"{max(n for n, _ in pair[0].lat)} tokens); {psutil.cpu_count()} CPUs shared")
         print(f"segment cache (shared counters): inline pair {inline_hits} hits / {inline_misses} misses; "
               f"all {int(seg.get(b'hits', 0))} hits / {int(seg.get(b'misses', 0))} misses")
-        report(targets, {"inline+cache": "inline-nocache", "celery+cache": "celery-nocache"})
+        report(targets, {"inline+cache": "inline-nocache", "celery+cache": "celery-nocache",
+                         "celery+local": "celery-nocache"})
         vt = next((t for t in targets if t.name == "vllm"), None)
         if vt is not None:
             print("\nagainst vLLM:")

@@ -45,6 +45,7 @@ from inference.renderer.chat_template import (
     tokenize_prompt,
 )
 from inference.renderer.errors import ContextLengthError, RenderError, RenderOverloadedError, TemplateTimeoutError
+from inference.renderer import segment_cache
 from inference.renderer.segment_cache import STATS as SEGMENT_STATS
 from inference.renderer.tokenizer_cache import get_tokenizer
 
@@ -65,6 +66,14 @@ def _own_time_limits(sender: Any = None, **_kwargs: Any) -> None:
         return
     if isinstance(cls, type) and issubclass(cls, SoloPool):
         render_limits.enable(RENDER_TIME_LIMIT_S, RENDER_HARD_TIME_LIMIT_S)
+
+
+@worker_init.connect
+def _shared_segment_tier(sender: Any = None, **_kwargs: Any) -> None:
+    """Render workers share long prompt segments' ids in Redis (``segment_cache.SharedTier``, on the reply client's
+    Redis, made on first use in whichever process runs the tasks); ``SEGMENT_CACHE_REDIS_MIN_CHARS`` 0 leaves it
+    off."""
+    segment_cache.enable_shared_tier(_reply_redis)
 
 _RENDER_ARGS = (
     "add_generation_prompt",
@@ -231,6 +240,9 @@ def reply_if_requested(payload: Any, result: dict[str, Any]) -> dict[str, Any]:
     """Publish ``result`` on the caller's reply channel when the payload names one and return ``{"ok": ...,
     "replied": True}``; without a reply channel, return ``result`` (a Celery result backend then carries it).
 
+    The segment cache's shared-tier entries this task encoded (``segment_cache.take_shared_writes``) are written in
+    the same pipeline, before the reply, so that they are there for any request sent after it.
+
     The api process subscribes once to its own channel (``inference.render_client``) and sends tasks with
     ``ignore_result``, so no Celery result is stored and no per-request subscription is made. Redis is
     ``REDIS_URL`` (every platform process gets it), else the Celery app's result backend URL. The task's own return
@@ -243,9 +255,14 @@ def reply_if_requested(payload: Any, result: dict[str, Any]) -> dict[str, Any]:
         pipe = _reply_redis().pipeline(transaction=False)
         pipe.incr(render_tasks_counter_key(prefix))  # shared count of rendered tasks (metrics, tests)
         count_segment_cache(pipe, prefix, result)
+        # the shared-tier entries first: Redis runs one connection's commands in order, so whichever worker renders
+        # this conversation's next turn (after the reply below) finds them
+        for key, value, ttl_s in segment_cache.take_shared_writes():
+            pipe.set(key, value, ex=ttl_s)
         pipe.publish(channel, reply_json({"id": payload["reply_id"], "result": result}))
         pipe.execute()
         return {"ok": result.get("ok"), "replied": True}
+    segment_cache.take_shared_writes()  # no reply channel, no namespace: nothing was queued
     return result
 
 
@@ -259,19 +276,21 @@ def reply_json(reply: dict[str, Any]) -> bytes:
 
 
 def segment_cache_counter_key(prefix: str) -> str:
-    """Redis hash of the segment tokenization cache's shared counters (fields ``hits``, ``misses``: segments)
-    under link prefix ``prefix``, summed over every render worker and inline api thread."""
+    """Redis hash of the segment tokenization cache's shared counters (fields ``hits``, ``shared_hits``, ``misses``:
+    segments) under link prefix ``prefix``, summed over every render worker and inline api thread."""
     return f"{prefix}:metrics:segment_cache"
 
 
 def count_segment_cache(pipe: Any, prefix: str, result: dict[str, Any]) -> None:
     """Queue on Redis pipeline ``pipe`` (sync or asyncio) the increments of a task ``result``'s
-    ``segment_cache`` tallies; nothing when it has none."""
+    ``segment_cache`` tallies (``hits``, ``misses`` and, when any, ``shared_hits``); nothing when it has none."""
     stats = result.get("segment_cache")
     if stats:
         key = segment_cache_counter_key(prefix)
         pipe.hincrby(key, "hits", int(stats.get("hits", 0)))
         pipe.hincrby(key, "misses", int(stats.get("misses", 0)))
+        if stats.get("shared_hits"):
+            pipe.hincrby(key, "shared_hits", int(stats["shared_hits"]))
 
 
 def render_tasks_counter_key(prefix: str) -> str:
@@ -320,6 +339,9 @@ def run_task(task: Any, payload: Any, body: Callable[[Any], dict[str, Any]]) -> 
     request = getattr(task, "request", None)
     redelivered = bool((getattr(request, "delivery_info", None) or {}).get("redelivered"))
     resent = isinstance(payload, dict) and bool(payload.get("resent"))  # the api sent it again (render_client)
+    channel = payload.get("reply_to") if isinstance(payload, dict) else None
+    # the shared segment tier lives under the caller's link prefix; a caller with none (a result backend) gets none
+    segment_cache.shared_scope(_link_prefix(channel) if isinstance(channel, str) and channel else None)
     if (redelivered or resent) and _refuse_redelivery(payload, getattr(request, "id", None)):
         return reply_if_requested(payload, _lost_twice(payload))
     try:

@@ -22,18 +22,25 @@ tokenizer's own added tokens, every boundary cut, both ``add_special_tokens`` va
 with the reason when any text encodes differently from the whole-prompt encoding, or when an added token has
 boundary-sensitive flags; such a tokenizer is always encoded whole (``LoadedTokenizer.encode``).
 
-Storage: one bounded LRU per process (``SegmentLRU``, ``SEGMENT_CACHE_MAX_TOKENS`` ids in all, 4 bytes each), not
-Redis: a hit costs about a microsecond here against a 0.15-1 ms Redis round trip (docs/DECISIONS.md D-221,
-``bench/segment_cost.py``). Counters: ``STATS`` (per thread, reset by each render task and returned with its result;
-``inference.tasks`` adds them to the shared Redis counters that ``/metrics`` shows as
-``render_segment_cache_hits_total`` / ``render_segment_cache_misses_total``).
+Storage: one bounded LRU per process first (``SegmentLRU``, ``SEGMENT_CACHE_MAX_TOKENS`` ids in all, 4 bytes each):
+a hit costs about a microsecond here against a 0.15-1 ms Redis round trip (docs/DECISIONS.md D-221,
+``bench/segment_cost.py``). Behind it, in render workers, a shared tier in Redis (``SharedTier``, D-303): the segments
+of at least ``SEGMENT_CACHE_REDIS_MIN_CHARS`` characters that one prompt misses locally are fetched in one ``MGET``,
+and those still missing are encoded and written back with the task's reply (``take_shared_writes``; no extra round
+trip), to live ``SEGMENT_CACHE_REDIS_TTL_S`` seconds. It pays when a conversation's turns reach several render
+workers, which local caches alone serve less well the more workers there are. Counters: ``STATS`` (per thread, reset
+by each render task and returned with its result; ``inference.tasks`` adds them to the shared Redis counters that
+``/metrics`` shows as ``render_segment_cache_hits_total`` (either tier), ``render_segment_cache_shared_hits_total``
+(of those, from Redis) and ``render_segment_cache_misses_total``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 import re
+import sys
 import threading
 from array import array
 from collections import OrderedDict
@@ -46,6 +53,10 @@ from inference.config import SETTINGS
 
 SEGMENT_CACHE_MAX_TOKENS = SETTINGS.segment_cache_max_tokens
 SEGMENT_CACHE_MIN_CHARS = SETTINGS.segment_cache_min_chars
+SEGMENT_CACHE_REDIS_MIN_CHARS = SETTINGS.segment_cache_redis_min_chars
+SEGMENT_CACHE_REDIS_TTL_S = SETTINGS.segment_cache_redis_ttl_s
+
+logger = logging.getLogger(__name__)
 
 
 # Fragments of the self-check: unicode, whitespace runs, leading/trailing spaces, digits, the Metaspace mark.
@@ -57,19 +68,26 @@ SELF_CHECK_TEXTS = (
 
 
 class _Stats(threading.local):
-    """Per-thread tallies since the last ``reset``: segments hit/missed and their token counts."""
+    """Per-thread tallies of segments since the last ``reset``: ``hits`` (ids from either tier), ``shared_hits`` (of
+    those, from the shared tier) and ``misses`` (encoded)."""
 
     def __init__(self) -> None:
         self.hits = 0
+        self.shared_hits = 0
         self.misses = 0
 
     def reset(self) -> None:
         self.hits = 0
+        self.shared_hits = 0
         self.misses = 0
 
     def snapshot(self) -> dict[str, int]:
-        """``{"hits": n, "misses": n}`` of this thread since the last ``reset``."""
-        return {"hits": self.hits, "misses": self.misses}
+        """``{"hits": n, "misses": n}`` of this thread since the last ``reset``, with ``"shared_hits": n`` when
+        any came from the shared tier."""
+        out = {"hits": self.hits, "misses": self.misses}
+        if self.shared_hits:
+            out["shared_hits"] = self.shared_hits
+        return out
 
 
 STATS = _Stats()
@@ -128,23 +146,144 @@ def _digest(text: str) -> bytes:
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
-def cached_encode(encode: Callable[[str], list[int]], fingerprint: str, variant: str, text: str,
-                  cache: SegmentLRU | None = None) -> list[int]:
-    """Ids of ``text`` from the cache under ``(fingerprint, variant, digest(text))``, else ``encode(text)``
-    stored there. Counts the hit or miss in ``STATS``; a disabled cache
-    (``max_tokens == 0``) just encodes, uncounted."""
+class SharedTier:
+    """The segment cache's second tier: ids in Redis, shared by every render worker of one platform (D-303).
+
+    ``client``: a callable returning a synchronous ``redis.Redis`` (made on first use); ``min_chars``: segments
+    shorter than this are never looked up or stored here (encoding them costs less than the round trip); ``ttl_s``:
+    seconds an entry lives after it is written. Keys: ``<namespace>:segcache:<fingerprint>:<variant>:<digest hex>``,
+    values the ids as little-endian 32-bit integers. The namespace (the platform's link prefix) is set per task by
+    ``shared_scope``; with none set the tier is skipped. Memory in Redis is bounded by the ids of the distinct long
+    segments written within ``ttl_s`` (4 bytes a token, about the size of their text). A Redis failure on a read
+    makes the segments misses (logged), never a failed render.
+    """
+
+    def __init__(self, client: Callable[[], Any], min_chars: int, ttl_s: int) -> None:
+        self.client = client
+        self.min_chars = max(1, int(min_chars))
+        self.ttl_s = max(1, int(ttl_s))
+
+    def key(self, namespace: str, fingerprint: str, variant: str, digest: bytes) -> str:
+        """The Redis key of one segment's ids."""
+        return f"{namespace}:segcache:{fingerprint}:{variant}:{digest.hex()}"
+
+    def fetch(self, keys: list[str]) -> list[array[int] | None]:
+        """The ids stored under each of ``keys`` (one ``MGET``), None where absent, malformed or on a Redis error."""
+        try:
+            values = self.client().mget(keys)
+        except Exception:  # redis.RedisError and socket errors alike: the segments are encoded instead
+            logger.warning("segment cache: the shared tier could not be read; encoding instead", exc_info=True)
+            return [None] * len(keys)
+        out: list[array[int] | None] = []
+        for value in values:
+            if not isinstance(value, bytes) or not value or len(value) % 4:
+                out.append(None)
+                continue
+            ids = array("I")
+            ids.frombytes(value)
+            if sys.byteorder != "little":
+                ids.byteswap()
+            out.append(ids)
+        return out
+
+
+def _as_bytes(ids: array[int]) -> bytes:
+    if sys.byteorder == "little":
+        return ids.tobytes()
+    swapped = array("I", ids)
+    swapped.byteswap()
+    return swapped.tobytes()
+
+
+class _TaskScope(threading.local):
+    """This thread's shared-tier namespace (None: no shared tier) and the entries it has yet to write."""
+
+    def __init__(self) -> None:
+        self.namespace: str | None = None
+        self.writes: list[tuple[str, bytes]] = []
+
+
+_SCOPE = _TaskScope()
+SHARED: SharedTier | None = None
+
+
+def enable_shared_tier(client: Callable[[], Any], min_chars: int = SEGMENT_CACHE_REDIS_MIN_CHARS,
+                       ttl_s: int = SEGMENT_CACHE_REDIS_TTL_S) -> SharedTier | None:
+    """Give this process the shared tier (render workers call it at start, ``inference.tasks``); ``min_chars`` 0
+    or a local cache turned off (``SEGMENT_CACHE_MAX_TOKENS`` 0) leaves it off. Returns the tier or None."""
+    global SHARED
+    SHARED = SharedTier(client, min_chars, ttl_s) if min_chars > 0 and CACHE.max_tokens > 0 else None
+    return SHARED
+
+
+def disable_shared_tier() -> None:
+    """Take the shared tier away from this process."""
+    global SHARED
+    SHARED = None
+
+
+def shared_scope(namespace: str | None) -> None:
+    """Start a task on this thread: its shared-tier entries go under ``namespace`` (None: no shared tier for it),
+    and the entries an earlier task left unwritten are dropped."""
+    _SCOPE.namespace = namespace
+    _SCOPE.writes = []
+
+
+def take_shared_writes() -> list[tuple[str, bytes, int]]:
+    """The ``(key, value, ttl_s)`` entries this thread's task encoded for the shared tier, handed over once (the
+    caller writes them, e.g. with ``SET key value EX ttl_s`` in the task's reply pipeline)."""
+    writes, _SCOPE.writes = _SCOPE.writes, []
+    tier = SHARED
+    if tier is None:
+        return []
+    return [(k, v, tier.ttl_s) for k, v in writes]
+
+
+def cached_encode_many(encode: Callable[[str], list[int]], fingerprint: str, variant: str, texts: list[str],
+                       cache: SegmentLRU | None = None) -> list[list[int]]:
+    """The ids of each of ``texts``, each equal to ``encode(text)``: from the local cache under ``(fingerprint,
+    variant, digest(text))``; else, for texts of at least the shared tier's ``min_chars`` when this thread has a
+    shared-tier scope, from Redis (one ``MGET`` for all of them, stored locally on a hit); else encoded, stored
+    locally and queued for the shared tier (``take_shared_writes``). Counts hits, shared hits and misses in
+    ``STATS``; a disabled local cache (``max_tokens == 0``) just encodes, uncounted."""
     cache = CACHE if cache is None else cache
     if cache.max_tokens == 0:
-        return encode(text)
-    key = (fingerprint, variant, _digest(text))
-    hit = cache.get(key)
-    if hit is not None:
-        STATS.hits += 1
-        return hit.tolist()
-    ids = encode(text)
-    cache.put(key, array("I", ids))
-    STATS.misses += 1
-    return ids
+        return [encode(t) for t in texts]
+    keys = [(fingerprint, variant, _digest(t)) for t in texts]
+    found: list[array[int] | None] = [cache.get(k) for k in keys]
+    STATS.hits += sum(ids is not None for ids in found)
+    tier, namespace = SHARED, _SCOPE.namespace
+    queue: set[int] = set()  # texts whose ids go to the shared tier once encoded
+    if tier is not None and namespace is not None:
+        wanted = [i for i, ids in enumerate(found) if ids is None and len(texts[i]) >= tier.min_chars]
+        if wanted:
+            for i, ids in zip(wanted, tier.fetch([tier.key(namespace, *keys[i]) for i in wanted])):
+                if ids is None:
+                    queue.add(i)
+                    continue
+                found[i] = ids
+                cache.put(keys[i], ids)
+                STATS.hits += 1
+                STATS.shared_hits += 1
+    out: list[list[int]] = []
+    for i, ids in enumerate(found):
+        if ids is not None:
+            out.append(ids.tolist())
+            continue
+        new = encode(texts[i])
+        stored = array("I", new)
+        cache.put(keys[i], stored)
+        STATS.misses += 1
+        if i in queue and tier is not None and namespace is not None:
+            _SCOPE.writes.append((tier.key(namespace, *keys[i]), _as_bytes(stored)))
+        out.append(new)
+    return out
+
+
+def cached_encode(encode: Callable[[str], list[int]], fingerprint: str, variant: str, text: str,
+                  cache: SegmentLRU | None = None) -> list[int]:
+    """``cached_encode_many`` of one text: its ids from either tier, else ``encode(text)`` stored there."""
+    return cached_encode_many(encode, fingerprint, variant, [text], cache)[0]
 
 
 @dataclass(frozen=True)
@@ -191,15 +330,19 @@ class SegmentSplitter:
         def plain(s: str) -> list[int]:
             return tok.encode(s, add_special_tokens=False).ids
 
+        pieces: list[tuple[bool, str]] = []  # (from the cache, text) in order
         pending = 0
         for start, end in self.segments(text):
             if end - start >= min_chars:
                 if start > pending:
-                    ids += plain(text[pending:start])
-                ids += cached_encode(plain, self.fingerprint, "full", text[start:end], cache)
+                    pieces.append((False, text[pending:start]))
+                pieces.append((True, text[start:end]))
                 pending = end
         if pending < len(text):
-            ids += plain(text[pending:])
+            pieces.append((False, text[pending:]))
+        cached = iter(cached_encode_many(plain, self.fingerprint, "full", [t for c, t in pieces if c], cache))
+        for from_cache, piece in pieces:
+            ids += next(cached) if from_cache else plain(piece)
         if add_special_tokens:
             ids += self.suffix
         return ids

@@ -42,7 +42,7 @@ import tokenizers
 from .errors import TokenIdError, TokenizerLoadError
 from .segment_cache import CACHE as SEGMENT_CACHE
 from .segment_cache import SEGMENT_CACHE_MIN_CHARS
-from .segment_cache import SegmentSplitter, build_splitter, cached_encode, literal_trie_regex
+from .segment_cache import SegmentSplitter, build_splitter, cached_encode_many, literal_trie_regex
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES (tokenization_utils_base.py), in its order.
 SPECIAL_TOKEN_ATTRIBUTES = (
@@ -310,20 +310,28 @@ class LoadedTokenizer:
             def plain_ids(s: str) -> list[int]:
                 return plain.encode(s, add_special_tokens=False).ids
 
-            def text_ids(s: str) -> list[int]:
-                if len(s) >= SEGMENT_CACHE_MIN_CHARS:
-                    return cached_encode(plain_ids, fingerprint, "text", s)
-                return plain_ids(s)
+            pieces: list[tuple[str, str]] = []  # ("cached" | "plain" | "trusted", text) in order
 
-            ids: list[int] = list(self.segments.prefix) if add_special_tokens else []
+            def text_piece(s: str) -> None:
+                pieces.append(("cached" if len(s) >= SEGMENT_CACHE_MIN_CHARS else "plain", s))
+
             pos = 0
             for start, end in trusted:
                 if start > pos:
-                    ids += text_ids(text[pos:start])
-                ids += self.tokenizer.encode(text[start:end], add_special_tokens=False).ids
+                    text_piece(text[pos:start])
+                pieces.append(("trusted", text[start:end]))
                 pos = end
             if pos < len(text) or not trusted:
-                ids += text_ids(text[pos:])
+                text_piece(text[pos:])
+            cached = iter(cached_encode_many(plain_ids, fingerprint, "text", [s for k, s in pieces if k == "cached"]))
+            ids: list[int] = list(self.segments.prefix) if add_special_tokens else []
+            for kind, piece in pieces:
+                if kind == "cached":
+                    ids += next(cached)
+                elif kind == "plain":
+                    ids += plain_ids(piece)
+                else:
+                    ids += self.tokenizer.encode(piece, add_special_tokens=False).ids
             if add_special_tokens:
                 ids += self.segments.suffix
             return ids

@@ -27,7 +27,8 @@ Every value comes from Redis, so all api processes answer the same numbers (DESI
   (gateway/auth.py ``REFUSAL_PREFIX_LABELS_MAX``, then ``key_prefix="other"``);
 * ``render_segment_cache_hits_total`` / ``render_segment_cache_misses_total`` (counters) — prompt segments
   whose ids came from / were stored in the segment tokenization cache, summed over the render workers and the
-  inline route (``inference.renderer.segment_cache``; Redis hash ``inference.tasks.segment_cache_counter_key``).
+  inline route (``inference.renderer.segment_cache``; Redis hash ``inference.tasks.segment_cache_counter_key``);
+  ``render_segment_cache_shared_hits_total``: of the hits, those read from the render workers' shared tier in Redis.
 * ``engine_routed_requests_total{model,engine_id}`` / ``engine_routed_prefix_hit_tokens_total{model,engine_id}``
   (counters) — requests the api processes routed to each replica, and the prompt tokens the router expected
   that replica's prefix cache to serve (``inference/router.py``; the replicas ever routed to);
@@ -158,8 +159,11 @@ async def collect_families(redis: Redis, prefix: str) -> list[Metric]:
     seg_misses = CounterMetricFamily("render_segment_cache_misses", "Prompt segments encoded and then stored in "
                                      "the segment tokenization cache")
     seg_misses.add_metric([], int(seg.get(b"misses", seg.get("misses", 0))))
+    seg_shared = CounterMetricFamily("render_segment_cache_shared_hits", "Of the segment cache's hits, those read "
+                                     "from the render workers' shared tier in Redis")
+    seg_shared.add_metric([], int(seg.get(b"shared_hits", seg.get("shared_hits", 0))))
     return [rejections, q_reqs, q_toks, lim_reqs, lim_toks, tps, ttft, *phases.values(), t_adm, t_ref, t_reqs, t_toks, handoffs, refusals,
-            seg_hits, seg_misses,
+            seg_hits, seg_misses, seg_shared,
             *await _replica_families(redis, prefix, models)]
 
 async def _replica_families(redis: Redis, prefix: str, models: list[str]) -> list[Metric]:

@@ -121,6 +121,36 @@ def test_multi_turn_tokenize_reuses_cached_segments_with_the_same_ids(http, http
     assert "render_segment_cache_misses_total " in text
 
 
+def test_render_workers_share_long_segments_through_redis(http, live):
+    """A conversation that grows by a long turn per request, tokenized on the Celery route: its turns reach both
+    render workers (each waits on the queue in turn), so a worker meets the turn the other one encoded and reads it
+    from the shared tier instead of encoding it (D-303): counted as shared hits in /metrics, the ids always equal to
+    the tokenizer's whole-prompt encoding, and every shared entry has a lifetime."""
+    def shared_hits() -> int:
+        return int(live.redis.hget(segment_cache_counter_key(live.prefix), "shared_hits") or 0)
+
+    tok = get_tokenizer(str(MODEL_DIR))
+    msgs = [{"role": "system", "content": "You answer questions about lighthouses, in detail. " * 30}]
+    before = shared_hits()
+    for turn in range(8):
+        msgs.append({"role": "user", "content": f"Question {turn}: how far can a lighthouse be seen, and why? " * 30})
+        expected = tok.tokenizer.encode(render_chat_text(str(MODEL_DIR), msgs), add_special_tokens=False).ids
+        out = http.post("/tokenize", json={"model": M, "messages": msgs})
+        assert out.status_code == 200, out.text
+        assert out.json()["tokens"] == expected
+        if shared_hits() - before >= 2:
+            break
+        msgs.append({"role": "assistant", "content": f"Answer {turn}: it depends on the lamp's height. " * 30})
+    assert shared_hits() - before >= 2  # earlier turns read from Redis by the worker that had not seen them
+    keys = list(live.redis.scan_iter(match=f"{live.prefix}:segcache:*", count=1000))
+    assert len(keys) >= 3 and all(0 < live.redis.ttl(k) <= 600 for k in keys)
+    counted = shared_hits()
+    ops = live.new_key(tenant="ops-segshared", scopes="operator")
+    text = httpx.get(f"{live.base_url}/metrics", headers={"Authorization": f"Bearer {ops}"}).text
+    line = next(x for x in text.splitlines() if x.startswith("render_segment_cache_shared_hits_total "))
+    assert float(line.split()[1]) >= counted  # what the workers counted, as /metrics shows it
+
+
 def test_tokenize_chat_equals_chat_prompt_tokens(http):
     out = http.post("/tokenize", json={"model": M, "messages": MSGS}).json()
     assert chat(http, max_tokens=1)["usage"]["prompt_tokens"] == out["count"]

@@ -9,14 +9,19 @@ equal the tokenizer's own encoding of the whole text, on the six real tokenizers
 * the control-token path (``encode_with_trusted``) gives the same ids with the cache as without;
 * a tokenizer where the split property fails (Llama-2 files with ``legacy: false``: Metaspace
   ``prepend_scheme="first"``) is detected at load and encoded whole;
-* the LRU is bounded and counts hits and misses.
+* the LRU is bounded and counts hits and misses;
+* the shared tier in Redis: a second worker reads another's long segments with the same ids, short ones stay local,
+  and a missing scope, a malformed entry or a dead Redis only make misses.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
+import socket
+import uuid
 from pathlib import Path
 
 import pytest
@@ -25,7 +30,17 @@ from hypothesis import strategies as st
 
 from inference.renderer.chat_template import render_chat, render_chat_text
 from inference.renderer.errors import RenderError
-from inference.renderer.segment_cache import STATS, SegmentLRU, build_splitter, cached_encode
+from inference.renderer.segment_cache import (
+    CACHE,
+    STATS,
+    SegmentLRU,
+    build_splitter,
+    cached_encode,
+    disable_shared_tier,
+    enable_shared_tier,
+    shared_scope,
+    take_shared_writes,
+)
 from inference.renderer.tokenizer_cache import get_tokenizer, load_tokenizer
 from tests.frontend.test_template_conformance import CORPUS
 from tests.renderer.tokdirs import NAMES, tok_dir
@@ -169,3 +184,113 @@ def test_lru_is_bounded_by_tokens_and_counts_hits_and_misses():
     off = SegmentLRU(0)
     cached_encode(enc, "fp", "full", "abcd", off)
     assert len(off) == 0 and (STATS.hits - h0, STATS.misses - m0) == (1, 4)  # a disabled cache is not counted
+
+
+# -- the shared tier in Redis (D-303) ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def shared_tier():
+    """The shared tier on the test Redis under a namespace of this test's own, the local cache emptied before and
+    after; yields ``(tier, namespace, client)``. Keys under the namespace are deleted afterwards."""
+    from tests.support.redis import TEST_REDIS_URL, delete_prefix, redis_or_skip
+
+    client = redis_or_skip()
+    namespace = f"test-segtier-{uuid.uuid4().hex[:8]}"
+    CACHE.clear()
+    tier = enable_shared_tier(lambda: client, min_chars=200, ttl_s=60)
+    assert tier is not None
+    try:
+        yield tier, namespace, client
+    finally:
+        shared_scope(None)
+        take_shared_writes()
+        disable_shared_tier()
+        CACHE.clear()
+        delete_prefix(TEST_REDIS_URL, namespace)
+        client.close()
+
+
+def _conversation(turns: int) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": "You are a careful assistant who knows the sea. " * 8}]
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Question {turn}: what about the tides and currents? " * 9})
+        messages.append({"role": "assistant", "content": f"Answer {turn}: they rise and fall twice a day. " * 9})
+    # 64 to 200 characters: cached locally, never in the shared tier (min_chars=200 in these tests)
+    messages.append({"role": "user", "content": "And now, one more question about the sea, if you have the time today?"})
+    return messages
+
+
+def _write(client, writes) -> None:
+    pipe = client.pipeline(transaction=False)
+    for key, value, ttl_s in writes:
+        pipe.set(key, value, ex=ttl_s)
+    pipe.execute()
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "deepseek_v3"])
+def test_a_second_worker_reads_long_segments_from_the_shared_tier_with_the_same_ids(name, shared_tier):
+    """Worker A renders a conversation and writes its long segments (as the reply pipeline does); worker B, whose
+    local cache is empty, gets every long segment from Redis in one read and the same ids as the whole encoding;
+    short segments never go to Redis."""
+    tier, namespace, client = shared_tier
+    tok = get_tokenizer(tok_dir(name))
+    if tok.chat_template is None:
+        pytest.skip("no chat template")
+    messages = _conversation(3)
+    shared_scope(namespace)  # worker A
+    STATS.reset()
+    first = render_chat(tok_dir(name), messages)
+    writes = take_shared_writes()
+    long_misses = STATS.misses
+    assert first.prompt_token_ids == whole(name, first.prompt_text, False)
+    assert writes and STATS.shared_hits == 0
+    assert all(key.startswith(f"{namespace}:segcache:") and ttl == 60 for key, _v, ttl in writes)
+    assert len(writes) < long_misses  # the short segments (< 200 characters) stay local
+    _write(client, writes)
+    assert 0 < client.ttl(writes[0][0]) <= 60
+
+    CACHE.clear()  # worker B: another process, its local cache empty
+    shared_scope(namespace)
+    STATS.reset()
+    second = render_chat(tok_dir(name), messages)
+    assert second.prompt_token_ids == first.prompt_token_ids
+    assert STATS.shared_hits == len(writes) and STATS.hits == len(writes)
+    assert take_shared_writes() == []  # nothing new to write
+
+
+def test_shared_tier_is_skipped_without_a_namespace_and_survives_a_dead_or_bad_redis(shared_tier, caplog):
+    """No scope: no Redis read or write. A malformed entry is a miss, and a Redis that does not answer makes the
+    segments misses (logged), not a failed encode."""
+    import redis
+
+    tier, namespace, client = shared_tier
+    calls: list[str] = []
+
+    def enc(s: str) -> list[int]:
+        calls.append(s)
+        return [ord(c) for c in s]
+
+    text = "long segment " * 40
+    shared_scope(None)
+    assert cached_encode(enc, "fp", "full", text) == enc(text)
+    assert take_shared_writes() == []
+    CACHE.clear()
+    shared_scope(namespace)
+    key = f"{namespace}:segcache:fp:full:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    client.set(key, b"\x01\x02\x03", ex=60)  # not a whole number of ids
+    STATS.reset()
+    assert cached_encode(enc, "fp", "full", text) == enc(text)
+    assert (STATS.shared_hits, STATS.misses) == (0, 1)
+    assert [k for k, _v, _t in take_shared_writes()] == [key]
+
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dead = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5)
+    enable_shared_tier(lambda: dead, min_chars=200, ttl_s=60)
+    CACHE.clear()
+    shared_scope(namespace)
+    STATS.reset()
+    with caplog.at_level("WARNING"):
+        assert cached_encode(enc, "fp", "full", text) == enc(text)
+    assert STATS.misses == 1 and "shared tier could not be read" in caplog.text
