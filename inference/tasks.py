@@ -112,7 +112,8 @@ def _require(payload: Any, key: str) -> Any:
 
 
 def _structured(body: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """A task body that never raises: the template clock and the segment-cache tallies reset first, then
+    """A task body that never raises: the template clock and the segment-cache tallies reset first, the segment
+    cache keyed with the payload's ``cache_salt`` (``segment_cache.salt_scope``; none: unscoped), then
     ``body(payload)``'s result (with ``"segment_cache": {"hits": n, "misses": n}`` when the segment cache was
     used), or any failure (Ctrl-C and exit aside) as the error dict of ``_error``."""
 
@@ -120,6 +121,9 @@ def _structured(body: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[d
     def run(payload: dict[str, Any]) -> dict[str, Any]:
         reset_template_seconds()
         SEGMENT_STATS.reset()
+        # segments are cached per cache scope (the tenant's, as the engines' prefix caches are)
+        salt = payload.get("cache_salt") if isinstance(payload, dict) else None
+        segment_cache.salt_scope(salt if isinstance(salt, str) else None)
         try:
             result = body(payload)
             stats = SEGMENT_STATS.snapshot()
@@ -177,7 +181,7 @@ def run_render_chat(payload: dict[str, Any]) -> dict[str, Any]:
     payload: ``{"tokenizer_dir": str, "messages": list, "add_generation_prompt"?: bool,
     "continue_final_message"?: bool, "tools"?: list|None, "documents"?: list|None,
     "chat_template"?: str|None, "chat_template_kwargs"?: dict|None, "add_special_tokens"?: bool,
-    "client_chat_template"?: bool, "allow_control_tokens"?: bool, "max_model_len"?: int}``; with
+    "client_chat_template"?: bool, "allow_control_tokens"?: bool, "max_model_len"?: int, "cache_salt"?: str}``; with
     ``max_model_len``, text over ``prompt_char_bound`` raises ``ContextLengthError`` before rendering. ``client_chat_template`` is routing only:
     set when ``chat_template`` came from the client, so the api never runs it in-process
     (``gateway.render.runs_inline``; ignored here). ``allow_control_tokens`` (default False): control-token
@@ -192,7 +196,8 @@ def run_render_chat(payload: dict[str, Any]) -> dict[str, Any]:
 
 @_structured
 def run_tokenize_prompt(payload: dict[str, Any]) -> dict[str, Any]:
-    """payload ``{"tokenizer_dir", "prompt", "add_special_tokens"?: bool (default True), "max_model_len"?: int}``
+    """payload ``{"tokenizer_dir", "prompt", "add_special_tokens"?: bool (default True), "max_model_len"?: int,
+    "cache_salt"?: str}``
     -> ``{"ok": True, "prompt_token_ids": [...]}`` or an error dict (``ContextLengthError`` before encoding
     when the prompt has more characters than ``prompt_char_bound``)."""
     prompt = payload.get("prompt") if isinstance(payload, dict) else None

@@ -142,8 +142,21 @@ class SegmentLRU:
 CACHE = SegmentLRU(SEGMENT_CACHE_MAX_TOKENS)
 
 
-def _digest(text: str) -> bytes:
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+def _digest(text: str, salt: bytes = b"") -> bytes:
+    """blake2b-128 of ``text``'s UTF-8, keyed with ``salt`` (at most 64 bytes; empty: unkeyed)."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16, key=salt).digest()
+
+
+def salt_key(cache_salt: str | None) -> bytes:
+    """The blake2b key of a request's cache salt (``gateway.pipeline.inputs.cache_salt_for``: 64 hex characters, 32
+    bytes here; anything else is hashed to 32 bytes); empty for none."""
+    if not cache_salt:
+        return b""
+    try:
+        raw = bytes.fromhex(cache_salt)
+    except ValueError:
+        raw = b""
+    return raw if 0 < len(raw) <= 64 else hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).digest()
 
 
 class SharedTier:
@@ -196,11 +209,13 @@ def _as_bytes(ids: array[int]) -> bytes:
 
 
 class _TaskScope(threading.local):
-    """This thread's shared-tier namespace (None: no shared tier) and the entries it has yet to write."""
+    """This thread's shared-tier namespace (None: no shared tier), the entries it has yet to write, and the key of
+    the current request's cache scope (``salt_scope``)."""
 
     def __init__(self) -> None:
         self.namespace: str | None = None
         self.writes: list[tuple[str, bytes]] = []
+        self.salt = b""
 
 
 _SCOPE = _TaskScope()
@@ -229,6 +244,14 @@ def shared_scope(namespace: str | None) -> None:
     _SCOPE.writes = []
 
 
+def salt_scope(cache_salt: str | None) -> None:
+    """Key this thread's next lookups (both tiers) with a request's cache salt (its tenant's cache scope,
+    ``gateway.pipeline.inputs.cache_salt_for``), as the engines' prefix caches are: a segment is then shared only
+    within one scope, and how fast a prompt is tokenized tells a caller nothing about other tenants' prompts.
+    None: unscoped keys (text the platform itself encodes)."""
+    _SCOPE.salt = salt_key(cache_salt)
+
+
 def take_shared_writes() -> list[tuple[str, bytes, int]]:
     """The ``(key, value, ttl_s)`` entries this thread's task encoded for the shared tier, handed over once (the
     caller writes them, e.g. with ``SET key value EX ttl_s`` in the task's reply pipeline)."""
@@ -242,14 +265,15 @@ def take_shared_writes() -> list[tuple[str, bytes, int]]:
 def cached_encode_many(encode: Callable[[str], list[int]], fingerprint: str, variant: str, texts: list[str],
                        cache: SegmentLRU | None = None) -> list[list[int]]:
     """The ids of each of ``texts``, each equal to ``encode(text)``: from the local cache under ``(fingerprint,
-    variant, digest(text))``; else, for texts of at least the shared tier's ``min_chars`` when this thread has a
+    variant, digest(text) keyed with this thread's salt_scope)``; else, for texts of at least the shared tier's ``min_chars`` when this thread has a
     shared-tier scope, from Redis (one ``MGET`` for all of them, stored locally on a hit); else encoded, stored
     locally and queued for the shared tier (``take_shared_writes``). Counts hits, shared hits and misses in
     ``STATS``; a disabled local cache (``max_tokens == 0``) just encodes, uncounted."""
     cache = CACHE if cache is None else cache
     if cache.max_tokens == 0:
         return [encode(t) for t in texts]
-    keys = [(fingerprint, variant, _digest(t)) for t in texts]
+    salt = _SCOPE.salt
+    keys = [(fingerprint, variant, _digest(t, salt)) for t in texts]
     found: list[array[int] | None] = [cache.get(k) for k in keys]
     STATS.hits += sum(ids is not None for ids in found)
     tier, namespace = SHARED, _SCOPE.namespace

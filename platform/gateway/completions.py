@@ -56,8 +56,8 @@ class CompletionsConsumer(GatewayConsumer):
             tokenizer = await rendering.load_tokenizer(model)
             if not ids_prompt:
                 rendering.check_prompt_chars(model, tokenizer, max(len(cast(str, p)) for p in prompts), "prompt")
-            rendered = await rendering.prompt_ids_for(model, req)
             salt, defaults = inputs.cache_salt_for(ctx, req.cache_salt), generation_defaults(model.model_dir)
+            rendered = await rendering.prompt_ids_for(model, req, salt)
             processed = merge_batch([inputs.process(
                 req, model, tokenizer, external_id=pre.external_id, prompt_token_ids=prompt_ids,
                 prompt_param="prompt", client_id=link().client_id, arrival_time=arrival, logprobs=req.logprobs,

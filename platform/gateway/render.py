@@ -91,7 +91,7 @@ class CompletionRenderConsumer(GatewayConsumer):
             structured = await inputs.structured_constraint(req)
             out = []
             salt, defaults = inputs.cache_salt_for(ctx, req.cache_salt), generation_defaults(model.model_dir)
-            for i, (prompt_ids, _) in enumerate(await rendering.prompt_ids_for(model, req)):
+            for i, (prompt_ids, _) in enumerate(await rendering.prompt_ids_for(model, req, salt)):
                 processed = inputs.process(
                     req, model, tokenizer, external_id="cmpl-" + base_id, prompt_token_ids=prompt_ids,
                     prompt_param="prompt", client_id="", arrival_time=time.time(), logprobs=req.logprobs,

@@ -42,7 +42,7 @@ from tenancy.selectors import AuthContext
 async def tokenize_ids(model: ModelSnapshot, req: TokenizeChatRequest | TokenizeCompletionRequest, cache_salt: str, tenant_id: int | None = None) -> list[int]:
     """Token ids of a validated ``/tokenize`` request on ``model`` (chat: rendered template, generation
     prompt included when asked, images expanded as the chat route does; completion: the prompt, BOS added per
-    ``add_special_tokens``). ``cache_salt`` (``inputs.cache_salt_for``) keys the image features;
+    ``add_special_tokens``). ``cache_salt`` (``inputs.cache_salt_for``) keys the image features and the segment cache;
     ``tenant_id``: whose image work it is."""
     tokenizer = await rendering.load_tokenizer(model)
     if isinstance(req, TokenizeChatRequest):
@@ -52,7 +52,7 @@ async def tokenize_ids(model: ModelSnapshot, req: TokenizeChatRequest | Tokenize
         ids: list[int] = result["prompt_token_ids"]
         return ids
     rendering.check_prompt_chars(model, tokenizer, len(req.prompt), "prompt")
-    return await rendering.tokenize_prompt(model, req.prompt, req.add_special_tokens is not False)
+    return await rendering.tokenize_prompt(model, req.prompt, req.add_special_tokens is not False, cache_salt)
 
 
 async def _validated(consumer: GatewayConsumer, ctx: AuthContext, body: bytes,

@@ -39,6 +39,7 @@ from inference.renderer.segment_cache import (
     disable_shared_tier,
     enable_shared_tier,
     shared_scope,
+    salt_scope,
     take_shared_writes,
 )
 from inference.renderer.tokenizer_cache import get_tokenizer, load_tokenizer
@@ -203,6 +204,7 @@ def shared_tier():
         yield tier, namespace, client
     finally:
         shared_scope(None)
+        salt_scope(None)
         take_shared_writes()
         disable_shared_tier()
         CACHE.clear()
@@ -294,3 +296,32 @@ def test_shared_tier_is_skipped_without_a_namespace_and_survives_a_dead_or_bad_r
     with caplog.at_level("WARNING"):
         assert cached_encode(enc, "fp", "full", text) == enc(text)
     assert STATS.misses == 1 and "shared tier could not be read" in caplog.text
+
+
+def test_segments_are_shared_only_within_one_cache_scope(shared_tier):
+    """Keys are salted with the request's cache scope (the tenant's, as the prefix cache's are): another scope finds
+    nothing in either tier, the same scope finds its own entries in both."""
+    tier, namespace, client = shared_tier
+    calls: list[str] = []
+
+    def enc(s: str) -> list[int]:
+        calls.append(s)
+        return [ord(c) for c in s]
+
+    text = "a tenant's long document " * 20
+    tenant_a, tenant_b = "a1" * 32, "b2" * 32
+    shared_scope(namespace)
+    salt_scope(tenant_a)
+    cached_encode(enc, "fp", "full", text)
+    assert cached_encode(enc, "fp", "full", text) == enc(text) and len(calls) == 2  # a local hit
+    _write(client, take_shared_writes())
+    salt_scope(tenant_b)
+    STATS.reset()
+    cached_encode(enc, "fp", "full", text)
+    assert (STATS.hits, STATS.misses) == (0, 1)  # neither tier answers another scope
+    take_shared_writes()
+    CACHE.clear()
+    salt_scope(tenant_a)
+    STATS.reset()
+    cached_encode(enc, "fp", "full", text)
+    assert (STATS.hits, STATS.shared_hits, STATS.misses) == (1, 1, 0)

@@ -225,11 +225,12 @@ def chat_render_payload(model: ModelSnapshot, req: ChatCompletionRequest | Token
     }
 
 
-async def tokenize_prompt(model: ModelSnapshot, prompt: str, add_special_tokens: bool) -> list[int]:
-    """Token ids of a completion-style text ``prompt``."""
+async def tokenize_prompt(model: ModelSnapshot, prompt: str, add_special_tokens: bool, cache_salt: str) -> list[int]:
+    """Token ids of a completion-style text ``prompt``; ``cache_salt`` (``inputs.cache_salt_for``) scopes the segment
+    cache's keys."""
     result = await call_render("inference.tokenize_prompt", {
         "tokenizer_dir": model.tokenizer_dir, "prompt": prompt, "add_special_tokens": add_special_tokens,
-        "max_model_len": int(model.max_model_len)})
+        "max_model_len": int(model.max_model_len), "cache_salt": cache_salt})
     ids: list[int] = result["prompt_token_ids"]
     return ids
 
@@ -239,7 +240,8 @@ async def tokenize_prompt(model: ModelSnapshot, prompt: str, add_special_tokens:
 BATCH_TOKENIZE_CONCURRENCY = 8
 
 
-async def prompt_ids_for(model: ModelSnapshot, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
+async def prompt_ids_for(model: ModelSnapshot, req: CompletionRequest,
+                         cache_salt: str) -> list[tuple[list[int], str | None]]:
     """``(prompt_token_ids, prompt_text)`` of each prompt of a ``CompletionRequest`` (one for a single prompt), in
     order: token-id prompts pass through (text ``None``); text is tokenized (BOS per ``add_special_tokens``,
     default true), at most ``BATCH_TOKENIZE_CONCURRENCY`` prompts at a time. Raises what ``call_render`` raises
@@ -252,7 +254,7 @@ async def prompt_ids_for(model: ModelSnapshot, req: CompletionRequest) -> list[t
 
     async def one(text: str) -> tuple[list[int], str | None]:
         async with gate:
-            return await tokenize_prompt(model, text, add_special), text
+            return await tokenize_prompt(model, text, add_special, cache_salt), text
 
     if len(prompts) == 1:
         return [await one(cast(str, prompts[0]))]
