@@ -190,13 +190,13 @@ def main() -> None:
                 if env:
                     for w in workers:
                         w.env_extra.update(env)
-                    logs = [(w.log_path, w.log_path.stat().st_size if w.log_path else 0) for w in workers]
                     workers = [live.sup.restart(w) for w in workers]
-                    # every worker warmed and consuming (Celery logs "ready." after the warm-up), or the pass would
-                    # measure one worker while the other still loads its tokenizers
-                    wait_until(lambda logs=logs: all(path is None or b" ready." in path.read_bytes()[size:]
-                                                     for path, size in logs), 180, "restarted render workers",
-                               live.sup)
+                    # every worker warmed (its tokenizers loaded, then idle) before the pass, or it would measure one
+                    # worker while the other still loads (the workers log at WARNING: no "ready" line to wait for)
+                    procs = [psutil.Process(w.proc.pid) for w in workers if w.proc is not None]
+                    time.sleep(2)
+                    wait_until(lambda procs=procs: all(p.cpu_percent(interval=0.5) < 5 for p in procs), 180,
+                               "restarted render workers to finish warming up", live.sup)
                 assert all(w.proc is not None for w in workers) and api.proc is not None
                 t = Target(name, live.base_url, hdr, [api.proc.pid, *(w.proc.pid for w in workers if w.proc)])
                 wait_until(lambda t=t: t.client.post("/tokenize", json=convs[0][0]).status_code == 200, 120,
