@@ -59,10 +59,10 @@ variable                           type     default              meaning (unit; 
                                                                  (``renderer/segment_cache.py``)
 ``SEGMENT_CACHE_MIN_CHARS``        int      64                   characters a prompt segment needs to be cached
                                                                  (``renderer/segment_cache.py``)
-``SEGMENT_CACHE_REDIS_MIN_CHARS``  int      1024                 characters a segment needs to be looked up in and written
-                                                                 to the render workers' shared tier in Redis (0 turns the
-                                                                 tier off) (``renderer/segment_cache.py``, D-303)
-``SEGMENT_CACHE_REDIS_TTL_S``      int      600                  seconds a shared-tier entry lives after it is written
+``SEGMENT_CACHE_REDIS_MIN_CHARS``  int      1024                 characters a chat segment needs to be looked up in and
+                                                                 written to the render workers' shared tier in Redis (0
+                                                                 turns it off) (``renderer/segment_cache.py``, D-303)
+``SEGMENT_CACHE_REDIS_TTL_S``      int      300                  seconds a shared-tier entry lives after it is written
 ``ENGINE_ROUTING``                 str      ``prefix``           how an api process picks a generate request's replica:
                                                                  ``prefix`` (its own stream, chosen by prefix-cache hit
                                                                  against load) or ``shared`` (the model's shared stream,
@@ -129,7 +129,7 @@ class InferenceSettings:
     segment_cache_max_tokens: int = 4_000_000
     segment_cache_min_chars: int = 64
     segment_cache_redis_min_chars: int = 1024
-    segment_cache_redis_ttl_s: int = 600
+    segment_cache_redis_ttl_s: int = 300
     engine_routing: str = "prefix"
 
     @classmethod

@@ -28,6 +28,8 @@ import json
 
 import orjson
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from celery import shared_task
 from celery.concurrency import get_implementation
 from celery.concurrency.solo import TaskPool as SoloPool
@@ -68,12 +70,31 @@ def _own_time_limits(sender: Any = None, **_kwargs: Any) -> None:
         render_limits.enable(RENDER_TIME_LIMIT_S, RENDER_HARD_TIME_LIMIT_S)
 
 
+# the shared segment tier's reads are an optimisation: they wait this long at most, and are never retried
+SEGMENT_TIER_SOCKET_TIMEOUT_S = 0.25
+_segment_tier_client: redis.Redis | None = None
+
+
+def _segment_tier_redis() -> redis.Redis:
+    """This worker's Redis client for the shared segment tier's reads: the reply client's Redis, with
+    ``SEGMENT_TIER_SOCKET_TIMEOUT_S`` socket and connect timeouts and no retries (redis-py's default retries a
+    failed connection ten times with back-off, seconds of a render's time limit); made on first use."""
+    global _segment_tier_client
+    if _segment_tier_client is None:
+        from celery import current_app
+
+        _segment_tier_client = redis.Redis.from_url(
+            SETTINGS.redis_url or current_app.conf.result_backend, socket_timeout=SEGMENT_TIER_SOCKET_TIMEOUT_S,
+            socket_connect_timeout=SEGMENT_TIER_SOCKET_TIMEOUT_S, retry=Retry(NoBackoff(), 0))
+    return _segment_tier_client
+
+
 @worker_init.connect
 def _shared_segment_tier(sender: Any = None, **_kwargs: Any) -> None:
-    """Render workers share long prompt segments' ids in Redis (``segment_cache.SharedTier``, on the reply client's
-    Redis, made on first use in whichever process runs the tasks); ``SEGMENT_CACHE_REDIS_MIN_CHARS`` 0 leaves it
-    off."""
-    segment_cache.enable_shared_tier(_reply_redis)
+    """Render workers share long chat-prompt segments' ids in Redis (``segment_cache.SharedTier``, read with
+    ``_segment_tier_redis``, written in the reply pipeline); ``SEGMENT_CACHE_REDIS_MIN_CHARS`` 0 leaves it off."""
+    segment_cache.enable_shared_tier(_segment_tier_redis)
+
 
 _RENDER_ARGS = (
     "add_generation_prompt",
@@ -114,8 +135,8 @@ def _require(payload: Any, key: str) -> Any:
 def _structured(body: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[dict[str, Any]], dict[str, Any]]:
     """A task body that never raises: the template clock and the segment-cache tallies reset first, the segment
     cache keyed with the payload's ``cache_salt`` (``segment_cache.salt_scope``; none: unscoped), then
-    ``body(payload)``'s result (with ``"segment_cache": {"hits": n, "misses": n}`` when the segment cache was
-    used), or any failure (Ctrl-C and exit aside) as the error dict of ``_error``."""
+    ``body(payload)``'s result (with ``"segment_cache": {"hits": n, "misses": n, "shared_hits"?: n}`` when the
+    segment cache was used), or any failure (Ctrl-C and exit aside) as the error dict of ``_error``."""
 
     @functools.wraps(body)
     def run(payload: dict[str, Any]) -> dict[str, Any]:
@@ -134,6 +155,8 @@ def _structured(body: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[d
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
             return _error(exc)
+        finally:
+            segment_cache.salt_scope(None)  # nothing of this request's scope stays on the thread
 
     return run
 
@@ -267,7 +290,7 @@ def reply_if_requested(payload: Any, result: dict[str, Any]) -> dict[str, Any]:
         pipe.publish(channel, reply_json({"id": payload["reply_id"], "result": result}))
         pipe.execute()
         return {"ok": result.get("ok"), "replied": True}
-    segment_cache.take_shared_writes()  # no reply channel, no namespace: nothing was queued
+    segment_cache.take_shared_writes()  # not written without a reply pipeline
     return result
 
 
@@ -345,16 +368,21 @@ def run_task(task: Any, payload: Any, body: Callable[[Any], dict[str, Any]]) -> 
     redelivered = bool((getattr(request, "delivery_info", None) or {}).get("redelivered"))
     resent = isinstance(payload, dict) and bool(payload.get("resent"))  # the api sent it again (render_client)
     channel = payload.get("reply_to") if isinstance(payload, dict) else None
-    # the shared segment tier lives under the caller's link prefix; a caller with none (a result backend) gets none
-    segment_cache.shared_scope(_link_prefix(channel) if isinstance(channel, str) and channel else None)
-    if (redelivered or resent) and _refuse_redelivery(payload, getattr(request, "id", None)):
-        return reply_if_requested(payload, _lost_twice(payload))
+    # the shared segment tier: chat renders only (a long completion prompt is one segment, rarely sent again), under
+    # the caller's link prefix (a caller with none, a result backend, gets none)
+    shared = body is run_render_chat and isinstance(channel, str) and bool(channel)
+    segment_cache.shared_scope(_link_prefix(channel) if shared and isinstance(channel, str) else None)
     try:
-        with render_limits.task_time_limits():
-            result = body(payload)
-    except SoftTimeLimitExceeded as exc:  # fired between the body's return and the disarm
-        result = _error(exc)
-    return reply_if_requested(payload, result)
+        if (redelivered or resent) and _refuse_redelivery(payload, getattr(request, "id", None)):
+            return reply_if_requested(payload, _lost_twice(payload))
+        try:
+            with render_limits.task_time_limits():
+                result = body(payload)
+        except SoftTimeLimitExceeded as exc:  # fired between the body's return and the disarm
+            result = _error(exc)
+        return reply_if_requested(payload, result)
+    finally:
+        segment_cache.shared_scope(None)
 
 
 def _refuse_redelivery(payload: Any, task_id: str | None) -> bool:

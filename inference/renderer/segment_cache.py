@@ -13,8 +13,9 @@ What is cut. ``SegmentSplitter`` finds the raw-text added tokens with a leftmost
 of them (``literal_trie_regex``, the same matching), and cuts at the occurrences of the non-whitespace ones
 without ``lstrip``/``rstrip``/``single_word`` (whitespace-only added tokens, Gemma3's ``\\n`` runs, stay inside
 segments: cutting there would make many tiny pieces). A segment of at least ``min_chars`` characters is looked up
-in the cache by ``(tokenizer fingerprint, variant, blake2b-128 of its UTF-8)``; the text between two cached
-segments (the template's markup and short turns) is encoded in one call, uncached. The post-processor is applied
+in the cache by ``(tokenizer fingerprint, variant, blake2b-128 of its UTF-8 keyed with the request's cache
+salt)``; the text between two cached segments (the template's markup and short turns) is encoded in one call,
+uncached. The post-processor is applied
 once, as the fixed ``prefix``/``suffix`` ids it adds (derived at load from a probe).
 
 When it is used. ``build_splitter`` runs a self-check at load (``SELF_CHECK_TEXTS`` fragments joined with the
@@ -42,12 +43,14 @@ import random
 import re
 import sys
 import threading
+import time
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import tokenizers
+from redis.exceptions import RedisError
 
 from inference.config import SETTINGS
 
@@ -148,8 +151,9 @@ def _digest(text: str, salt: bytes = b"") -> bytes:
 
 
 def salt_key(cache_salt: str | None) -> bytes:
-    """The blake2b key of a request's cache salt (``gateway.pipeline.inputs.cache_salt_for``: 64 hex characters, 32
-    bytes here; anything else is hashed to 32 bytes); empty for none."""
+    """The blake2b key of a request's cache salt: its bytes when it is hex of 1-64 bytes
+    (``gateway.pipeline.inputs.cache_salt_for`` gives 64 hex characters, 32 bytes), else its SHA-256; empty for
+    none."""
     if not cache_salt:
         return b""
     try:
@@ -159,33 +163,53 @@ def salt_key(cache_salt: str | None) -> bytes:
     return raw if 0 < len(raw) <= 64 else hashlib.sha256(cache_salt.encode("utf-8", "surrogatepass")).digest()
 
 
+# Version of the shared tier's keys: the entry layout and the ``tokenizers`` release that encoded it (a worker of
+# another release or code version never reads ids it might encode differently, e.g. during a rolling deploy)
+SHARED_KEY_VERSION = f"v1-{tokenizers.__version__}"
+SHARED_FAILURE_BACKOFF_S = 5.0  # after a failed read, the tier is skipped this long (no wait or log per render)
+SHARED_WRITE_BUDGET_BYTES = 1 << 20  # ids one task may write to the tier (1 MiB: 262,144 tokens)
+
+
 class SharedTier:
     """The segment cache's second tier: ids in Redis, shared by every render worker of one platform (D-303).
 
-    ``client``: a callable returning a synchronous ``redis.Redis`` (made on first use); ``min_chars``: segments
-    shorter than this are never looked up or stored here (encoding them costs less than the round trip); ``ttl_s``:
-    seconds an entry lives after it is written. Keys: ``<namespace>:segcache:<fingerprint>:<variant>:<digest hex>``,
-    values the ids as little-endian 32-bit integers. The namespace (the platform's link prefix) is set per task by
-    ``shared_scope``; with none set the tier is skipped. Memory in Redis is bounded by the ids of the distinct long
-    segments written within ``ttl_s`` (4 bytes a token, about the size of their text). A Redis failure on a read
-    makes the segments misses (logged), never a failed render.
+    ``client``: a callable returning a synchronous ``redis.Redis`` (made on first use; give it short socket timeouts
+    and no retries, as ``inference.tasks`` does); ``min_chars``: segments shorter than this are never looked up or
+    stored here (encoding them costs less than the round trip); ``ttl_s``: seconds an entry lives after it is
+    written. Keys: ``<namespace>:segcache:<SHARED_KEY_VERSION>:<fingerprint>:<variant>:<digest hex>`` (the digest
+    keyed with the request's cache salt), values the ids as little-endian 32-bit integers. The namespace (the
+    platform's link prefix) is set per task by ``shared_scope``; with none set, or no cache salt, the tier is
+    skipped. Redis holds the ids of the distinct long segments written within ``ttl_s`` (4 bytes a token, about the
+    size of their text), at most ``SHARED_WRITE_BUDGET_BYTES`` per task: its size follows the rate of new long text,
+    so give this Redis a ``maxmemory`` with a ``volatile-*`` eviction policy where that rate is unbounded
+    (``deploy/README.md``). A failed or timed-out read makes the segments misses and turns the tier off for
+    ``SHARED_FAILURE_BACKOFF_S`` (logged once); it never fails a render.
     """
 
     def __init__(self, client: Callable[[], Any], min_chars: int, ttl_s: int) -> None:
         self.client = client
         self.min_chars = max(1, int(min_chars))
         self.ttl_s = max(1, int(ttl_s))
+        self._down_until = 0.0
 
     def key(self, namespace: str, fingerprint: str, variant: str, digest: bytes) -> str:
         """The Redis key of one segment's ids."""
-        return f"{namespace}:segcache:{fingerprint}:{variant}:{digest.hex()}"
+        return f"{namespace}:segcache:{SHARED_KEY_VERSION}:{fingerprint}:{variant}:{digest.hex()}"
+
+    def available(self) -> bool:
+        """False while the tier is backing off after a failed read."""
+        return time.monotonic() >= self._down_until
 
     def fetch(self, keys: list[str]) -> list[array[int] | None]:
-        """The ids stored under each of ``keys`` (one ``MGET``), None where absent, malformed or on a Redis error."""
+        """The ids stored under each of ``keys`` (one ``MGET``), None where absent or malformed; all None after a
+        Redis or socket error (then the tier backs off, ``SHARED_FAILURE_BACKOFF_S``)."""
         try:
             values = self.client().mget(keys)
-        except Exception:  # redis.RedisError and socket errors alike: the segments are encoded instead
-            logger.warning("segment cache: the shared tier could not be read; encoding instead", exc_info=True)
+        except (RedisError, OSError):
+            if self.available():
+                logger.warning("segment cache: the shared tier could not be read; encoding instead for %.0f s",
+                               SHARED_FAILURE_BACKOFF_S, exc_info=True)
+            self._down_until = time.monotonic() + SHARED_FAILURE_BACKOFF_S
             return [None] * len(keys)
         out: list[array[int] | None] = []
         for value in values:
@@ -215,6 +239,7 @@ class _TaskScope(threading.local):
     def __init__(self) -> None:
         self.namespace: str | None = None
         self.writes: list[tuple[str, bytes]] = []
+        self.write_bytes = 0
         self.salt = b""
 
 
@@ -242,6 +267,7 @@ def shared_scope(namespace: str | None) -> None:
     and the entries an earlier task left unwritten are dropped."""
     _SCOPE.namespace = namespace
     _SCOPE.writes = []
+    _SCOPE.write_bytes = 0
 
 
 def salt_scope(cache_salt: str | None) -> None:
@@ -255,7 +281,7 @@ def salt_scope(cache_salt: str | None) -> None:
 def take_shared_writes() -> list[tuple[str, bytes, int]]:
     """The ``(key, value, ttl_s)`` entries this thread's task encoded for the shared tier, handed over once (the
     caller writes them, e.g. with ``SET key value EX ttl_s`` in the task's reply pipeline)."""
-    writes, _SCOPE.writes = _SCOPE.writes, []
+    writes, _SCOPE.writes, _SCOPE.write_bytes = _SCOPE.writes, [], 0
     tier = SHARED
     if tier is None:
         return []
@@ -264,44 +290,68 @@ def take_shared_writes() -> list[tuple[str, bytes, int]]:
 
 def cached_encode_many(encode: Callable[[str], list[int]], fingerprint: str, variant: str, texts: list[str],
                        cache: SegmentLRU | None = None) -> list[list[int]]:
-    """The ids of each of ``texts``, each equal to ``encode(text)``: from the local cache under ``(fingerprint,
-    variant, digest(text) keyed with this thread's salt_scope)``; else, for texts of at least the shared tier's ``min_chars`` when this thread has a
-    shared-tier scope, from Redis (one ``MGET`` for all of them, stored locally on a hit); else encoded, stored
-    locally and queued for the shared tier (``take_shared_writes``). Counts hits, shared hits and misses in
-    ``STATS``; a disabled local cache (``max_tokens == 0``) just encodes, uncounted."""
+    """The ids of each of ``texts``, each equal to ``encode(text)``, looked up under ``(fingerprint, variant,
+    digest(text) keyed with this thread's salt_scope)``: in the local cache; else, for texts of at least the shared
+    tier's ``min_chars`` when this thread has a namespace and a cache salt (``shared_scope``, ``salt_scope``), in
+    Redis (one ``MGET`` for all of them, stored locally on a hit); else encoded (once per distinct text) and stored
+    locally, and those long scoped ones queued for the shared tier (``take_shared_writes``, at most
+    ``SHARED_WRITE_BUDGET_BYTES`` a task). Counts hits, shared hits and misses in ``STATS``; a disabled local cache
+    (``max_tokens == 0``) just encodes, uncounted."""
     cache = CACHE if cache is None else cache
     if cache.max_tokens == 0:
         return [encode(t) for t in texts]
     salt = _SCOPE.salt
     keys = [(fingerprint, variant, _digest(t, salt)) for t in texts]
-    found: list[array[int] | None] = [cache.get(k) for k in keys]
-    STATS.hits += sum(ids is not None for ids in found)
-    tier, namespace = SHARED, _SCOPE.namespace
-    queue: set[int] = set()  # texts whose ids go to the shared tier once encoded
-    if tier is not None and namespace is not None:
-        wanted = [i for i, ids in enumerate(found) if ids is None and len(texts[i]) >= tier.min_chars]
-        if wanted:
-            for i, ids in zip(wanted, tier.fetch([tier.key(namespace, *keys[i]) for i in wanted])):
-                if ids is None:
-                    queue.add(i)
-                    continue
-                found[i] = ids
-                cache.put(keys[i], ids)
-                STATS.hits += 1
-                STATS.shared_hits += 1
-    out: list[list[int]] = []
-    for i, ids in enumerate(found):
+    found: dict[tuple[str, str, bytes], array[int]] = {}
+    for k in keys:
+        ids = cache.get(k)
         if ids is not None:
+            found[k] = ids
+    STATS.hits += sum(k in found for k in keys)
+    tier, namespace = SHARED, _SCOPE.namespace
+    shared: dict[tuple[str, str, bytes], str] = {}  # long scoped texts missed locally -> their Redis key
+    if tier is not None and namespace is not None and salt and tier.available():
+        for k, t in zip(keys, texts):
+            if k not in found and k not in shared and len(t) >= tier.min_chars:
+                shared[k] = tier.key(namespace, *k)
+        if shared:
+            remote: set[tuple[str, str, bytes]] = set()
+            for k, ids_or_none in zip(list(shared), tier.fetch(list(shared.values()))):
+                if ids_or_none is not None:
+                    found[k] = ids_or_none
+                    cache.put(k, ids_or_none)
+                    remote.add(k)
+                    del shared[k]
+            n = sum(k in remote for k in keys)
+            STATS.hits += n
+            STATS.shared_hits += n
+    out: list[list[int]] = []
+    encoded: set[tuple[str, str, bytes]] = set()
+    for k, t in zip(keys, texts):
+        ids = found.get(k)
+        if ids is not None:
+            if k in encoded:  # a text repeated in this prompt, encoded at its first occurrence
+                STATS.hits += 1
             out.append(ids.tolist())
             continue
-        new = encode(texts[i])
+        encoded.add(k)
+        new = encode(t)
         stored = array("I", new)
-        cache.put(keys[i], stored)
+        cache.put(k, stored)
+        found[k] = stored
         STATS.misses += 1
-        if i in queue and tier is not None and namespace is not None:
-            _SCOPE.writes.append((tier.key(namespace, *keys[i]), _as_bytes(stored)))
+        if k in shared:
+            _queue_write(shared.pop(k), stored)
         out.append(new)
     return out
+
+
+def _queue_write(key: str, ids: array[int]) -> None:
+    """Queue one shared-tier entry for this thread's task, within ``SHARED_WRITE_BUDGET_BYTES``."""
+    value = _as_bytes(ids)
+    if _SCOPE.write_bytes + len(value) <= SHARED_WRITE_BUDGET_BYTES:
+        _SCOPE.writes.append((key, value))
+        _SCOPE.write_bytes += len(value)
 
 
 def cached_encode(encode: Callable[[str], list[int]], fingerprint: str, variant: str, text: str,

@@ -17,16 +17,18 @@ equal the tokenizer's own encoding of the whole text, on the six real tokenizers
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import shutil
 import socket
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from inference.renderer.chat_template import render_chat, render_chat_text
 from inference.renderer.errors import RenderError
@@ -36,6 +38,7 @@ from inference.renderer.segment_cache import (
     SegmentLRU,
     build_splitter,
     cached_encode,
+    cached_encode_many,
     disable_shared_tier,
     enable_shared_tier,
     shared_scope,
@@ -185,19 +188,29 @@ def test_lru_is_bounded_by_tokens_and_counts_hits_and_misses():
     off = SegmentLRU(0)
     cached_encode(enc, "fp", "full", "abcd", off)
     assert len(off) == 0 and (STATS.hits - h0, STATS.misses - m0) == (1, 4)  # a disabled cache is not counted
+    calls.clear()  # a text repeated within one prompt is encoded once, the second occurrence a hit
+    h0, m0 = STATS.hits, STATS.misses
+    assert cached_encode_many(enc, "fp", "full", ["wxyz", "wxyz"], cache) == [[119, 120, 121, 122]] * 2
+    assert calls == ["wxyz"] and (STATS.hits - h0, STATS.misses - m0) == (1, 1)
 
 
 # -- the shared tier in Redis (D-303) ---------------------------------------------------------------------------------
 
 @pytest.fixture
 def shared_tier():
-    """The shared tier on the test Redis under a namespace of this test's own, the local cache emptied before and
-    after; yields ``(tier, namespace, client)``. Keys under the namespace are deleted afterwards."""
+    """The shared tier on the test Redis under a namespace of this test's own, the local cache and this thread's
+    scopes emptied before and after; yields ``(tier, namespace, client)``. Keys under the namespace are deleted
+    afterwards."""
     from tests.support.redis import TEST_REDIS_URL, delete_prefix, redis_or_skip
 
+    if CACHE.max_tokens == 0:
+        pytest.skip("SEGMENT_CACHE_MAX_TOKENS=0: no segment cache, so no shared tier")
     client = redis_or_skip()
     namespace = f"test-segtier-{uuid.uuid4().hex[:8]}"
     CACHE.clear()
+    shared_scope(None)  # nothing left on this thread by an earlier test
+    salt_scope(None)
+    take_shared_writes()
     tier = enable_shared_tier(lambda: client, min_chars=200, ttl_s=60)
     assert tier is not None
     try:
@@ -210,6 +223,9 @@ def shared_tier():
         CACHE.clear()
         delete_prefix(TEST_REDIS_URL, namespace)
         client.close()
+
+
+TENANT_SALT = "a1" * 32  # a cache salt as gateway.pipeline.inputs.cache_salt_for makes them (64 hex characters)
 
 
 def _conversation(turns: int) -> list[dict[str, str]]:
@@ -240,19 +256,21 @@ def test_a_second_worker_reads_long_segments_from_the_shared_tier_with_the_same_
         pytest.skip("no chat template")
     messages = _conversation(3)
     shared_scope(namespace)  # worker A
+    salt_scope(TENANT_SALT)
     STATS.reset()
     first = render_chat(tok_dir(name), messages)
     writes = take_shared_writes()
     long_misses = STATS.misses
     assert first.prompt_token_ids == whole(name, first.prompt_text, False)
     assert writes and STATS.shared_hits == 0
-    assert all(key.startswith(f"{namespace}:segcache:") and ttl == 60 for key, _v, ttl in writes)
+    assert all(key.startswith(f"{namespace}:segcache:v1-") and ttl == 60 for key, _v, ttl in writes)
     assert len(writes) < long_misses  # the short segments (< 200 characters) stay local
     _write(client, writes)
     assert 0 < client.ttl(writes[0][0]) <= 60
 
     CACHE.clear()  # worker B: another process, its local cache empty
     shared_scope(namespace)
+    salt_scope(TENANT_SALT)
     STATS.reset()
     second = render_chat(tok_dir(name), messages)
     assert second.prompt_token_ids == first.prompt_token_ids
@@ -260,9 +278,9 @@ def test_a_second_worker_reads_long_segments_from_the_shared_tier_with_the_same_
     assert take_shared_writes() == []  # nothing new to write
 
 
-def test_shared_tier_is_skipped_without_a_namespace_and_survives_a_dead_or_bad_redis(shared_tier, caplog):
-    """No scope: no Redis read or write. A malformed entry is a miss, and a Redis that does not answer makes the
-    segments misses (logged), not a failed encode."""
+def test_shared_tier_is_skipped_without_a_scope_and_survives_a_dead_or_bad_redis(shared_tier, caplog):
+    """No namespace or no cache salt: no Redis read or write. A malformed entry is a miss. A Redis that refuses the
+    connection makes the segments misses at once (no retries, logged) and the tier is skipped for a while after."""
     import redis
 
     tier, namespace, client = shared_tier
@@ -273,13 +291,20 @@ def test_shared_tier_is_skipped_without_a_namespace_and_survives_a_dead_or_bad_r
         return [ord(c) for c in s]
 
     text = "long segment " * 40
-    shared_scope(None)
-    assert cached_encode(enc, "fp", "full", text) == enc(text)
+    salt_scope(TENANT_SALT)
+    assert cached_encode(enc, "fp", "full", text) == enc(text)  # no namespace
     assert take_shared_writes() == []
     CACHE.clear()
     shared_scope(namespace)
-    key = f"{namespace}:segcache:fp:full:" + hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    salt_scope(None)
+    assert cached_encode(enc, "fp", "full", text) == enc(text)  # no cache salt: fails closed, local only
+    assert take_shared_writes() == []
+    CACHE.clear()
+    salt_scope(TENANT_SALT)
+    cached_encode(enc, "fp", "full", text)
+    (key, _value, _ttl), = take_shared_writes()
     client.set(key, b"\x01\x02\x03", ex=60)  # not a whole number of ids
+    CACHE.clear()
     STATS.reset()
     assert cached_encode(enc, "fp", "full", text) == enc(text)
     assert (STATS.shared_hits, STATS.misses) == (0, 1)
@@ -288,14 +313,24 @@ def test_shared_tier_is_skipped_without_a_namespace_and_survives_a_dead_or_bad_r
     with socket.socket() as s:  # a loopback port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dead = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5)
-    enable_shared_tier(lambda: dead, min_chars=200, ttl_s=60)
+    made: list[redis.Redis] = []
+
+    def dead() -> redis.Redis:
+        made.append(redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.25, socket_timeout=0.25,
+                                retry=Retry(NoBackoff(), 0)))
+        return made[-1]
+
+    enable_shared_tier(dead, min_chars=200, ttl_s=60)
     CACHE.clear()
-    shared_scope(namespace)
     STATS.reset()
+    started = time.monotonic()
     with caplog.at_level("WARNING"):
         assert cached_encode(enc, "fp", "full", text) == enc(text)
+    assert time.monotonic() - started < 2.0
     assert STATS.misses == 1 and "shared tier could not be read" in caplog.text
+    CACHE.clear()
+    assert cached_encode(enc, "fp", "full", text) == enc(text)
+    assert len(made) == 1  # backing off: the second lookup did not try Redis again
 
 
 def test_segments_are_shared_only_within_one_cache_scope(shared_tier):
@@ -309,7 +344,7 @@ def test_segments_are_shared_only_within_one_cache_scope(shared_tier):
         return [ord(c) for c in s]
 
     text = "a tenant's long document " * 20
-    tenant_a, tenant_b = "a1" * 32, "b2" * 32
+    tenant_a, tenant_b = TENANT_SALT, "b2" * 32
     shared_scope(namespace)
     salt_scope(tenant_a)
     cached_encode(enc, "fp", "full", text)
