@@ -63,6 +63,8 @@ variable                           type     default              meaning (unit; 
                                                                  written to the render workers' shared tier in Redis (0
                                                                  turns it off) (``renderer/segment_cache.py``, D-303)
 ``SEGMENT_CACHE_REDIS_TTL_S``      int      300                  seconds a shared-tier entry lives after it is written
+``SEGMENT_CACHE_REDIS_URL``        str      unset (``None``)     a Redis of its own for the shared tier (e.g. one with
+                                                                 ``maxmemory`` and ``allkeys-lru``); unset: ``REDIS_URL``
 ``ENGINE_ROUTING``                 str      ``prefix``           how an api process picks a generate request's replica:
                                                                  ``prefix`` (its own stream, chosen by prefix-cache hit
                                                                  against load) or ``shared`` (the model's shared stream,
@@ -130,6 +132,7 @@ class InferenceSettings:
     segment_cache_min_chars: int = 64
     segment_cache_redis_min_chars: int = 1024
     segment_cache_redis_ttl_s: int = 300
+    segment_cache_redis_url: str | None = None
     engine_routing: str = "prefix"
 
     @classmethod

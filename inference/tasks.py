@@ -76,15 +76,16 @@ _segment_tier_client: redis.Redis | None = None
 
 
 def _segment_tier_redis() -> redis.Redis:
-    """This worker's Redis client for the shared segment tier's reads: the reply client's Redis, with
-    ``SEGMENT_TIER_SOCKET_TIMEOUT_S`` socket and connect timeouts and no retries (redis-py's default retries a
-    failed connection ten times with back-off, seconds of a render's time limit); made on first use."""
+    """This worker's Redis client for the shared segment tier: ``SEGMENT_CACHE_REDIS_URL``, else the reply client's
+    Redis, with ``SEGMENT_TIER_SOCKET_TIMEOUT_S`` socket and connect timeouts and no retries (redis-py's default
+    retries a failed connection ten times with back-off, seconds of a render's time limit); made on first use."""
     global _segment_tier_client
     if _segment_tier_client is None:
         from celery import current_app
 
         _segment_tier_client = redis.Redis.from_url(
-            SETTINGS.redis_url or current_app.conf.result_backend, socket_timeout=SEGMENT_TIER_SOCKET_TIMEOUT_S,
+            SETTINGS.segment_cache_redis_url or SETTINGS.redis_url or current_app.conf.result_backend,
+            socket_timeout=SEGMENT_TIER_SOCKET_TIMEOUT_S,
             socket_connect_timeout=SEGMENT_TIER_SOCKET_TIMEOUT_S, retry=Retry(NoBackoff(), 0))
     return _segment_tier_client
 
@@ -269,7 +270,8 @@ def reply_if_requested(payload: Any, result: dict[str, Any]) -> dict[str, Any]:
     "replied": True}``; without a reply channel, return ``result`` (a Celery result backend then carries it).
 
     The segment cache's shared-tier entries this task encoded (``segment_cache.take_shared_writes``) are written in
-    the same pipeline, before the reply, so that they are there for any request sent after it.
+    the same pipeline, before the reply, so that they are there for any request sent after it; with
+    ``SEGMENT_CACHE_REDIS_URL`` (a Redis of the tier's own), in a pipeline of their own after the reply.
 
     The api process subscribes once to its own channel (``inference.render_client``) and sends tasks with
     ``ignore_result``, so no Celery result is stored and no per-request subscription is made. Redis is
@@ -285,13 +287,29 @@ def reply_if_requested(payload: Any, result: dict[str, Any]) -> dict[str, Any]:
         count_segment_cache(pipe, prefix, result)
         # the shared-tier entries first: Redis runs one connection's commands in order, so whichever worker renders
         # this conversation's next turn (after the reply below) finds them
-        for key, value, ttl_s in segment_cache.take_shared_writes():
+        writes = segment_cache.take_shared_writes()
+        separate = bool(SETTINGS.segment_cache_redis_url)  # the tier on a Redis of its own: written after the reply
+        for key, value, ttl_s in () if separate else writes:
             pipe.set(key, value, ex=ttl_s)
         pipe.publish(channel, reply_json({"id": payload["reply_id"], "result": result}))
         pipe.execute()
+        if separate and writes:
+            _write_segment_tier(writes)
         return {"ok": result.get("ok"), "replied": True}
     segment_cache.take_shared_writes()  # not written without a reply pipeline
     return result
+
+
+def _write_segment_tier(writes: list[tuple[str, bytes, int]]) -> None:
+    """Write shared-tier entries to ``SEGMENT_CACHE_REDIS_URL``'s Redis in one pipeline; a failure loses them
+    (logged at debug level), never the reply, which has already gone."""
+    try:
+        pipe = _segment_tier_redis().pipeline(transaction=False)
+        for key, value, ttl_s in writes:
+            pipe.set(key, value, ex=ttl_s)
+        pipe.execute()
+    except (redis.RedisError, OSError):
+        logger.debug("segment cache: the shared tier's writes failed", exc_info=True)
 
 
 def reply_json(reply: dict[str, Any]) -> bytes:

@@ -17,6 +17,7 @@ equal the tokenizer's own encoding of the whole text, on the six real tokenizers
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 import socket
@@ -360,3 +361,37 @@ def test_segments_are_shared_only_within_one_cache_scope(shared_tier):
     STATS.reset()
     cached_encode(enc, "fp", "full", text)
     assert (STATS.hits, STATS.shared_hits, STATS.misses) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_reply_writes_the_tier_in_its_pipeline_or_to_the_tiers_own_redis(shared_tier, monkeypatch, separate):
+    """A render task's shared-tier entries are written by ``reply_if_requested``: in the reply's own pipeline, or,
+    with ``SEGMENT_CACHE_REDIS_URL`` set, to that Redis (here another database of the test server) after it."""
+    import redis
+
+    from inference import tasks
+
+    tier, namespace, client = shared_tier
+    kwargs = dict(client.connection_pool.connection_kwargs)
+    own = redis.Redis(host=kwargs.get("host", "127.0.0.1"), port=kwargs.get("port", 6379), username=kwargs.get(
+        "username"), password=kwargs.get("password"), db=(int(kwargs.get("db", 0)) + 1) % 16)
+    monkeypatch.setattr(tasks, "_reply_client", client)
+    monkeypatch.setattr(tasks, "_segment_tier_client", own if separate else client)
+    monkeypatch.setattr(tasks, "SETTINGS", dataclasses.replace(
+        tasks.SETTINGS, segment_cache_redis_url="redis://tier.invalid/0" if separate else None))
+    enable_shared_tier(tasks._segment_tier_redis, min_chars=200, ttl_s=60)
+    shared_scope(namespace)
+    salt_scope(TENANT_SALT)
+    text = "a long turn of a conversation " * 20
+    cached_encode(lambda s: [ord(c) for c in s], "fp", "full", text)
+    key = tier.key(namespace, "fp", "full", hashlib.blake2b(text.encode(), digest_size=16,
+                                                            key=bytes.fromhex(TENANT_SALT)).digest())
+    try:
+        answer = tasks.reply_if_requested({"reply_to": f"{namespace}:render:reply:t", "reply_id": "r1"}, {"ok": True})
+        assert answer == {"ok": True, "replied": True}
+        assert (own if separate else client).ttl(key) > 0
+        assert not (client if separate else own).exists(key)
+        assert take_shared_writes() == []  # handed over once
+    finally:
+        own.delete(key)
+        own.close()
