@@ -8,7 +8,8 @@
 * ``tokenize_prompt(tokenizer_dir, prompt, add_special_tokens=True) -> list[int]``
 * ``detokenize(tokenizer_dir, ids, skip_special_tokens=False) -> str``
 * ``get_tokenizer(tokenizer_dir) -> LoadedTokenizer``  (``tokenizer_cache.py``; its ``encode`` assembles long
-  texts from the per-process segment tokenization cache, ``segment_cache.py``, with the same ids)
+  texts from the segment tokenization cache, ``segment_cache.py``, with the same ids: a per-process LRU, and in
+  render workers a shared tier in Redis behind it)
 * errors: ``RenderError`` and subclasses (``errors.py``)
 """
 
