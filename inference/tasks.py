@@ -205,16 +205,21 @@ def run_render_chat(payload: dict[str, Any]) -> dict[str, Any]:
     payload: ``{"tokenizer_dir": str, "messages": list, "add_generation_prompt"?: bool,
     "continue_final_message"?: bool, "tools"?: list|None, "documents"?: list|None,
     "chat_template"?: str|None, "chat_template_kwargs"?: dict|None, "add_special_tokens"?: bool,
-    "client_chat_template"?: bool, "allow_control_tokens"?: bool, "max_model_len"?: int, "cache_salt"?: str}``; with
+    "client_chat_template"?: bool, "allow_control_tokens"?: bool, "max_model_len"?: int, "cache_salt"?: str,
+    "return_prompt_text"?: bool}``; with
     ``max_model_len``, text over ``prompt_char_bound`` raises ``ContextLengthError`` before rendering. ``client_chat_template`` is routing only:
     set when ``chat_template`` came from the client, so the api never runs it in-process
     (``gateway.render.runs_inline``; ignored here). ``allow_control_tokens`` (default False): control-token
     strings in request text stay text.
-    Returns ``{"ok": True, "prompt_text": str, "prompt_token_ids": list[int]}`` or an error dict.
+    Returns ``{"ok": True, "prompt_text": str, "prompt_token_ids": list[int]}`` (``prompt_text`` left out when
+    ``"return_prompt_text": False``: the gateway reads only the ids, and the text would add the whole prompt to the
+    reply's bytes) or an error dict.
     """
     check_chars(payload, text_chars(payload.get("messages")) if isinstance(payload, dict) else 0, "messages")
     kwargs = {k: payload[k] for k in _RENDER_ARGS if isinstance(payload, dict) and k in payload}
     out = render_chat(_require(payload, "tokenizer_dir"), _require(payload, "messages"), **kwargs)
+    if isinstance(payload, dict) and payload.get("return_prompt_text") is False:
+        return {"ok": True, "prompt_token_ids": out.prompt_token_ids}
     return {"ok": True, "prompt_text": out.prompt_text, "prompt_token_ids": out.prompt_token_ids}
 
 

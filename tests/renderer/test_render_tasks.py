@@ -210,3 +210,14 @@ def test_data_plane_modules_import_without_django_torch_transformers():
     env.pop("DJANGO_SETTINGS_MODULE", None)
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def test_render_chat_leaves_the_prompt_text_out_when_asked():
+    """The gateway's payload sets ``return_prompt_text: False`` (it reads only the ids): the reply then carries the
+    same ids and not the rendered text, which would add the whole prompt to every reply's bytes."""
+    payload = {"tokenizer_dir": tok_dir("qwen3"), "messages": [{"role": "user", "content": "Hello there " * 50}]}
+    full = run_render_chat(payload)
+    lean = run_render_chat({**payload, "return_prompt_text": False})
+    assert full["ok"] and lean["ok"] and "prompt_text" in full and "prompt_text" not in lean
+    assert lean["prompt_token_ids"] == full["prompt_token_ids"] == render_chat(
+        tok_dir("qwen3"), payload["messages"]).prompt_token_ids

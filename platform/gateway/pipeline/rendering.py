@@ -222,6 +222,7 @@ def chat_render_payload(model: ModelSnapshot, req: ChatCompletionRequest | Token
         # control-token strings in request text stay text unless the operator opted this model out
         "allow_control_tokens": bool(model.allow_control_tokens_in_content),
         "max_model_len": int(model.max_model_len),  # the worker's character backstop (inference.tasks)
+        "return_prompt_text": False,  # the api uses only the ids: the rendered text would double the reply
     }
 
 
