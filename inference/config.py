@@ -64,7 +64,8 @@ variable                           type     default              meaning (unit; 
                                                                  turns it off) (``renderer/segment_cache.py``, D-303)
 ``SEGMENT_CACHE_REDIS_TTL_S``      int      300                  seconds a shared-tier entry lives after it is written
 ``SEGMENT_CACHE_REDIS_URL``        str      unset (``None``)     a Redis of its own for the shared tier (e.g. one with
-                                                                 ``maxmemory`` and ``allkeys-lru``); unset: ``REDIS_URL``
+                                                                 ``maxmemory`` and ``allkeys-lru``); unset: the reply Redis
+                                                                 (``REDIS_URL``, else Celery's result backend)
 ``ENGINE_ROUTING``                 str      ``prefix``           how an api process picks a generate request's replica:
                                                                  ``prefix`` (its own stream, chosen by prefix-cache hit
                                                                  against load) or ``shared`` (the model's shared stream,

@@ -93,7 +93,17 @@ def _segment_tier_redis() -> redis.Redis:
 @worker_init.connect
 def _shared_segment_tier(sender: Any = None, **_kwargs: Any) -> None:
     """Render workers share long chat-prompt segments' ids in Redis (``segment_cache.SharedTier``, read with
-    ``_segment_tier_redis``, written in the reply pipeline); ``SEGMENT_CACHE_REDIS_MIN_CHARS`` 0 leaves it off."""
+    ``_segment_tier_redis``, written in the reply pipeline); ``SEGMENT_CACHE_REDIS_MIN_CHARS`` 0 leaves it off, and so
+    does a ``SEGMENT_CACHE_REDIS_URL`` that is not a Redis URL (logged). The client itself is made on first use, in
+    the process that runs the tasks."""
+    url = SETTINGS.segment_cache_redis_url
+    if url:
+        try:
+            redis.Redis.from_url(url).close()  # parses the URL; connects to nothing
+        except ValueError as exc:
+            logger.error("SEGMENT_CACHE_REDIS_URL is not a Redis URL (%s): the shared segment tier is off", exc)
+            segment_cache.disable_shared_tier()
+            return
     segment_cache.enable_shared_tier(_segment_tier_redis)
 
 
@@ -313,7 +323,7 @@ def _write_segment_tier(writes: list[tuple[str, bytes, int]]) -> None:
         for key, value, ttl_s in writes:
             pipe.set(key, value, ex=ttl_s)
         pipe.execute()
-    except (redis.RedisError, OSError):
+    except (redis.RedisError, OSError, ValueError):
         logger.debug("segment cache: the shared tier's writes failed", exc_info=True)
 
 

@@ -27,8 +27,9 @@ Storage: one bounded LRU per process first (``SegmentLRU``, ``SEGMENT_CACHE_MAX_
 a hit costs about a microsecond here against a 0.15-1 ms Redis round trip (docs/DECISIONS.md D-221,
 ``bench/segment_cost.py``). Behind it, in render workers, a shared tier in Redis (``SharedTier``, D-303): the segments
 of at least ``SEGMENT_CACHE_REDIS_MIN_CHARS`` characters that one prompt misses locally are fetched in one ``MGET``,
-and those still missing are encoded and written back with the task's reply (``take_shared_writes``; no extra round
-trip), to live ``SEGMENT_CACHE_REDIS_TTL_S`` seconds. It pays when a conversation's turns reach several render
+and those still missing are encoded and written back in the task's reply pipeline (``take_shared_writes``; no extra
+round trip; on a Redis of the tier's own, ``SEGMENT_CACHE_REDIS_URL``, right after the reply), to live
+``SEGMENT_CACHE_REDIS_TTL_S`` seconds. It pays when a conversation's turns reach several render
 workers, which local caches alone serve less well the more workers there are. Counters: ``STATS`` (per thread, reset
 by each render task and returned with its result; ``inference.tasks`` adds them to the shared Redis counters that
 ``/metrics`` shows as ``render_segment_cache_hits_total`` (either tier), ``render_segment_cache_shared_hits_total``
@@ -180,10 +181,11 @@ class SharedTier:
     keyed with the request's cache salt), values the ids as little-endian 32-bit integers. The namespace (the
     platform's link prefix) is set per task by ``shared_scope``; with none set, or no cache salt, the tier is
     skipped. Redis holds the ids of the distinct long segments written within ``ttl_s`` (4 bytes a token, about the
-    size of their text), at most ``SHARED_WRITE_BUDGET_BYTES`` per task: its size follows the rate of new long text,
-    so give this Redis a ``maxmemory`` with a ``volatile-*`` eviction policy where that rate is unbounded
-    (``deploy/README.md``). A failed or timed-out read makes the segments misses and turns the tier off for
-    ``SHARED_FAILURE_BACKOFF_S`` (logged once); it never fails a render.
+    size of their text), at most ``SHARED_WRITE_BUDGET_BYTES`` per task: its size follows the rate of new long text.
+    The platform's Redis must not evict (admission leases, usage streams), so where that rate is large the tier gets
+    a Redis of its own with ``maxmemory`` and ``allkeys-lru`` (``SEGMENT_CACHE_REDIS_URL``, ``deploy/README.md``).
+    A failed or timed-out read makes the segments misses, queues no writes, and turns the tier off for
+    ``SHARED_FAILURE_BACKOFF_S`` (logged once per back-off); it never fails a render.
     """
 
     def __init__(self, client: Callable[[], Any], min_chars: int, ttl_s: int) -> None:
@@ -205,7 +207,7 @@ class SharedTier:
         Redis or socket error (then the tier backs off, ``SHARED_FAILURE_BACKOFF_S``)."""
         try:
             values = self.client().mget(keys)
-        except (RedisError, OSError):
+        except (RedisError, OSError, ValueError):  # ValueError: a client that cannot be made (a malformed URL)
             if self.available():
                 logger.warning("segment cache: the shared tier could not be read; encoding instead for %.0f s",
                                SHARED_FAILURE_BACKOFF_S, exc_info=True)
@@ -340,7 +342,7 @@ def cached_encode_many(encode: Callable[[str], list[int]], fingerprint: str, var
         cache.put(k, stored)
         found[k] = stored
         STATS.misses += 1
-        if k in shared:
+        if k in shared and tier is not None and tier.available():  # not after a failed read: Redis is not answering
             _queue_write(shared.pop(k), stored)
         out.append(new)
     return out

@@ -373,8 +373,14 @@ def test_reply_writes_the_tier_in_its_pipeline_or_to_the_tiers_own_redis(shared_
 
     tier, namespace, client = shared_tier
     kwargs = dict(client.connection_pool.connection_kwargs)
-    own = redis.Redis(host=kwargs.get("host", "127.0.0.1"), port=kwargs.get("port", 6379), username=kwargs.get(
-        "username"), password=kwargs.get("password"), db=(int(kwargs.get("db", 0)) + 1) % 16)
+    if "host" not in kwargs:
+        pytest.skip("the test Redis is not reached over TCP")
+    own = redis.Redis(host=kwargs["host"], port=kwargs.get("port", 6379), username=kwargs.get("username"),
+                      password=kwargs.get("password"), db=(int(kwargs.get("db", 0)) + 1) % 16)
+    try:
+        own.ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"no second database on the test Redis: {exc}")
     monkeypatch.setattr(tasks, "_reply_client", client)
     monkeypatch.setattr(tasks, "_segment_tier_client", own if separate else client)
     monkeypatch.setattr(tasks, "SETTINGS", dataclasses.replace(
@@ -395,3 +401,28 @@ def test_reply_writes_the_tier_in_its_pipeline_or_to_the_tiers_own_redis(shared_
     finally:
         own.delete(key)
         own.close()
+
+
+def test_a_tier_url_that_is_not_a_redis_url_leaves_the_tier_off(shared_tier, monkeypatch, caplog):
+    """A malformed ``SEGMENT_CACHE_REDIS_URL`` turns the tier off at the worker's start (logged) instead of failing
+    renders; a client factory that raises ``ValueError`` later only makes misses and a back-off."""
+    from inference import tasks
+    from inference.renderer import segment_cache
+
+    monkeypatch.setattr(tasks, "SETTINGS", dataclasses.replace(tasks.SETTINGS, segment_cache_redis_url="tier:6379"))
+    with caplog.at_level("ERROR"):
+        tasks._shared_segment_tier()
+    assert segment_cache.SHARED is None and "not a Redis URL" in caplog.text
+
+    def broken() -> None:
+        raise ValueError("Redis URL must specify one of the following schemes")
+
+    enable_shared_tier(broken, min_chars=200, ttl_s=60)
+    tier, namespace, _client = shared_tier
+    shared_scope(namespace)
+    salt_scope(TENANT_SALT)
+    text = "a long turn of a conversation " * 20
+    STATS.reset()
+    assert cached_encode(lambda s: [ord(c) for c in s], "fp", "full", text) == [ord(c) for c in text]
+    assert STATS.misses == 1 and take_shared_writes() == []  # no writes queued while Redis does not answer
+    assert segment_cache.SHARED is not None and not segment_cache.SHARED.available()
