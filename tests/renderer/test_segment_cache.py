@@ -24,6 +24,7 @@ import socket
 import time
 import uuid
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -167,13 +168,20 @@ def test_tokenizer_without_the_split_property_is_detected_and_encoded_whole(tmp_
     assert not forced.ok
 
 
-def test_lru_is_bounded_by_tokens_and_counts_hits_and_misses():
-    cache = SegmentLRU(10)
+def counting_encoder() -> tuple[list[str], Callable[[str], list[int]]]:
+    """``(calls, encode)``: an encoder of each character's code point that records every text it is given."""
     calls: list[str] = []
 
     def enc(s: str) -> list[int]:
         calls.append(s)
         return [ord(c) for c in s]
+
+    return calls, enc
+
+
+def test_lru_is_bounded_by_tokens_and_counts_hits_and_misses():
+    cache = SegmentLRU(10)
+    calls, enc = counting_encoder()
 
     h0, m0 = STATS.hits, STATS.misses
     assert cached_encode(enc, "fp", "full", "abcd", cache) == [97, 98, 99, 100]
@@ -285,11 +293,7 @@ def test_shared_tier_is_skipped_without_a_scope_and_survives_a_dead_or_bad_redis
     import redis
 
     tier, namespace, client = shared_tier
-    calls: list[str] = []
-
-    def enc(s: str) -> list[int]:
-        calls.append(s)
-        return [ord(c) for c in s]
+    calls, enc = counting_encoder()
 
     text = "long segment " * 40
     salt_scope(TENANT_SALT)
@@ -338,11 +342,7 @@ def test_segments_are_shared_only_within_one_cache_scope(shared_tier):
     """Keys are salted with the request's cache scope (the tenant's, as the prefix cache's are): another scope finds
     nothing in either tier, the same scope finds its own entries in both."""
     tier, namespace, client = shared_tier
-    calls: list[str] = []
-
-    def enc(s: str) -> list[int]:
-        calls.append(s)
-        return [ord(c) for c in s]
+    calls, enc = counting_encoder()
 
     text = "a tenant's long document " * 20
     tenant_a, tenant_b = TENANT_SALT, "b2" * 32
