@@ -403,8 +403,8 @@ def run_task(task: Any, payload: Any, body: Callable[[Any], dict[str, Any]]) -> 
     channel = payload.get("reply_to") if isinstance(payload, dict) else None
     # the shared segment tier: chat renders only (a long completion prompt is one segment, rarely sent again), under
     # the caller's link prefix (a caller with none, a result backend, gets none)
-    shared = body is run_render_chat and isinstance(channel, str) and bool(channel)
-    segment_cache.shared_scope(_link_prefix(channel) if shared and isinstance(channel, str) else None)
+    segment_cache.shared_scope(
+        _link_prefix(channel) if body is run_render_chat and isinstance(channel, str) and channel else None)
     try:
         if (redelivered or resent) and _refuse_redelivery(payload, getattr(request, "id", None)):
             return reply_if_requested(payload, _lost_twice(payload))

@@ -15,8 +15,8 @@ without ``lstrip``/``rstrip``/``single_word`` (whitespace-only added tokens, Gem
 segments: cutting there would make many tiny pieces). A segment of at least ``min_chars`` characters is looked up
 in the cache by ``(tokenizer fingerprint, variant, blake2b-128 of its UTF-8 keyed with the request's cache
 salt)``; the text between two cached segments (the template's markup and short turns) is encoded in one call,
-uncached. The post-processor is applied
-once, as the fixed ``prefix``/``suffix`` ids it adds (derived at load from a probe).
+uncached. The post-processor is applied once, as the fixed ``prefix``/``suffix`` ids it adds (derived at load
+from a probe).
 
 When it is used. ``build_splitter`` runs a self-check at load (``SELF_CHECK_TEXTS`` fragments joined with the
 tokenizer's own added tokens, every boundary cut, both ``add_special_tokens`` values) and reports ``ok=False``

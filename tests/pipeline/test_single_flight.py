@@ -185,13 +185,19 @@ async def _listening(auth) -> None:
     await _until(lambda: auth._cache.generation != before, "the invalidation listener's subscription")
 
 
+def _gated(keyed):
+    """The ``keyed`` fixture's secret, its counted key check held at a gate (``key_check.gate``, set to let the
+    lookups go on) and the request headers that carry the key."""
+    secret, key_check, _snapshot = keyed
+    key_check.gate = threading.Event()
+    return secret, key_check, [(b"authorization", f"Bearer {secret}".encode())]
+
+
 @pytest.mark.django_db(transaction=True)
 def test_an_invalidation_during_a_lookup_makes_the_next_caller_read_again(keyed):
     from gateway import auth
 
-    secret, key_check, _snapshot = keyed
-    headers = [(b"authorization", f"Bearer {secret}".encode())]
-    key_check.gate = threading.Event()
+    secret, key_check, headers = _gated(keyed)
 
     async def main():
         await _listening(auth)
@@ -216,9 +222,7 @@ def test_an_invalidation_during_a_lookup_makes_the_next_caller_read_again(keyed)
 def test_a_caller_that_leaves_does_not_cancel_the_lookup_the_others_wait_on(keyed):
     from gateway import auth
 
-    secret, key_check, _snapshot = keyed
-    headers = [(b"authorization", f"Bearer {secret}".encode())]
-    key_check.gate = threading.Event()
+    _secret, key_check, headers = _gated(keyed)
 
     async def main():
         await _listening(auth)

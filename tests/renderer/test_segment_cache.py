@@ -243,7 +243,8 @@ def _conversation(turns: int) -> list[dict[str, str]]:
         messages.append({"role": "user", "content": f"Question {turn}: what about the tides and currents? " * 9})
         messages.append({"role": "assistant", "content": f"Answer {turn}: they rise and fall twice a day. " * 9})
     # 64 to 200 characters: cached locally, never in the shared tier (min_chars=200 in these tests)
-    messages.append({"role": "user", "content": "And now, one more question about the sea, if you have the time today?"})
+    messages.append({"role": "user",
+                     "content": "And now, one more question about the sea, if you have the time today?"})
     return messages
 
 

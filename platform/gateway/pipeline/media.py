@@ -172,8 +172,8 @@ async def render_chat_media(model: ModelSnapshot, payload: dict[str, Any], *, ca
                             tenant_id: int | None = None) -> dict[str, Any]:
     """``call_render("inference.render_chat", payload)``, plus images when the messages have any: returns
     the render result with ``prompt_token_ids`` expanded and ``mm_cache_keys`` (one per image, in order), the
-    feature-cache keys and the render's segment-cache keys salted with ``cache_salt`` (``inputs.cache_salt_for``). ``tenant_id``: whose
-    image-work slot the ``mm`` task takes (``mm_tenant_slot``; None: unbounded)."""
+    feature-cache keys and the render's segment-cache keys salted with ``cache_salt`` (``inputs.cache_salt_for``).
+    ``tenant_id``: whose image-work slot the ``mm`` task takes (``mm_tenant_slot``; None: unbounded)."""
     payload = {**payload, "cache_salt": cache_salt}  # the render's segment cache is scoped as the prefix cache is
     if not has_images(payload["messages"]):
         return await call_render("inference.render_chat", payload)
