@@ -146,6 +146,29 @@ class Sequence:
         return self.request.sampling_params
 
 
+def effective_max_model_len(requested: int | None, text_cfg: Any) -> int:
+    """Positions per sequence (prompt + output) an engine serves: ``requested`` (the registry's ``max_model_len``),
+    else the config's ``max_position_embeddings`` (4,096 when it has none).
+
+    A ``requested`` length beyond ``max_position_embeddings`` is served as asked when the model's positions are rotary
+    (its config has ``rope_theta``, ``rope_parameters`` or ``rope_scaling``): RoPE extends past the trained length,
+    with a quality the operator chose by registering it (logged as a warning). This is vLLM's behaviour with
+    ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``. The gateway checks prompt lengths against the registry's value, so an engine
+    that served less would fail admitted prompts mid-stream. Raises ``ValueError`` for such a length on a model
+    with learned absolute positions, which has no position past its table."""
+    limit = getattr(text_cfg, "max_position_embeddings", None)
+    if requested is None:
+        return int(limit or 4096)
+    if limit is None or requested <= limit:
+        return int(requested)
+    if not any(getattr(text_cfg, name, None) is not None for name in ("rope_theta", "rope_parameters", "rope_scaling")):
+        raise ValueError(f"max_model_len {requested} exceeds the model's max_position_embeddings {limit}, and its "
+                         f"positions are not rotary: register it with max_model_len <= {limit}")
+    log.warning("max_model_len %d exceeds the model's max_position_embeddings %d: rotary positions past the trained "
+                "length, as registered", requested, limit)
+    return int(requested)
+
+
 def _tokenizer_vocab_size(model_dir: Path) -> int | None:
     """Ids the model directory's tokenizer can emit (max id + 1), or None without tokenizer.json."""
     path = model_dir / "tokenizer.json"
@@ -200,8 +223,7 @@ class ModelRunner:
         tok_vocab = _tokenizer_vocab_size(self.model_dir)
         self.sample_vocab = min(self.vocab_size, tok_vocab) if tok_vocab else self.vocab_size
         text_cfg = cfg.get_text_config()  # the config itself for a plain causal LM
-        limit = getattr(text_cfg, "max_position_embeddings", None) or 4096
-        self.max_model_len = min(max_model_len or limit, limit)
+        self.max_model_len = effective_max_model_len(max_model_len, text_cfg)
         try:
             gen = GenerationConfig.from_pretrained(model_dir)
             eos = gen.eos_token_id
