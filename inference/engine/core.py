@@ -246,7 +246,9 @@ class EngineCore:
                 pipe.set(self.hb_key, self.stats.to_wire(), px=ttl_ms)
                 pipe.pexpire(self.blocks_key, BLOCKS_TTL_MS)
                 pipe.zadd(self.index_key, {self.engine_id: int(time.time() * 1000) + ttl_ms})
-                pipe.zremrangebyscore(self.index_key, "-inf", int(time.time() * 1000) - 60_000)  # long dead
+                pipe.zremrangebyscore(self.index_key, "-inf", int(time.time() * 1000) - DEAD_REPLICA_WATCH_MS)
+                # the index of a model no replica beats for any more goes once its last entry is past the watch
+                pipe.pexpire(self.index_key, ttl_ms + DEAD_REPLICA_WATCH_MS)
                 pipe.execute()
             except redis.RedisError as exc:  # keep beating; Redis may come back
                 log.warning("heartbeat failed: %s", exc)
@@ -756,7 +758,11 @@ class EngineCore:
                 # gone at once for the api processes; expired (not removed) in the index, so a live replica takes
                 # the requests still unread in this replica's own stream (``_take_over``)
                 self.redis.delete(self.hb_key, self.blocks_key)
-                self.redis.zadd(self.index_key, {self.engine_id: int(time.time() * 1000) - 1})
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.zadd(self.index_key, {self.engine_id: int(time.time() * 1000) - 1})
+                # as a heartbeat sets it; a live replica's next heartbeat sets it again
+                pipe.pexpire(self.index_key, int(HEARTBEAT_TTL_S * 1000) + DEAD_REPLICA_WATCH_MS)
+                pipe.execute()
             except redis.RedisError as exc:
                 log.warning("cleanup failed: %s", exc)
             log.info("engine %s stopped", self.engine_id)

@@ -19,7 +19,8 @@ Link layout (DESIGN.md §6), all keys prefixed by ``link_prefix`` (default ``llm
 * ``{p}:engine:{model}:replica:{engine_id}``  string with a TTL of ``HEARTBEAT_TTL_S``, refreshed
   every ``HEARTBEAT_INTERVAL_S`` by a live replica; value = msgpack of ``EngineStats``.
 * ``{p}:engine:{model}:replicas``  sorted set: replica id → heartbeat expiry (Unix ms), updated with each
-  heartbeat; live replicas = members scored after now (then MGET their heartbeat keys).
+  heartbeat; live replicas = members scored after now (then MGET their heartbeat keys). Members expired more than
+  a minute ago are dropped, and the set itself expires a minute after its model's last heartbeat.
 * ``{p}:engine:{model}:rq:{engine_id}``  Redis Stream, consumer group ``engines``: the requests an api process
   routed to that replica (prefix-aware routing, ``inference.router``). The replica reads it before the shared
   stream; once the replica's heartbeat lapses, a live replica of the model takes what is left in it.

@@ -6,7 +6,9 @@ import time
 
 import pytest
 
-from inference.protocol.engine import api_alive_key, FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP
+from inference.protocol.engine import (api_alive_key, FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP,
+                                       replicas_index_key)
+from tests.engine.conftest import MODEL
 
 EOS_IDS = [151645, 151643]
 
@@ -177,12 +179,15 @@ def test_heartbeat_and_sigterm(fresh_engine):
     st = eng.stats()
     assert st is not None and st.engine_id == eng.engine_id and st.device == "cpu"
     assert 0 < eng.r.pttl(eng.hb_key) <= 3000
+    index = replicas_index_key(eng.prefix, MODEL)  # expires a minute after the model's last heartbeat (no leftovers)
+    assert 60_000 < eng.r.pttl(index) <= 63_000
     rid = eng.send(PROMPT, temperature=1.0, max_tokens=4000, ignore_eos=True)
     eng.collect([rid], until_first_token=True)
     assert eng.stop() == 0
     outs = eng.collect([rid], timeout=5)[rid]
     assert final(outs).finish_reason == FINISH_ERROR and "shut down" in final(outs).error
     assert not eng.r.exists(eng.hb_key)
+    assert 0 < eng.r.pttl(index) <= 63_000 and eng.r.zscore(index, eng.engine_id) < time.time() * 1000
 
 
 def test_requests_of_a_vanished_api_process_are_aborted(engine):
