@@ -38,6 +38,27 @@ def live_vl(tmp_path_factory):
         yield live
 
 
+@pytest.fixture
+async def db_connections_closed_in_their_threads():
+    """For a test that reaches the database from threads other than its own: asgiref's ``sync_to_async`` and
+    Django's ``AsyncClient`` (asgiref's one thread-sensitive thread, which lives as long as the process), Django's
+    ASGI handler (a thread per request) and Channels' ``database_sync_to_async`` (the test's event loop's executor,
+    whose threads end with the test). pytest-django closes only the main thread's connections; on PostgreSQL
+    (``CONN_MAX_AGE`` 60 s) the others stay open, in live threads or until the garbage collector finds those of
+    ended ones, and the test database cannot be dropped at the end of the session ("There is 1 other session using
+    the database"). So each request and lookup closes its connection at its end, in its own thread, as Django does
+    with ``CONN_MAX_AGE`` 0 (which Django advises under ASGI), and at teardown the thread-sensitive thread closes
+    the one it holds."""
+    from asgiref.sync import sync_to_async
+    from django.db import connections
+
+    with pytest.MonkeyPatch.context() as mp:
+        for db in connections.settings.values():
+            mp.setitem(db, "CONN_MAX_AGE", 0)
+        yield
+    await sync_to_async(connections.close_all)()  # thread-sensitive: runs in the thread that holds that connection
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Wait for the platforms and engines still stopping (``tests.support.live.stop_in_background``)."""
     for error in join_stops():

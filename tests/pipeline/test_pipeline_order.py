@@ -47,7 +47,7 @@ def _spy(monkeypatch, steps: list[str], owner, name: str, step: str) -> None:
 
 
 @pytest.fixture
-def platform(settings, monkeypatch, transactional_db):
+def platform(settings, monkeypatch, transactional_db, db_connections_closed_in_their_threads):
     """A served model and a tenant's keys in the database, the pipeline on a fresh Redis prefix, the steps
     spied on; yields ``(steps, keys, fake_link)`` with ``keys`` = ``{"free": ..., "rpm1": ...}``."""
     if not (MODEL_DIR / "config.json").exists():

@@ -169,6 +169,7 @@ async def _operator_feed(staff, perm: bool):
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("db_connections_closed_in_their_threads")
 @pytest.mark.parametrize("how", ["staff flag", "permission", "deactivated"])
 async def test_ws_operator_feed_stops_at_the_next_push_after_revocation(staff, channel_layer_redis, how):
     user, ws, first = await _operator_feed(staff, perm=True)
@@ -191,6 +192,7 @@ async def test_ws_operator_feed_stops_at_the_next_push_after_revocation(staff, c
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("db_connections_closed_in_their_threads")
 async def test_ws_staff_without_the_permission_never_gets_all_tenants(staff, channel_layer_redis):
     _, ws, refused = await _operator_feed(staff, perm=False)
     try:

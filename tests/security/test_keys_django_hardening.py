@@ -97,6 +97,7 @@ def test_login_throttled_per_user_after_failures(users, settings, login_url, lan
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("db_connections_closed_in_their_threads")
 async def test_login_throttled_through_the_asgi_handler(users):
     for attempt in range(1, 6):
         r = await AsyncClient().post("/admin/login/", {"username": "alice", "password": "wrong", "next": "/admin/"})
@@ -193,6 +194,7 @@ async def _request(app, path: str, headers: list, chunks: list[bytes] | None):
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("db_connections_closed_in_their_threads")
 async def test_large_bodies_to_django_routes_get_413_unread(settings):
     from config.asgi import application
 
