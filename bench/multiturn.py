@@ -15,6 +15,15 @@ request on the same bodies:
 * ``vllm``: vLLM's CPU server on the same tokenizer, when ``--vllm-python`` imports vllm
   (../shared/reference/peer_vllm.md), interleaved with the inline pair.
 
+With ``--ttft``, the same conversations are also sent as streaming chats (``max_tokens`` 4, ``ignore_eos``) and
+time to first token is compared, request by request: ``ttft-celery`` (the default route) and ``ttft-inline`` through
+the platform to a native engine replica started as ``manage.py serve`` starts one (the cores less one for the
+frontend, niceness 10), and ``ttft-vllm``, vLLM's server on its own engine; both engines in float32, prefix caching
+on (each turn's history was the previous turn's prompt), neither with a reasoning parser. After every vLLM request
+the next one waits ``bench.vllm_backend.IDLE_GAP_S``: vLLM's engine spins for a second after its last step. Each of
+the two routes uses a key of a tenant of its own, so neither finds the other's prompt in the engine's prefix cache
+(nor anything of the ``/tokenize`` passes in the segment cache).
+
 Figures: p50/p90 latency (ms) per history size band and overall, CPU ms per request (user+system time of the
 server's processes, Celery children included, over the requests), segment-cache hits/misses (the shared
 counters behind ``/metrics``), and the ratios cache/no-cache and ours/vLLM. Token ids are checked equal
@@ -22,7 +31,7 @@ across every target for every request.
 
 Usage::
 
-    .venv/bin/python bench/multiturn.py [--conversations 3] [--turns 12] [--turn-tokens 330]
+    .venv/bin/python bench/multiturn.py [--conversations 3] [--turns 12] [--turn-tokens 330] [--ttft]
 """
 
 from __future__ import annotations
@@ -38,14 +47,19 @@ from pathlib import Path
 
 import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
 from bench.frontend import start_vllm, stop_vllm
+from bench.vllm_backend import IDLE_GAP_S
 from inference.tasks import segment_cache_counter_key
 from ops.supervisor import wait_until
-from tests.live_platform import free_port, start_platform
+from tests.live_platform import MODEL_DIR, free_port, start_platform
+
+TTFT_MODEL = "tiny-qwen3-ttft"  # the demo model registered for the --ttft pass (float32, no reasoning parser)
+PHASES = ("frontend", "queue", "prefill")  # TTFT's phases in /metrics (gateway.metrics.PHASE_HELP)
 
 WORDS = ("sea harbour gull tide wave net boat keeper light dawn storm rope sail anchor shell sand reef current "
          "north wind salt fish story morning evening cliff rock foam deep blue green grey calm rough island "
@@ -114,6 +128,25 @@ class Target:
         self.lat.append((len(ids), dt))
         return ids
 
+    def ttft(self, body: dict, model: str, prompt_tokens: int) -> None:
+        """Stream ``body`` as a chat completion on ``model`` (4 tokens, EOS ignored, greedy) and record the time to
+        the first chunk with content (s) against ``prompt_tokens``; the CPU of ``pids`` over the request is added."""
+        req = {**body, "model": model, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True}
+        cpu0 = sum(tree_cpu(p) for p in self.pids)
+        t0 = time.perf_counter()
+        first = None
+        with self.client.stream("POST", "/v1/chat/completions", json=req) as resp:
+            assert resp.status_code == 200, (self.name, resp.read()[:300])
+            lines = []
+            for line in resp.iter_lines():
+                lines.append(line)
+                if first is None and line.startswith("data: {") and '"content":"' in line \
+                        and '"content":""' not in line:
+                    first = time.perf_counter() - t0
+        self.cpu += sum(tree_cpu(p) for p in self.pids) - cpu0
+        assert first is not None, f"{self.name}: no content in the stream: {lines[-6:]}"
+        self.lat.append((prompt_tokens, first))
+
 
 def report(targets: list[Target], base: dict[str, str]) -> None:
     bands = [(0, 2000), (2000, 5000), (5000, 10**9)]
@@ -136,6 +169,62 @@ def report(targets: list[Target], base: dict[str, str]) -> None:
             print(f"{t.name:<16} {label:<14} {len(xs):>4} {p50:>8.1f} {p90:>8.1f} {cpu} {ratio:>22}")
 
 
+def phase_sums(live, key: str) -> dict[str, tuple[float, float]]:
+    """``{phase: (sum s, count)}`` of ``TTFT_MODEL``'s TTFT histogram and its phases (frontend, queue, prefill) from
+    the platform's ``/metrics`` (``key``: an operator key)."""
+    text = httpx.get(f"{live.base_url}/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=30).text
+    out: dict[str, tuple[float, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in ("time_to_first_token_seconds", *(f"request_{p}_time_seconds" for p in PHASES)):
+            got = {s.name.rsplit("_", 1)[1]: s.value for s in family.samples
+                   if s.labels.get("model") == TTFT_MODEL and s.name.endswith(("_sum", "_count"))}
+            out[family.name] = (got.get("sum", 0.0), got.get("count", 0.0))
+    return out
+
+
+def ttft_pass(live, convs: list[list[dict]], sizes: list[int], inline_url: str, inline_pid: int,
+              vllm: Target | None) -> tuple[list[Target], str]:
+    """``--ttft``: register ``TTFT_MODEL`` (the demo model, float32, no reasoning parser), start one native replica as
+    ``serve`` does, and stream every body of ``convs`` through the platform's default route, its inline api
+    (``inline_url``) and, when ``vllm`` (vLLM's ``/tokenize`` target) is given, vLLM's server; returns the targets
+    (latency = time to first content, against ``sizes``: the prompts' tokens, in the order of ``convs``, from the
+    ``/tokenize`` passes, so that nothing here encodes a prompt before it is sent), and a line with the platform's
+    mean TTFT and its phases over the pass (``/metrics``)."""
+    live.manage("register_model", TTFT_MODEL, str(MODEL_DIR), "--max-model-len", "32768", "--dtype", "float32",
+                "--reasoning-parser", "none")
+    engine = live.start_engine("engine-ttft", model=TTFT_MODEL, extra_args=("--dtype", "float32"), serve_layout=True)
+    # a tenant per target: its own cache scope (segment cache and the engine's prefix cache), so that neither route
+    # finds the prompt the other just sent, and each sees what vLLM sees: the history cached, the new turn not
+    hdr = {name: {"Authorization": f"Bearer {live.new_key(tenant=f'multiturn-{name}')}"} for name in ("celery", "inline")}
+    api = next(c for c in live.sup.children if c.name == "api")
+    workers = [c.proc.pid for c in live.sup.children if c.name in ("worker", "worker-2") and c.proc]
+    assert api.proc is not None and engine.proc is not None
+    ours = [Target("ttft-celery", live.base_url, hdr["celery"], [api.proc.pid, *workers, engine.proc.pid]),
+            Target("ttft-inline", inline_url, hdr["inline"], [inline_pid, engine.proc.pid])]
+    targets = [*ours, Target("ttft-vllm", vllm.url, {}, vllm.pids)] if vllm else ours
+    warm = {"messages": [{"role": "user", "content": "warm up " * 200}]}
+    for t in targets:
+        for _ in range(2):
+            t.ttft(warm, "tiny-qwen3" if t.name == "ttft-vllm" else TTFT_MODEL, 0)
+        t.lat.clear()
+        t.cpu = 0.0
+    time.sleep(IDLE_GAP_S)
+    ops = live.new_key(tenant="multiturn-ops", scopes="operator")
+    before = phase_sums(live, ops)
+    for i, (body, n) in enumerate(zip([b for bodies in convs for b in bodies], sizes, strict=True)):
+        for t in targets if i % 2 == 0 else targets[::-1]:
+            t.ttft(body, "tiny-qwen3" if t.name == "ttft-vllm" else TTFT_MODEL, n)
+            if t.name == "ttft-vllm":
+                time.sleep(IDLE_GAP_S)  # vLLM's engine spins for a second after its last step
+    after = phase_sums(live, ops)
+    means = {name: (after[name][0] - before[name][0]) / max(1.0, after[name][1] - before[name][1]) * 1000
+             for name in after}
+    phases = ", ".join(f"{p} {means.get(f'request_{p}_time_seconds', 0):.1f} ms" for p in PHASES)
+    return targets, (f"platform's TTFT, both routes, mean per request from /metrics: "
+                     f"{means.get('time_to_first_token_seconds', 0):.1f} ms, of which {phases} (the rest: the engine "
+                     "link both ways)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--conversations", type=int, default=3)
@@ -143,6 +232,9 @@ def main() -> None:
     ap.add_argument("--turn-tokens", type=int, default=330)
     ap.add_argument("--vllm-python", default=str(REPO / ".peer" / "vllm" / "bin" / "python"))
     ap.add_argument("--skip-celery", action="store_true")
+    ap.add_argument("--ttft", action="store_true",
+                    help="also time to first token of the same conversations as streaming chats, on a native engine "
+                         "through the platform (Celery and inline routes) and on vLLM's server")
     args = ap.parse_args()
 
     convs = conversations(args.conversations, args.turns, args.turn_tokens)
@@ -160,7 +252,7 @@ def main() -> None:
         if subprocess.run([args.vllm_python, "-c", "import vllm"], capture_output=True).returncode == 0:
             vport = free_port()
             vllm = start_vllm(args.vllm_python, vport, tmp / "vllm.log", max_model_len=32768,
-                              ready_timeout_s=900)
+                              ready_timeout_s=900, dtype="float32")
             pair.append(Target("vllm", f"http://127.0.0.1:{vport}", {}, [vllm.pid]))
         else:
             print(f"vLLM not importable with {args.vllm_python}: no vLLM baseline in this run")
@@ -180,6 +272,9 @@ def main() -> None:
         seg = r.hgetall(key)
         inline_hits, inline_misses = int(seg.get(b"hits", 0)), int(seg.get(b"misses", 0))
         targets = list(pair)
+        sizes = [n for n, _ in pair[0].lat]  # every body's prompt tokens, in order
+        ttft_targets, phases = ttft_pass(live, convs, sizes, on_url, on_child.proc.pid,
+                                         pair[-1] if vllm is not None else None) if args.ttft else ([], "")
         if not args.skip_celery:
             workers = [c for c in live.sup.children if c.name in ("worker", "worker-2")]  # the render workers
             api = next(c for c in live.sup.children if c.name == "api")
@@ -225,6 +320,11 @@ def main() -> None:
         if vt is not None:
             print("\nagainst vLLM:")
             report(targets, {t.name: "vllm" for t in targets if t.name != "vllm"})
+        if ttft_targets:
+            print("\ntime to first token, streaming chats of the same conversations (4 tokens each; CPU of the "
+                  "api, render workers and engine, or vLLM's api server and engine):")
+            report(ttft_targets, {t.name: "ttft-vllm" for t in ttft_targets if t.name != "ttft-vllm"})
+            print(phases)
     finally:
         if vllm is not None:
             stop_vllm(vllm)
