@@ -155,7 +155,8 @@ def effective_max_model_len(requested: int | None, text_cfg: Any) -> int:
     with a quality the operator chose by registering it (logged as a warning). This is vLLM's behaviour with
     ``VLLM_ALLOW_LONG_MAX_MODEL_LEN=1``. The gateway checks prompt lengths against the registry's value, so an engine
     that served less would fail admitted prompts mid-stream. Raises ``ValueError`` for such a length on a model
-    with learned absolute positions, which has no position past its table."""
+    with learned absolute positions, which has no position past its table, and on dynamic RoPE, which transformers
+    rescales for the whole batch once any position passes ``max_position_embeddings`` (vLLM's is static)."""
     limit = getattr(text_cfg, "max_position_embeddings", None)
     if requested is None:
         return int(limit or 4096)
@@ -164,9 +165,27 @@ def effective_max_model_len(requested: int | None, text_cfg: Any) -> int:
     if not any(getattr(text_cfg, name, None) is not None for name in ("rope_theta", "rope_parameters", "rope_scaling")):
         raise ValueError(f"max_model_len {requested} exceeds the model's max_position_embeddings {limit}, and its "
                          f"positions are not rotary: register it with max_model_len <= {limit}")
+    if "dynamic" in _rope_types(text_cfg):
+        raise ValueError(f"max_model_len {requested} exceeds the model's max_position_embeddings {limit}, and its "
+                         "RoPE is dynamic (transformers rescales it for a whole batch once any position passes that "
+                         f"length, changing the other sequences' outputs): register it with max_model_len <= {limit}")
     log.warning("max_model_len %d exceeds the model's max_position_embeddings %d: rotary positions past the trained "
                 "length, as registered", requested, limit)
     return int(requested)
+
+
+def _rope_types(text_cfg: Any) -> set[str]:
+    """The RoPE types a config names (``rope_parameters``, flat or per layer type, or the older ``rope_scaling``)."""
+    found: set[str] = set()
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(text_cfg, name, None)
+        if not isinstance(params, dict):
+            continue
+        for part in [params, *(v for v in params.values() if isinstance(v, dict))]:
+            kind = part.get("rope_type") or part.get("type")
+            if isinstance(kind, str):
+                found.add(kind)
+    return found
 
 
 def _tokenizer_vocab_size(model_dir: Path) -> int | None:

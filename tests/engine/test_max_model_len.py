@@ -34,6 +34,25 @@ def test_learned_positions_refuse_a_length_past_their_table():
         effective_max_model_len(2048, cfg)
 
 
+def test_dynamic_rope_refuses_a_length_past_its_table():
+    """transformers' dynamic RoPE rescales the frequencies of a whole batched forward once any position passes
+    ``max_position_embeddings``: one long sequence would change its batch companions' outputs."""
+    flat = Qwen3Config(max_position_embeddings=256, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                     "rope_theta": 10000.0})
+    assert effective_max_model_len(256, flat) == 256
+    with pytest.raises(ValueError, match="RoPE is dynamic"):
+        effective_max_model_len(1024, flat)
+    per_layer = PretrainedConfig(max_position_embeddings=256, rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}})
+    with pytest.raises(ValueError, match="RoPE is dynamic"):
+        effective_max_model_len(1024, per_layer)
+    static = Qwen3Config(max_position_embeddings=256, rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                                       "rope_theta": 10000.0,
+                                                                       "original_max_position_embeddings": 256})
+    assert effective_max_model_len(1024, static) == 1024
+
+
 def test_the_demo_model_serves_the_registered_length():
     """Before, the runner capped it to the config's 4,096 silently: a 4,545-token prompt that the gateway had admitted
     under a registered 32,768 failed mid-stream (found by ``bench/multiturn.py --ttft``)."""
