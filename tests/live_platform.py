@@ -317,10 +317,10 @@ def start_platform(tmp_dir: Path, *, max_model_len: int = 512, engine: bool = Tr
 def engine_paused(live: LivePlatform, model: str = DEMO_MODEL):
     """SIGSTOP ``model``'s (first) engine replica: requests it holds make no progress, admitted requests get
     no first token, until the block ends (SIGCONT). The heartbeat is held meanwhile (its key's TTL and its
-    index score pushed 120 s ahead), so the replica stays alive however long the pause lasts on a slow
+    index score pushed 120 s ahead, the index's own expiry with it), so the replica stays alive however long the pause lasts on a slow
     machine; when it ends, both are set back to what the engine's own beat sets (``HEARTBEAT_TTL_S``), so a
     replica stopped again right afterwards is not kept alive by this hold."""
-    from inference.protocol.engine import HEARTBEAT_TTL_S, replica_key, replicas_index_key
+    from inference.protocol.engine import HEARTBEAT_TTL_S, REPLICAS_INDEX_TTL_MS, replica_key, replicas_index_key
 
     st = live.replicas(model)[0]
     r = live.redis
@@ -329,9 +329,11 @@ def engine_paused(live: LivePlatform, model: str = DEMO_MODEL):
     try:
         r.pexpire(key, 120_000)
         r.zadd(index, {st.engine_id: int(time.time() * 1000) + 120_000})
+        r.pexpire(index, 120_000 + REPLICAS_INDEX_TTL_MS)
         yield st
     finally:
         ttl_ms = int(HEARTBEAT_TTL_S * 1000)
         r.pexpire(key, ttl_ms)
         r.zadd(index, {st.engine_id: int(time.time() * 1000) + ttl_ms})
+        r.pexpire(index, REPLICAS_INDEX_TTL_MS)
         os.kill(st.pid, signal.SIGCONT)

@@ -50,6 +50,7 @@ from inference.protocol.engine import (
     FINISH_STOP,
     HEARTBEAT_INTERVAL_S,
     HEARTBEAT_TTL_S,
+    REPLICAS_INDEX_TTL_MS,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -248,7 +249,7 @@ class EngineCore:
                 pipe.zadd(self.index_key, {self.engine_id: int(time.time() * 1000) + ttl_ms})
                 pipe.zremrangebyscore(self.index_key, "-inf", int(time.time() * 1000) - DEAD_REPLICA_WATCH_MS)
                 # the index of a model no replica beats for any more goes once its last entry is past the watch
-                pipe.pexpire(self.index_key, ttl_ms + DEAD_REPLICA_WATCH_MS)
+                pipe.pexpire(self.index_key, REPLICAS_INDEX_TTL_MS)
                 pipe.execute()
             except redis.RedisError as exc:  # keep beating; Redis may come back
                 log.warning("heartbeat failed: %s", exc)
@@ -760,8 +761,7 @@ class EngineCore:
                 self.redis.delete(self.hb_key, self.blocks_key)
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.zadd(self.index_key, {self.engine_id: int(time.time() * 1000) - 1})
-                # as a heartbeat sets it; a live replica's next heartbeat sets it again
-                pipe.pexpire(self.index_key, int(HEARTBEAT_TTL_S * 1000) + DEAD_REPLICA_WATCH_MS)
+                pipe.pexpire(self.index_key, REPLICAS_INDEX_TTL_MS)  # as a heartbeat sets it
                 pipe.execute()
             except redis.RedisError as exc:
                 log.warning("cleanup failed: %s", exc)

@@ -41,7 +41,8 @@ import httpx
 import redis
 
 from inference import admission as adm
-from inference.protocol.engine import HEARTBEAT_TTL_S, EngineStats, replica_pattern, replicas_index_key
+from inference.protocol.engine import (HEARTBEAT_TTL_S, REPLICAS_INDEX_TTL_MS, EngineStats, replica_pattern,
+                                       replicas_index_key)
 from tests.live_platform import DEMO_MODEL, MODEL_DIR, REPO, ensure_demo_assets, wait_until
 from tests.support.drills import _pg_bin, count_by_client_id
 from tests.support.netns import NET_A, Host, Lan
@@ -366,7 +367,7 @@ def _wait(plat: MultiHost, predicate, timeout_s: float, what: str) -> None:
 @contextmanager
 def engines_paused(plat: MultiHost) -> Iterator[None]:
     """SIGSTOP every engine replica's process group: admitted requests get no first token until the block ends
-    (SIGCONT). Their heartbeats are held meanwhile (key TTL and index score 120 s ahead), then set back to what an
+    (SIGCONT). Their heartbeats are held meanwhile (key TTL, index score and index expiry 120 s ahead), then set back to what an
     engine's own beat sets, as ``tests/live_platform.py:engine_paused`` does for one replica."""
     r = plat.client()
     keys = list(r.scan_iter(match=replica_pattern(plat.prefix, DEMO_MODEL)))
@@ -380,6 +381,7 @@ def engines_paused(plat: MultiHost) -> Iterator[None]:
             r.pexpire(key, 120_000)
         if members:
             r.zadd(index, {m: int(time.time() * 1000) + 120_000 for m in members})
+            r.pexpire(index, 120_000 + REPLICAS_INDEX_TTL_MS)
         yield
     finally:
         ttl_ms = int(HEARTBEAT_TTL_S * 1000)
@@ -387,6 +389,7 @@ def engines_paused(plat: MultiHost) -> Iterator[None]:
             r.pexpire(key, ttl_ms)
         if members:
             r.zadd(index, {m: int(time.time() * 1000) + ttl_ms for m in members})
+            r.pexpire(index, REPLICAS_INDEX_TTL_MS)
         for pid in pids:
             os.killpg(pid, signal.SIGCONT)
         r.close()
