@@ -220,7 +220,7 @@ class ModelRunner:
     def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32",
                  max_model_len: int | None = None, auto_class: type[Any] | None = None,
                  prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB):
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}")
@@ -230,7 +230,11 @@ class ModelRunner:
         # subclasses load other heads (vision-language); the model class is chosen at run time and transformers'
         # model methods are loosely typed (``to`` is wrapped with functools.wraps, the head getters unannotated)
         loader: Any = auto_class or AutoModelForCausalLM
-        self.model = loader.from_pretrained(model_dir, dtype=self.dtype).to(self.device).eval()
+        config = AutoConfig.from_pretrained(model_dir)
+        # the length before the weights: a registration the model cannot serve fails without loading them (a
+        # supervisor restarting the replica would otherwise load them once per try)
+        self.max_model_len = effective_max_model_len(max_model_len, config.get_text_config())
+        self.model = loader.from_pretrained(model_dir, config=config, dtype=self.dtype).to(self.device).eval()
         head = self.model.get_output_embeddings()
         # torch types ``Linear.bias`` as a Tensor; it is None for a Linear built with bias=False
         if self.device.type == "cpu" and type(head) is torch.nn.Linear and cast(object, head.bias) is None:
@@ -242,7 +246,6 @@ class ModelRunner:
         tok_vocab = _tokenizer_vocab_size(self.model_dir)
         self.sample_vocab = min(self.vocab_size, tok_vocab) if tok_vocab else self.vocab_size
         text_cfg = cfg.get_text_config()  # the config itself for a plain causal LM
-        self.max_model_len = effective_max_model_len(max_model_len, text_cfg)
         try:
             gen = GenerationConfig.from_pretrained(model_dir)
             eos = gen.eos_token_id

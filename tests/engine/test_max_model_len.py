@@ -34,6 +34,14 @@ def test_learned_positions_refuse_a_length_past_their_table():
         effective_max_model_len(2048, cfg)
 
 
+def test_a_length_the_model_cannot_serve_fails_before_its_weights_load(tmp_path):
+    """The directory has a config and no weights: the refusal comes first (a replica's supervisor would otherwise
+    load a large model's weights once per restart before giving up)."""
+    GPT2Config(n_positions=1024, n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="positions are not rotary"):
+        ModelRunner(str(tmp_path), max_model_len=2048)
+
+
 def test_dynamic_rope_refuses_a_length_past_its_table():
     """transformers' dynamic RoPE rescales the frequencies of a whole batched forward once any position passes
     ``max_position_embeddings``: one long sequence would change its batch companions' outputs."""
