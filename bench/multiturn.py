@@ -202,10 +202,11 @@ def ttft_pass(live, convs: list[list[dict]], sizes: list[int], inline_url: str, 
     ours = [Target("ttft-celery", live.base_url, hdr["celery"], [api.proc.pid, *workers, engine.proc.pid]),
             Target("ttft-inline", inline_url, hdr["inline"], [inline_pid, engine.proc.pid])]
     targets = [*ours, Target("ttft-vllm", vllm.url, {}, vllm.pids)] if vllm else ours
+    model = {t.name: TTFT_MODEL for t in ours} | {"ttft-vllm": "tiny-qwen3"}  # vLLM serves the demo model's name
     warm = {"messages": [{"role": "user", "content": "warm up " * 200}]}
     for t in targets:
         for _ in range(2):
-            t.ttft(warm, "tiny-qwen3" if t.name == "ttft-vllm" else TTFT_MODEL, 0)
+            t.ttft(warm, model[t.name], 0)
         t.lat.clear()
         t.cpu = 0.0
     time.sleep(IDLE_GAP_S)
@@ -213,7 +214,7 @@ def ttft_pass(live, convs: list[list[dict]], sizes: list[int], inline_url: str, 
     before = phase_sums(live, ops)
     for i, (body, n) in enumerate(zip([b for bodies in convs for b in bodies], sizes, strict=True)):
         for t in targets if i % 2 == 0 else targets[::-1]:
-            t.ttft(body, "tiny-qwen3" if t.name == "ttft-vllm" else TTFT_MODEL, n)
+            t.ttft(body, model[t.name], n)
             if t.name == "ttft-vllm":
                 time.sleep(IDLE_GAP_S)  # vLLM's engine spins for a second after its last step
     after = phase_sums(live, ops)

@@ -49,6 +49,7 @@ from inference.protocol.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
     HEARTBEAT_INTERVAL_S,
+    DEAD_REPLICA_WATCH_MS,
     HEARTBEAT_TTL_S,
     REPLICAS_INDEX_TTL_MS,
     EngineCoreOutput,
@@ -85,8 +86,7 @@ OWN_READ_MAX = 4096  # entries of its own stream a replica reads in one poll (ad
 POLL_BLOCK_MS = 100  # an idle replica's XREADGROUP blocks this long; its client waits longer (redis_timeouts.py)
 CONSUMER_FORGET_MS = 60_000  # dead replicas' consumers with nothing pending leave the group after this
 GRAMMAR_WAIT_S = 0.005  # with nothing to run but requests whose grammar compiles, wait this long for one
-DEAD_REPLICA_WATCH_MS = 60_000  # a replica expired this recently has its own stream watched for requests to take
-DEAD_STREAM_DROP_MS = 50_000  # ... and that stream is deleted once empty and expired this long
+DEAD_STREAM_DROP_MS = 50_000  # a watched dead replica's stream is deleted once empty and expired this long
 BLOCKS_TTL_MS = 60_000  # the published block set outlives a dead replica this long
 BLOCKS_RESYNC_S = 30.0  # the published block set is rewritten whole this often (a Redis restart emptied it)
 
@@ -758,8 +758,8 @@ class EngineCore:
                 self._flush()
                 # gone at once for the api processes; expired (not removed) in the index, so a live replica takes
                 # the requests still unread in this replica's own stream (``_take_over``)
-                self.redis.delete(self.hb_key, self.blocks_key)
                 pipe = self.redis.pipeline(transaction=False)
+                pipe.delete(self.hb_key, self.blocks_key)
                 pipe.zadd(self.index_key, {self.engine_id: int(time.time() * 1000) - 1})
                 pipe.pexpire(self.index_key, REPLICAS_INDEX_TTL_MS)  # as a heartbeat sets it
                 pipe.execute()

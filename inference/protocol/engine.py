@@ -44,9 +44,10 @@ import msgpack
 
 HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TTL_S = 3.0
-# the replicas index outlives its model's last heartbeat by a minute: as long as an engine watches a dead replica's
-# stream for requests to take over (``inference.engine.core.DEAD_REPLICA_WATCH_MS``); set with every heartbeat
-REPLICAS_INDEX_TTL_MS = int(HEARTBEAT_TTL_S * 1000) + 60_000
+# a replica expired this recently has its own stream watched for requests to take over (``EngineCore._take_over``);
+# the replicas index outlives its model's last heartbeat that long (its expiry, set with every heartbeat)
+DEAD_REPLICA_WATCH_MS = 60_000
+REPLICAS_INDEX_TTL_MS = int(HEARTBEAT_TTL_S * 1000) + DEAD_REPLICA_WATCH_MS
 API_ALIVE_TTL_S = 10
 ENGINE_GROUP = "engines"
 
