@@ -170,11 +170,14 @@ class EngineProc:
                 msgs.append(EngineCoreOutputs.from_wire(fields[b"o"]))
         return msgs
 
-    def collect(self, request_ids, timeout: float = 120, until_first_token: bool = False) -> dict:
+    def collect(self, request_ids, timeout: float = 120, until_first_token: bool = False,
+                seen: dict[str, list] | None = None) -> dict:
         """Outputs per request id until every one has finished (or produced a token when
-        ``until_first_token``). Raises ``TimeoutError`` when that takes longer than ``timeout``."""
+        ``until_first_token``). ``seen``: outputs an earlier collect already read, by request id; they come first and
+        count (one read returns everything sent since the last, so an ``until_first_token`` collect may hold a
+        request's end). Raises ``TimeoutError`` when that takes longer than ``timeout``."""
         want = set(request_ids)
-        got: dict[str, list] = {rid: [] for rid in want}
+        got: dict[str, list] = {rid: list((seen or {}).get(rid, [])) for rid in want}
         deadline = time.time() + timeout
         while time.time() < deadline:
             for msg in self.read():
@@ -186,7 +189,11 @@ class EngineProc:
                     or (until_first_token and any(o.new_token_ids for o in outs))}
             if done >= want:
                 return got
-        raise TimeoutError(f"unfinished: {want - done}")
+        # what a hang needs to be told apart: how far each one got, what the engine says it holds, its log's end
+        progress = {rid: sum(len(o.new_token_ids) for o in got[rid]) for rid in want - done}
+        log_tail = self.log_path.read_text(errors="replace")[-3000:]
+        raise TimeoutError(f"unfinished (tokens so far): {progress}; engine stats: {self.stats()}; "
+                           f"engine alive: {self.proc.poll() is None}; engine log:\n{log_tail}")
 
     def stop(self, timeout: float = 20) -> int:
         """SIGTERM the engine, SIGKILL it after ``timeout``, then whatever is left of its process group (vLLM's

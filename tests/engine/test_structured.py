@@ -350,6 +350,6 @@ def test_engine_batch_keeps_decoding_while_a_grammar_compiles(engine):
     schemas = [json.dumps({**SCHEMA, "title": f"s{i}-{time.time()}"}) for i in range(6)]
     rids = [engine.send(PROMPT, temperature=1.0, max_tokens=120, structured_kind="json", structured_spec=s)
             for s in schemas]
-    got = engine.collect([plain, *rids])
-    assert len(_tokens(first + got[plain])) == 60
+    got = engine.collect([plain, *rids], seen={plain: first})  # (the first collect may have read past its end)
+    assert len(_tokens(got[plain])) == 60
     assert all(_final(got[r]).finish_reason == FINISH_STOP for r in rids)
