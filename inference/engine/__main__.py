@@ -8,7 +8,8 @@ decodes plus prompt chunks; default 512 on CPU, 2048 on CUDA, 4096 for ``--task 
 (default random), ``--num-threads N`` (CPU intra-op threads; default the CPUs this process
 may use: ``default_num_threads``), ``--log-level``,
 ``--task generate|embed`` (default generate; ``embed`` runs the pooling mode of ``inference.engine.pooling``),
-``--prefix-cache-mb 256`` (prompt K/V kept for reuse by prompts with the same prefix; 0 disables).
+``--prefix-cache-mb 256`` (prompt K/V kept for reuse by prompts with the same prefix; 0 disables),
+``--step-watchdog-s 300`` (a step loop that does not turn over this long ends the process: ``watchdog.py``; 0 off).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 from inference.config import SETTINGS
 
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB
+from .watchdog import EXIT_STEP_LOOP_WEDGED, STEP_WATCHDOG_S
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,6 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="generate (causal LM) or embed (pooling mode, encoder models)")
     ap.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB,
                     help="MiB of prompt K/V kept for prompts that share a prefix (0 disables)")
+    ap.add_argument("--step-watchdog-s", type=float, default=STEP_WATCHDOG_S,
+                    help="seconds the step loop may go without turning over before the replica withdraws and exits "
+                         f"with status {EXIT_STEP_LOOP_WEDGED}, for its supervisor to restart it (default "
+                         f"{STEP_WATCHDOG_S:.0f}; 0 turns the watchdog off)")
     ap.add_argument("--log-level", default=SETTINGS.engine_log_level)
     return ap.parse_args(argv)
 
@@ -104,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     core = core_cls(args.model, runner, args.redis_url, link_prefix=args.link_prefix,  # type: ignore[arg-type]
                     engine_id=args.engine_id, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=max(batched, args.max_num_seqs),
-                    enable_chunked_prefill=args.enable_chunked_prefill)
+                    enable_chunked_prefill=args.enable_chunked_prefill,
+                    step_watchdog_s=args.step_watchdog_s)
     install_signal_handlers(core)
     core.run()
     return 0

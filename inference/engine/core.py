@@ -23,6 +23,9 @@ replica. The prefix cache's block hashes are mirrored into ``replica_blocks_key`
 router. Requests left in the stream of a replica whose heartbeat lapsed are taken over by a live one
 (``_reclaim``). SIGTERM/SIGINT stop the loop; held requests finish with ``error`` ("the engine shut down..."), the
 heartbeat key is deleted and the replica marked expired in the index (so another takes its unread requests).
+A step loop that stops turning over for ``STEP_WATCHDOG_S`` (a call that never returns) is caught by the heartbeat
+thread, which then withdraws the replica the same way and exits the process, so a supervisor restarts it
+(``_give_up_wedged``).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ from inference.redis_timeouts import blocking_socket_timeout
 
 from .runner import ModelRunner, RequestError, Sequence, make_rng, now
 from .structured import GrammarCompiler, GrammarMask, GrammarMasker, SequenceGrammar
+from .watchdog import EXIT_STEP_LOOP_WEDGED, STEP_WATCHDOG_S, WITHDRAW_TIMEOUT_S, exit_wedged, thread_stack
 
 if TYPE_CHECKING:
     import torch
@@ -133,6 +137,8 @@ class EngineCore:
             group (a single longer prompt still runs whole).
         enable_chunked_prefill: prefill long prompts a chunk at a time between decode steps (on by default;
             runners that cannot, the VL runner, prefill whole prompts).
+        step_watchdog_s: seconds the step loop may go without turning over before the replica gives itself up
+            (``STEP_WATCHDOG_S``); None or 0 turns the watchdog off.
     """
 
     # acceptance outputs (the api learns which replica holds a request) are sent before each step, which may be
@@ -141,7 +147,7 @@ class EngineCore:
 
     def __init__(self, model: str, runner: ModelRunner, redis_url: str, link_prefix: str = "llmp",
                  engine_id: str | None = None, max_num_seqs: int = 32, max_num_batched_tokens: int = 512,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, step_watchdog_s: float | None = STEP_WATCHDOG_S):
         self.model = model
         self.runner = runner
         self.prefix = link_prefix
@@ -154,6 +160,7 @@ class EngineCore:
         self.enable_chunked_prefill = enable_chunked_prefill and getattr(runner, "supports_chunked_prefill", False)
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=blocking_socket_timeout(POLL_BLOCK_MS / 1000))
         self.hb_redis = redis.Redis.from_url(redis_url)
+        self._redis_url = redis_url
         self.req_key = requests_stream(link_prefix, model)
         self.own_key = replica_requests_stream(link_prefix, model, self.engine_id)
         self.blocks_key = replica_blocks_key(link_prefix, model, self.engine_id)
@@ -176,6 +183,9 @@ class EngineCore:
         self._next_client_check = time.monotonic() + CLIENT_CHECK_INTERVAL_S
         self._grammars: GrammarCompiler | None = None
         self._masker: GrammarMasker | None = None
+        self.step_watchdog_s = step_watchdog_s or None
+        self._loop_turned_at = time.monotonic()  # when the step loop last began an iteration (the watchdog reads it)
+        self._loop_thread: int | None = None  # the thread running the step loop (for the watchdog's stack dump)
 
     # ------------------------------------------------------------------ structured outputs
     @property
@@ -236,7 +246,18 @@ class EngineCore:
         self._ctl_last = last[0][0] if last else "0-0"
 
     def _heartbeat_loop(self) -> None:
+        watched_since = last_turn = time.monotonic()
         while not self.stop_event.is_set():
+            t = time.monotonic()
+            if t - last_turn > HEARTBEAT_TTL_S:
+                # this thread itself was held long enough for its heartbeat to lapse: the whole process was paused
+                # (SIGSTOP, a debugger, a starved machine), not the loop alone, so the loop's watch starts again
+                watched_since = t
+            last_turn = t
+            stalled_s = t - max(self._loop_turned_at, watched_since)
+            if self.step_watchdog_s is not None and stalled_s > self.step_watchdog_s:
+                self._give_up_wedged(stalled_s)
+                return
             try:
                 self.stats.num_running = len(self.running) + len(self.prefilling)
                 waiting = list(self.waiting)
@@ -254,6 +275,33 @@ class EngineCore:
             except redis.RedisError as exc:  # keep beating; Redis may come back
                 log.warning("heartbeat failed: %s", exc)
             self.stop_event.wait(HEARTBEAT_INTERVAL_S)
+
+    def _withdraw(self, client: redis.Redis) -> None:
+        """Leave the link through ``client``: the heartbeat and block set go at once (api processes fail or resend
+        what this replica held, DESIGN.md §6) and the replica is marked expired, not removed, in the index, so a
+        live replica takes the requests still unread in its own stream (``_take_over``)."""
+        pipe = client.pipeline(transaction=False)
+        pipe.delete(self.hb_key, self.blocks_key)
+        pipe.zadd(self.index_key, {self.engine_id: int(time.time() * 1000) - 1})
+        pipe.pexpire(self.index_key, REPLICAS_INDEX_TTL_MS)  # as a heartbeat sets it
+        pipe.execute()
+
+    def _give_up_wedged(self, stalled_s: float) -> None:
+        """The step loop has not turned over for ``stalled_s`` seconds (more than ``step_watchdog_s``): it is wedged
+        in a call that does not return (a forward pass, vLLM's ``LLMEngine.step`` waiting on an engine-core process
+        that hangs), and the heartbeat thread alone would keep it routed to while its requests wait out their
+        deadlines. Log where the loop is, withdraw from the link and end the process (``watchdog.exit_wedged``:
+        vLLM's engine core is killed with it), so the supervisor starts a fresh replica. Never returns."""
+        log.critical("engine %s: the step loop has not turned over for %.1f s (watchdog %.1f s); it is wedged, so "
+                     "this replica withdraws and exits with status %d. The loop is at:\n%s",
+                     self.engine_id, stalled_s, self.step_watchdog_s, EXIT_STEP_LOOP_WEDGED,
+                     thread_stack(self._loop_thread))
+        try:  # a client of its own, with a bound: the exit must not wait on a Redis that does not answer
+            self._withdraw(redis.Redis.from_url(self._redis_url, socket_timeout=WITHDRAW_TIMEOUT_S,
+                                                socket_connect_timeout=WITHDRAW_TIMEOUT_S))
+        except redis.RedisError as exc:  # its heartbeat lapses within HEARTBEAT_TTL_S anyway
+            log.warning("withdrawing from the link failed: %s", exc)
+        exit_wedged()
 
     def _emit(self, client_id: str, out: EngineCoreOutput) -> None:
         self._pending.setdefault(client_id, []).append(out)
@@ -720,12 +768,15 @@ class EngineCore:
         self._setup_link()
         if isinstance(self.runner, ModelRunner):
             self._load_grammar_tokenizer()
+        self._loop_thread = threading.get_ident()
+        self._loop_turned_at = time.monotonic()
         hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         hb.start()
         log.info("engine %s serving %s on %s (max_num_seqs=%d, max_model_len=%d)", self.engine_id,
                  self.model, self.runner.device, self.max_num_seqs, self.runner.max_model_len)
         try:
             while not self.stop_event.is_set():
+                self._loop_turned_at = time.monotonic()
                 try:
                     self._poll()
                     self._drop_dead_clients()
@@ -756,13 +807,7 @@ class EngineCore:
             self.prefilling = []
             try:
                 self._flush()
-                # gone at once for the api processes; expired (not removed) in the index, so a live replica takes
-                # the requests still unread in this replica's own stream (``_take_over``)
-                pipe = self.redis.pipeline(transaction=False)
-                pipe.delete(self.hb_key, self.blocks_key)
-                pipe.zadd(self.index_key, {self.engine_id: int(time.time() * 1000) - 1})
-                pipe.pexpire(self.index_key, REPLICAS_INDEX_TTL_MS)  # as a heartbeat sets it
-                pipe.execute()
+                self._withdraw(self.redis)
             except redis.RedisError as exc:
                 log.warning("cleanup failed: %s", exc)
             log.info("engine %s stopped", self.engine_id)

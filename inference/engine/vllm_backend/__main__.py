@@ -3,7 +3,7 @@
 The options of ``python -m inference.engine`` that mean something to vLLM, with the same names and defaults:
 ``--redis-url`` (default ``$REDIS_URL``), ``--device cpu|cuda``, ``--dtype float32|bfloat16|float16|auto``,
 ``--max-num-seqs 32``, ``--max-model-len N``, ``--link-prefix llmp``, ``--engine-id ID``, ``--num-threads N``
-(CPU threads of vLLM's worker, ``VLLM_CPU_OMP_THREADS_BIND``), ``--log-level``; and ``--tokenizer-dir DIR``
+(CPU threads of vLLM's worker, ``VLLM_CPU_OMP_THREADS_BIND``), ``--log-level``, ``--step-watchdog-s 300``; and ``--tokenizer-dir DIR``
 (default the model directory), ``--kv-cache-gb 1`` (CPU only: ``VLLM_CPU_KVCACHE_SPACE``),
 ``--gpu-memory-utilization 0.9`` (CUDA only). Ignored (accepted so a command line of the native engine runs):
 ``--max-prefill-tokens``, ``--prefix-cache-mb`` (vLLM's prefix cache lives in its KV cache), ``--task generate``.
@@ -17,6 +17,8 @@ import os
 import sys
 
 from inference.config import SETTINGS, set_engine_environ
+
+from ..watchdog import EXIT_STEP_LOOP_WEDGED, STEP_WATCHDOG_S
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-prefill-tokens", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prefix-cache-mb", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--task", choices=["generate"], default="generate")
+    ap.add_argument("--step-watchdog-s", type=float, default=STEP_WATCHDOG_S,
+                    help="seconds the step loop may go without turning over before the replica withdraws and exits "
+                         f"with status {EXIT_STEP_LOOP_WEDGED}, for its supervisor to restart it (default "
+                         f"{STEP_WATCHDOG_S:.0f}; 0 turns the watchdog off)")
     ap.add_argument("--log-level", default=SETTINGS.engine_log_level)
     return ap.parse_args(argv)
 
@@ -64,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         enforce_eager=args.device == "cpu", **extra)
     core = VllmEngineCore(args.model, runner, args.redis_url, link_prefix=args.link_prefix,
-                          engine_id=args.engine_id, max_num_seqs=args.max_num_seqs)
+                          engine_id=args.engine_id, max_num_seqs=args.max_num_seqs,
+                          step_watchdog_s=args.step_watchdog_s)
     install_signal_handlers(core)
     core.run()
     # vLLM's engine-core process is stopped and every output is flushed; its client's background threads could

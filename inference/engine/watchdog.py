@@ -1,0 +1,56 @@
+"""The step-loop watchdog of an engine replica: what it takes to call a loop wedged, and how a wedged replica ends.
+
+A replica's heartbeat is a thread of its own (``core.EngineCore._heartbeat_loop``), so a step loop stuck in a call
+that never returns (a forward pass on a hung device, vLLM's ``LLMEngine.step`` waiting on an engine-core process
+that hangs) would keep beating: api processes would go on routing to it and its requests would wait out their
+deadlines. The heartbeat thread therefore also watches the loop (``EngineCore._give_up_wedged``) and, once it has
+not turned over for ``STEP_WATCHDOG_S``, withdraws the replica from the link and ends the process with
+``exit_wedged`` for its supervisor (``manage.py serve``, a container's restart policy) to start a fresh one. The
+api processes then fail or resend what it held, as for a replica that died (``inference.engine_client``). A pause of
+the whole process (SIGSTOP, a debugger) holds the heartbeat thread too; once that thread itself went longer than the
+heartbeat's TTL without a turn, the watch starts again instead of counting the pause against the loop.
+
+Kept free of torch, so the engines' command lines can show the defaults without loading it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+
+# Seconds a step loop may go without turning over. Well past the longest legitimate step: an idle loop turns over
+# every ``core.POLL_BLOCK_MS``, a busy one after a step of at most ``max_num_batched_tokens`` tokens; vLLM's
+# multiprocess executor allows one model step 300 s (``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``).
+STEP_WATCHDOG_S = 300.0
+WITHDRAW_TIMEOUT_S = 5.0  # a wedged replica waits at most this long on Redis to withdraw before it exits
+EXIT_STEP_LOOP_WEDGED = 70  # the replica's exit status when its watchdog gives it up (EX_SOFTWARE, sysexits.h)
+
+
+def thread_stack(thread_id: int | None) -> str:
+    """The current call stack of thread ``thread_id`` as ``traceback.format_stack`` prints it (outermost first),
+    or a line saying the thread is gone."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    return "".join(traceback.format_stack(frame)) if frame is not None else "(the thread is gone)\n"
+
+
+def exit_wedged() -> None:
+    """End this process at once with ``EXIT_STEP_LOOP_WEDGED``, from any thread: SIGKILL every descendant first
+    (vLLM's engine-core process and its model workers, which a hung core or device would otherwise leave behind as
+    orphans holding the device), flush the root logger's handlers, then ``os._exit`` (the wedged thread cannot be
+    joined, so no clean interpreter exit is possible). Never returns."""
+    import psutil
+
+    try:
+        descendants = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        descendants = []
+    for proc in descendants:
+        try:
+            proc.kill()
+        except psutil.Error:  # already gone
+            pass
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(EXIT_STEP_LOOP_WEDGED)
