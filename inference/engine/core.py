@@ -34,6 +34,7 @@ import concurrent.futures
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -174,7 +175,7 @@ class EngineCore:
         self.running: list[Sequence] = []  # decoding: prompt in the KV cache, a KV slot each
         self.prefilling: list[Sequence] = []  # prompts being prefilled a chunk at a time (a KV slot each)
         self.stop_event = threading.Event()
-        self.stats = EngineStats(engine_id=self.engine_id, model=model, pid=os.getpid(),
+        self.stats = EngineStats(engine_id=self.engine_id, model=model, pid=os.getpid(), host=socket.gethostname(),
                                  device=runner.device.type, max_num_seqs=max_num_seqs,
                                  started_at=time.time())
         self._ctl_last: bytes | str = "$"

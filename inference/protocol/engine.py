@@ -344,6 +344,8 @@ class EngineStats:
     queued inside the engine; ``num_waiting_tokens``: prompt tokens of the waiting ones; ``max_num_seqs``:
     batch capacity; ``device``: ``cpu`` or ``cuda``. Counters since start: ``prompt_tokens`` (prompt tokens of
     the requests it prefilled) and ``prefix_hit_tokens`` (of those, the ones read from its prefix cache).
+    ``host``: the replica's host name, which with ``pid`` names its process (``manage.py serve`` finds its own
+    children's heartbeats by it; empty from a replica older than this field).
     """
 
     engine_id: str
@@ -359,6 +361,7 @@ class EngineStats:
     num_waiting_tokens: int = 0
     prompt_tokens: int = 0
     prefix_hit_tokens: int = 0
+    host: str = ""
 
     def to_wire(self) -> bytes:
         """Serialise to msgpack bytes."""
