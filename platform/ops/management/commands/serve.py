@@ -14,6 +14,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from ops.bootstrap import demo_bootstrap, embedded_redis_config_write, private_tree, redacted_url
+from ops.engine_watch import ENGINE_UNRESPONSIVE_S, HeartbeatWatch
 from ops.migrate import migrate_serialized
 from ops.layout import (BACKGROUND_NICE, RENDER_POOLS, EngineLayout, engine_layout, render_processes,
                         render_worker_env)
@@ -93,6 +94,10 @@ class Command(BaseCommand):
                                  "process, which enforces the time limits itself; prefork hands each task to a child "
                                  "process (18%% more CPU per request measured; DECISIONS D-296)")
         parser.add_argument("--no-engine", action="store_true", help="render-only deployment (no engines)")
+        parser.add_argument("--engine-unresponsive-s", type=float, default=ENGINE_UNRESPONSIVE_S,
+                            help="kill (then restart) an engine process whose heartbeat has lapsed this many seconds "
+                                 "while it lives on (ops/engine_watch.py); 0 turns the watch off (default "
+                                 f"{ENGINE_UNRESPONSIVE_S:.0f})")
         parser.add_argument("--demo", action="store_true",
                             help="register the demo chat model and all-MiniLM-L6-v2 (embeddings), create the operator "
                                  "account, the demo tenant with its owner's login and a demo key")
@@ -209,6 +214,8 @@ class Command(BaseCommand):
         policy = RestartPolicy()
         parked: list[tuple] = []  # (child, retry at): a multimodal api or render worker crashing past its budget
         next_reap = 0.0  # serve reaps dead api processes' admission reservations too (D-180), every second
+        watch = (HeartbeatWatch(client, settings.LINK_PREFIX, [m.served_model_name for m in models],
+                                opts["engine_unresponsive_s"]) if models and opts["engine_unresponsive_s"] > 0 else None)
         while not stop["flag"]:
             dead = sup.dead_child()
             if dead is not None:
@@ -251,7 +258,20 @@ class Command(BaseCommand):
             if time.monotonic() >= next_reap:
                 next_reap = time.monotonic() + 1.0
                 _reap_dead_holders(client)
+                if watch is not None:
+                    self._kill_unresponsive_engines(sup, watch)
             time.sleep(0.5)
+
+    def _kill_unresponsive_engines(self, sup: Supervisor, watch: HeartbeatWatch) -> None:
+        """SIGKILL the process group of every engine child that lives on with its heartbeat lapsed for
+        ``watch.unresponsive_s`` (``ops/engine_watch.py``); the loop's next turn finds it dead and restarts it."""
+        engines = {c.proc.pid: c for c in sup.children
+                   if c.name.startswith("engine-") and c.proc is not None and c.proc.poll() is None}
+        for pid in watch.unresponsive(engines):
+            child = engines[pid]
+            self.stderr.write(f"{child.name} (pid {pid}) has not heart-beaten for over {watch.unresponsive_s:.0f} s "
+                              f"but lives on; killing it for a restart (see {child.log_path})")
+            sup.kill_group(child)
 
     def _banner(self, base: str, info, var_dir: Path) -> None:
         lines = [f"\nPlatform ready at {base}  (admin: {base}/admin/, logs: {var_dir / 'log'})"]
