@@ -20,15 +20,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
-from tests.support.drills import (RESTARTS, VICTIMS, PrivatePostgres, run_drill, start_drill_platform,
+from tests.support.drills import (HANGS, RESTARTS, VICTIMS, PrivatePostgres, run_drill, start_drill_platform,
                                   stop_drill_platform, table, usage_check)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=16, help="chats per burst (half streamed)")
-    ap.add_argument("--drills", default=",".join(VICTIMS + RESTARTS),
-                    help="comma-separated drills: " + ", ".join(VICTIMS + RESTARTS))
+    ap.add_argument("--drills", default=",".join(VICTIMS + HANGS + RESTARTS),
+                    help="comma-separated drills: " + ", ".join(VICTIMS + HANGS + RESTARTS))
     ap.add_argument("--sqlite", action="store_true", help="SQLite even where a private PostgreSQL could be made")
     args = ap.parse_args()
     names = [n for n in args.drills.split(",") if n]

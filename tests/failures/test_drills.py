@@ -1,5 +1,6 @@
 """Fault drills (issue 17), each during a burst of mixed streaming and non-streaming chats against ``manage.py serve``
 (tests/support/drills.py): ``kill -9`` of the api process, a render worker, the engine, the usage worker and beat,
+a hung engine (stopped, never continued: ``serve`` kills it once its heartbeat has lapsed 10 s, then restarts it),
 and restarts of the platform's (private) Redis and, where this machine can make a private cluster, PostgreSQL.
 Goals asserted for each: no request hung, every failure clean (an OpenAI error envelope, an in-band stream error or
 a closed connection), no admission reservation and no key-limit slot held 10 s later, and, over all drills, no
@@ -17,7 +18,7 @@ from tests.support.live import stop_in_background
 pytestmark = pytest.mark.timeout(1200)
 RESULTS: list[DrillResult] = []
 POSTGRES = PrivatePostgres.available()
-DRILLS = ["api", "render-worker", "engine", "usage-worker", "beat", "redis-restart"] + (
+DRILLS = ["api", "render-worker", "engine", "engine-hang", "usage-worker", "beat", "redis-restart"] + (
     ["postgres-restart"] if POSTGRES else [])
 
 

@@ -9,7 +9,9 @@ limit (so every request holds a key-limit lease), and ``manage.py serve --mm-api
 its ``kill -9`` no other api is left to reap, the strict case).
 
 A drill (``run_drill``): ``requests`` chats, alternately streamed and not, sent ``spread_s`` apart in all over about
-two seconds, the victim killed (or Redis / PostgreSQL restarted) ``kill_after_s`` after the first; every request has a
+two seconds, the victim killed (or Redis / PostgreSQL restarted, or the engine stopped with SIGSTOP and never
+continued: ``engine-hang``, which ``serve`` ends once its heartbeat has lapsed ``ENGINE_UNRESPONSIVE_S``, then
+restarts) ``kill_after_s`` after the first; every request has a
 deadline (``HANG_S``) past which it counts as hung. Then, ``SETTLE_S`` after the kill or after the last request ended
 (whichever is later): admission reservations (``queued_reqs`` of the model) and live key-limit leases of the key,
 both goal 0. Usage is counted at the end of all drills (``usage_check``): every request answered (a full response,
@@ -52,6 +54,8 @@ SETTLE_S = 10.0  # what may still be held this long after the fault (issue 17's 
 BACK_WITHIN_S = 180.0  # the killed process's replacement serves again within this (Django/torch start-up, busy box)
 KEY_CONCURRENCY = 1000  # the drill key's concurrency limit: never reached, but every request takes a lease
 VICTIMS = ("api", "render-worker", "engine", "usage-worker", "beat")
+HANGS = ("engine-hang",)  # a victim stopped (SIGSTOP of its process group), never continued: serve must end it
+ENGINE_UNRESPONSIVE_S = 10.0  # the drill platform's ``serve --engine-unresponsive-s``
 RESTARTS = ("redis-restart", "postgres-restart")
 
 
@@ -203,7 +207,8 @@ class DrillPlatform:
         return {pid: cmdline(pid) for pid in child_pids(self.proc.pid)}
 
     def victim(self, role: str) -> int:
-        """The pid of the process playing ``role`` (one of ``VICTIMS``; of the render workers, the first)."""
+        """The pid of the process playing ``role`` (one of ``VICTIMS`` or ``HANGS``; of the render workers, the
+        first)."""
         found = self.playing(role)
         assert len(found) == 1 or (role == "render-worker" and found), (role, self.children())
         return found[0]
@@ -212,8 +217,8 @@ class DrillPlatform:
         """The pids of serve's children playing ``role`` (one of ``VICTIMS``; ``serve`` runs two render workers),
         lowest first."""
         marks = {"api": ("uvicorn", f"--port {self.port} "), "render-worker": ("celery", "-Q render"),
-                 "engine": ("inference.engine",), "usage-worker": ("celery", "-Q usage"),
-                 "beat": ("celery", "config beat")}[role]
+                 "engine": ("inference.engine",), "engine-hang": ("inference.engine",),
+                 "usage-worker": ("celery", "-Q usage"), "beat": ("celery", "config beat")}[role]
         return sorted(pid for pid, cmd in self.children().items() if all(m in cmd + " " for m in marks))
 
     def held(self) -> tuple[int, int]:
@@ -257,7 +262,7 @@ class DrillPlatform:
 
 def start_drill_platform(tmp: Path, *, postgres: bool = False, serve_args: tuple[str, ...] = ()) -> DrillPlatform:
     """Start the private Redis (and PostgreSQL), prepare the database (migrate, the demo model, a key with a
-    concurrency limit) and ``manage.py serve --mm-api-workers 0``; return once it printed its banner. The caller
+    concurrency limit) and ``manage.py serve --mm-api-workers 0 --engine-unresponsive-s 10``; return once it printed its banner. The caller
     stops it with ``stop_drill_platform``."""
     ensure_demo_assets()
     (tmp / "var").mkdir(parents=True, exist_ok=True)
@@ -281,7 +286,8 @@ def start_drill_platform(tmp: Path, *, postgres: bool = False, serve_args: tuple
             f"k.max_concurrent_requests = {KEY_CONCURRENCY}; k.save(); print(k.pk)")).strip().splitlines()[-1])
         port = free_port()
         proc = subprocess.Popen([sys.executable, str(REPO / "manage.py"), "serve", "--port", str(port),
-                                 "--mm-api-workers", "0", *serve_args], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                 "--mm-api-workers", "0", "--engine-unresponsive-s", str(ENGINE_UNRESPONSIVE_S),
+                                 *serve_args], env=env, cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
     except BaseException:
         if pg is not None:
@@ -429,6 +435,10 @@ def _fault(plat: DrillPlatform, name: str) -> tuple[int | None, float]:
         pid = plat.victim(name)
         os.kill(pid, signal.SIGKILL)
         return pid, 0.0
+    if name in HANGS:
+        pid = plat.victim(name)
+        os.killpg(pid, signal.SIGSTOP)  # its own process group (serve starts each child in a session of its own)
+        return pid, 0.0
     if name == "redis-restart":
         return None, plat.redis.restart()
     if name == "postgres-restart":
@@ -457,7 +467,7 @@ def run_drill(plat: DrillPlatform, name: str, *, requests: int = 12, spread_s: f
         kill_after_s = 0.15 if name == "render-worker" else 0.6
     fault_at: list[float] = []
     killed: dict[str, object] = {}
-    count = len(plat.playing(name)) if name in VICTIMS else 0
+    count = len(plat.playing(name)) if name in VICTIMS + HANGS else 0
 
     async def burst() -> list[Outcome]:
         limits = httpx.Limits(max_connections=requests + 4, max_keepalive_connections=0)
