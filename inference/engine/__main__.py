@@ -21,7 +21,7 @@ import sys
 from inference.config import SETTINGS
 
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB
-from .watchdog import EXIT_STEP_LOOP_WEDGED, STEP_WATCHDOG_S
+from .watchdog import EXIT_STEP_LOOP_WEDGED, STEP_WATCHDOG_S, watchdog_seconds
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="generate (causal LM) or embed (pooling mode, encoder models)")
     ap.add_argument("--prefix-cache-mb", type=float, default=DEFAULT_PREFIX_CACHE_MB,
                     help="MiB of prompt K/V kept for prompts that share a prefix (0 disables)")
-    ap.add_argument("--step-watchdog-s", type=float, default=STEP_WATCHDOG_S,
+    ap.add_argument("--step-watchdog-s", type=watchdog_seconds, default=STEP_WATCHDOG_S,
                     help="seconds the step loop may go without turning over before the replica withdraws and exits "
                          f"with status {EXIT_STEP_LOOP_WEDGED}, for its supervisor to restart it (default "
                          f"{STEP_WATCHDOG_S:.0f}; 0 turns the watchdog off)")

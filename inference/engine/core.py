@@ -184,6 +184,8 @@ class EngineCore:
         self._next_client_check = time.monotonic() + CLIENT_CHECK_INTERVAL_S
         self._grammars: GrammarCompiler | None = None
         self._masker: GrammarMasker | None = None
+        if step_watchdog_s is not None and not step_watchdog_s >= 0:
+            raise ValueError(f"step_watchdog_s ({step_watchdog_s}) must be >= 0 (0 or None: off)")
         self.step_watchdog_s = step_watchdog_s or None
         self._loop_turned_at = time.monotonic()  # when the step loop last began an iteration (the watchdog reads it)
         self._loop_thread: int | None = None  # the thread running the step loop (for the watchdog's stack dump)

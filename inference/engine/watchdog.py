@@ -16,6 +16,7 @@ Kept free of torch, so the engines' command lines can show the defaults without 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import traceback
@@ -26,6 +27,16 @@ import traceback
 STEP_WATCHDOG_S = 300.0
 WITHDRAW_TIMEOUT_S = 5.0  # a wedged replica waits at most this long on Redis to withdraw before it exits
 EXIT_STEP_LOOP_WEDGED = 70  # the replica's exit status when its watchdog gives it up (EX_SOFTWARE, sysexits.h)
+
+
+def watchdog_seconds(text: str) -> float:
+    """``argparse`` type of ``--step-watchdog-s``: seconds, a finite number ``>= 0`` (0: off). Raises
+    ``ValueError`` otherwise, which argparse reports as an invalid value (a negative bound would end the replica at
+    once)."""
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(text)
+    return value
 
 
 def thread_stack(thread_id: int | None) -> str:

@@ -105,3 +105,18 @@ def test_wedged_step_loop_withdraws_and_exits(backend, redis_url, link_prefix, m
         keys = list(eng.r.scan_iter(f"{eng.prefix}:*", count=1000))
         if keys:
             eng.r.delete(*keys)
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "x"])
+def test_the_bound_must_be_seconds_zero_or_more(value):
+    """A negative bound would end a replica at its first heartbeat; both engines' command lines refuse it (and what
+    is not a finite number), as they take 0 for off."""
+    from inference.engine.__main__ import parse_args
+    from inference.engine.vllm_backend.__main__ import parse_args as parse_vllm_args
+
+    base = ["--model", MODEL, "--model-dir", "d"]
+    for parse in (parse_args, parse_vllm_args):
+        with pytest.raises(SystemExit):
+            parse([*base, "--step-watchdog-s", value])
+        assert parse([*base, "--step-watchdog-s", "0"]).step_watchdog_s == 0
+        assert parse(base).step_watchdog_s == 300

@@ -18,7 +18,7 @@ import sys
 
 from inference.config import SETTINGS, set_engine_environ
 
-from ..watchdog import EXIT_STEP_LOOP_WEDGED, STEP_WATCHDOG_S
+from ..watchdog import EXIT_STEP_LOOP_WEDGED, STEP_WATCHDOG_S, watchdog_seconds
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-prefill-tokens", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prefix-cache-mb", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--task", choices=["generate"], default="generate")
-    ap.add_argument("--step-watchdog-s", type=float, default=STEP_WATCHDOG_S,
+    ap.add_argument("--step-watchdog-s", type=watchdog_seconds, default=STEP_WATCHDOG_S,
                     help="seconds the step loop may go without turning over before the replica withdraws and exits "
                          f"with status {EXIT_STEP_LOOP_WEDGED}, for its supervisor to restart it (default "
                          f"{STEP_WATCHDOG_S:.0f}; 0 turns the watchdog off)")

@@ -138,6 +138,9 @@ class Command(BaseCommand):
     def _run(self, sup: Supervisor, env: dict, var_dir: Path, opts: dict, stop: dict) -> None:
         front_cpus, back_cpus = _core_split(opts["frontend_cores"])
         _engine_layout(opts, [], front_cpus, back_cpus)  # bad layout options: refused before anything starts
+        if not math.isfinite(opts["engine_unresponsive_s"]) or opts["engine_unresponsive_s"] < 0:
+            raise CommandError(f"--engine-unresponsive-s {opts['engine_unresponsive_s']}: seconds >= 0 (0 turns the "
+                               "watch off)")
         redis_url = settings.REDIS_URL
         if settings.REDIS_EMBEDDED:
             # options, password included, in a 0600 file: a command line is world-readable (ps, /proc/PID/cmdline)
