@@ -10,7 +10,7 @@ api processes then fail or resend what it held, as for a replica that died (``in
 the whole process (SIGSTOP, a debugger) holds the heartbeat thread too; once that thread itself went longer than the
 heartbeat's TTL without a turn, the watch starts again instead of counting the pause against the loop.
 
-Kept free of torch, so the engines' command lines can show the defaults without loading it.
+Kept free of torch (stdlib and psutil only), so the engines' command lines can show the defaults without loading it.
 """
 
 from __future__ import annotations
@@ -20,6 +20,10 @@ import math
 import os
 import sys
 import traceback
+
+import psutil
+
+from inference.proctree import kill_sparing_trackers
 
 # Seconds a step loop may go without turning over. Well past the longest legitimate step: an idle loop turns over
 # every ``core.POLL_BLOCK_MS``, a busy one after a step of at most ``max_num_batched_tokens`` tokens; vLLM's
@@ -49,19 +53,13 @@ def thread_stack(thread_id: int | None) -> str:
 def exit_wedged() -> None:
     """End this process at once with ``EXIT_STEP_LOOP_WEDGED``, from any thread: SIGKILL every descendant first
     (vLLM's engine-core process and its model workers, which a hung core or device would otherwise leave behind as
-    orphans holding the device), flush the root logger's handlers, then ``os._exit`` (the wedged thread cannot be
-    joined, so no clean interpreter exit is possible). Never returns."""
-    import psutil
-
+    orphans holding the device) but multiprocessing's resource tracker, which unlinks their shared memory once this
+    process is gone too (``inference.proctree``), flush the root logger's handlers, then ``os._exit`` (the wedged
+    thread cannot be joined, so no clean interpreter exit is possible). Never returns."""
     try:
-        descendants = psutil.Process().children(recursive=True)
+        kill_sparing_trackers(psutil.Process().children(recursive=True))
     except psutil.Error:
-        descendants = []
-    for proc in descendants:
-        try:
-            proc.kill()
-        except psutil.Error:  # already gone
-            pass
+        pass
     for handler in logging.getLogger().handlers:
         handler.flush()
     os._exit(EXIT_STEP_LOOP_WEDGED)

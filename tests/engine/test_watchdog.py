@@ -48,6 +48,11 @@ def descendants_of(pid: int) -> list[int]:
     return found
 
 
+def shm_segments() -> set[str]:
+    """Names of multiprocessing's shared-memory segments and semaphores in /dev/shm (``psm_*``, ``sem.mp-*``)."""
+    return {p.name for p in Path("/dev/shm").glob("*") if p.name.startswith(("psm_", "sem.mp-"))}
+
+
 def gone(pid: int) -> bool:
     """Whether process ``pid`` has ended (no longer exists, or is a zombie waiting to be reaped)."""
     try:
@@ -60,6 +65,7 @@ def gone(pid: int) -> bool:
 @pytest.mark.parametrize("backend", ["vllm"], indirect=True)
 def test_wedged_step_loop_withdraws_and_exits(backend, redis_url, link_prefix, model_dir, tmp_path):
     log = tmp_path / "engine.log"
+    shm_before = shm_segments()
     eng = EngineProc(redis_url, f"{link_prefix}wd", model_dir, log, "--step-watchdog-s", str(WATCHDOG_S),
                      backend=backend)
     index = replicas_index_key(eng.prefix, MODEL)
@@ -95,6 +101,11 @@ def test_wedged_step_loop_withdraws_and_exits(backend, redis_url, link_prefix, m
         while not all(gone(pid) for pid in tree) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert all(gone(pid) for pid in tree), {p: Path(f"/proc/{p}/cmdline").read_text() for p in tree if not gone(p)}
+        # and vLLM's shared memory went with them: the resource tracker, spared, unlinked it (inference/proctree.py)
+        deadline = time.monotonic() + 10
+        while shm_segments() - shm_before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not shm_segments() - shm_before, shm_segments() - shm_before
     finally:
         for pid in core_pids:  # a failed check must not leave a stopped process behind
             try:
