@@ -160,7 +160,9 @@ class EngineCore:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill and getattr(runner, "supports_chunked_prefill", False)
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=blocking_socket_timeout(POLL_BLOCK_MS / 1000))
-        self.hb_redis = redis.Redis.from_url(redis_url)
+        # bounded: a heartbeat stuck on a half-open connection would also stop the step-loop watchdog, which runs there
+        self.hb_redis = redis.Redis.from_url(redis_url, socket_timeout=WITHDRAW_TIMEOUT_S,
+                                             socket_connect_timeout=WITHDRAW_TIMEOUT_S)
         self._redis_url = redis_url
         self.req_key = requests_stream(link_prefix, model)
         self.own_key = replica_requests_stream(link_prefix, model, self.engine_id)

@@ -22,6 +22,7 @@ from ops.supervisor import (RestartPolicy, Supervisor, http_ok, parse_cpu_list, 
                             unix_socket_accepts, wait_until)
 from inference.admission import reap as admission_reap
 from inference.config import SETTINGS
+from inference.engine.watchdog import EXIT_STEP_LOOP_WEDGED
 from inference.protocol.engine import replicas_index_key
 from registry.models import ServedModel
 from registry.selectors import served_models_enabled
@@ -251,7 +252,9 @@ class Command(BaseCommand):
                     self.stderr.write(f"{dead.name} exited with code {code} and keeps crashing; {meanwhile}; trying "
                                       f"it again in {policy.window_s:.0f} s (see {dead.log_path})")
                 else:
-                    self.stderr.write(f"{dead.name} exited with code {code}; restarting it (see {dead.log_path})")
+                    why = " (its step loop was wedged: the engine's watchdog gave it up)" if (
+                        dead.name.startswith("engine-") and code == EXIT_STEP_LOOP_WEDGED) else ""
+                    self.stderr.write(f"{dead.name} exited with code {code}{why}; restarting it (see {dead.log_path})")
                     sup.restart(dead)
             for entry in list(parked):
                 if time.monotonic() >= entry[1] and policy.allow(entry[0].name, time.monotonic()):
