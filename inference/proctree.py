@@ -17,7 +17,8 @@ from collections.abc import Iterable
 
 import psutil
 
-RESOURCE_TRACKER_MARK = "multiprocessing.resource_tracker"  # in the tracker's command line (``-c 'from ... import main'``)
+# in the tracker's command line (``python -c 'from multiprocessing.resource_tracker import main; main(fd)'``)
+RESOURCE_TRACKER_MARK = "multiprocessing.resource_tracker"
 TRACKER_EXIT_WAIT_S = 3.0  # how long a spared tracker gets to unlink what it holds and exit before it is killed too
 
 

@@ -74,7 +74,7 @@ from inference.redis_timeouts import blocking_socket_timeout
 
 from .runner import ModelRunner, RequestError, Sequence, make_rng, now
 from .structured import GrammarCompiler, GrammarMask, GrammarMasker, SequenceGrammar
-from .watchdog import EXIT_STEP_LOOP_WEDGED, STEP_WATCHDOG_S, WITHDRAW_TIMEOUT_S, exit_wedged, thread_stack
+from .watchdog import EXIT_STEP_LOOP_WEDGED, STEP_WATCHDOG_S, exit_wedged, thread_stack
 
 if TYPE_CHECKING:
     import torch
@@ -94,6 +94,7 @@ GRAMMAR_WAIT_S = 0.005  # with nothing to run but requests whose grammar compile
 DEAD_STREAM_DROP_MS = 50_000  # a watched dead replica's stream is deleted once empty and expired this long
 BLOCKS_TTL_MS = 60_000  # the published block set outlives a dead replica this long
 BLOCKS_RESYNC_S = 30.0  # the published block set is rewritten whole this often (a Redis restart emptied it)
+HEARTBEAT_REDIS_TIMEOUT_S = 5.0  # a heartbeat (and a wedged replica's withdrawal) waits at most this long on Redis
 
 
 # replies of the engine's Redis connection (bytes mode, RESP2): redis-py's types cover every mode and protocol
@@ -161,9 +162,8 @@ class EngineCore:
         self.enable_chunked_prefill = enable_chunked_prefill and getattr(runner, "supports_chunked_prefill", False)
         self.redis = redis.Redis.from_url(redis_url, socket_timeout=blocking_socket_timeout(POLL_BLOCK_MS / 1000))
         # bounded: a heartbeat stuck on a half-open connection would also stop the step-loop watchdog, which runs there
-        self.hb_redis = redis.Redis.from_url(redis_url, socket_timeout=WITHDRAW_TIMEOUT_S,
-                                             socket_connect_timeout=WITHDRAW_TIMEOUT_S)
-        self._redis_url = redis_url
+        self.hb_redis = redis.Redis.from_url(redis_url, socket_timeout=HEARTBEAT_REDIS_TIMEOUT_S,
+                                             socket_connect_timeout=HEARTBEAT_REDIS_TIMEOUT_S)
         self.req_key = requests_stream(link_prefix, model)
         self.own_key = replica_requests_stream(link_prefix, model, self.engine_id)
         self.blocks_key = replica_blocks_key(link_prefix, model, self.engine_id)
@@ -301,9 +301,8 @@ class EngineCore:
                      "this replica withdraws and exits with status %d. The loop is at:\n%s",
                      self.engine_id, stalled_s, self.step_watchdog_s, EXIT_STEP_LOOP_WEDGED,
                      thread_stack(self._loop_thread))
-        try:  # a client of its own, with a bound: the exit must not wait on a Redis that does not answer
-            self._withdraw(redis.Redis.from_url(self._redis_url, socket_timeout=WITHDRAW_TIMEOUT_S,
-                                                socket_connect_timeout=WITHDRAW_TIMEOUT_S))
+        try:  # the heartbeat's own client: bounded, so the exit never waits long on a Redis that does not answer
+            self._withdraw(self.hb_redis)
         except redis.RedisError as exc:  # its heartbeat lapses within HEARTBEAT_TTL_S anyway
             log.warning("withdrawing from the link failed: %s", exc)
         exit_wedged()

@@ -29,7 +29,6 @@ from inference.proctree import kill_sparing_trackers
 # every ``core.POLL_BLOCK_MS``, a busy one after a step of at most ``max_num_batched_tokens`` tokens; vLLM's
 # multiprocess executor allows one model step 300 s (``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``).
 STEP_WATCHDOG_S = 300.0
-WITHDRAW_TIMEOUT_S = 5.0  # a heartbeat (and a wedged replica's withdrawal) waits at most this long on Redis
 EXIT_STEP_LOOP_WEDGED = 70  # the replica's exit status when its watchdog gives it up (EX_SOFTWARE, sysexits.h)
 
 

@@ -222,9 +222,10 @@ class EngineProc:
 
 @pytest.fixture(scope="session")
 def engine(backend, redis_url, link_prefix, model_dir, tmp_path_factory):
-    """One shared engine per backend (max_num_seqs 8, max_model_len 512, step watchdog 30 s) for most tests; each backend has its own
-    link prefix, so the two never share a request stream. The native engine's step budget of 32 tokens makes every
-    prompt longer than that go through chunked prefill (prefix cache, prompt logprobs, penalties and so on)."""
+    """One shared engine per backend (max_num_seqs 8, max_model_len 512, step watchdog 30 s) for most tests; each
+    backend has its own link prefix, so the two never share a request stream. The native engine's step budget of 32
+    tokens makes every prompt longer than that go through chunked prefill (prefix cache, prompt logprobs, penalties and
+    so on)."""
     log = tmp_path_factory.mktemp(f"engine-{backend}") / "engine.log"
     budget = ["--max-num-batched-tokens", "32"] if backend == "native" else []
     # a step loop that stalls 30 s is a defect in any test here: the replica then exits with its stack in the log

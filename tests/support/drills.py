@@ -262,8 +262,8 @@ class DrillPlatform:
 
 def start_drill_platform(tmp: Path, *, postgres: bool = False, serve_args: tuple[str, ...] = ()) -> DrillPlatform:
     """Start the private Redis (and PostgreSQL), prepare the database (migrate, the demo model, a key with a
-    concurrency limit) and ``manage.py serve --mm-api-workers 0 --engine-unresponsive-s 10``; return once it printed its banner. The caller
-    stops it with ``stop_drill_platform``."""
+    concurrency limit) and ``manage.py serve --mm-api-workers 0 --engine-unresponsive-s 10``; return once it printed
+    its banner. The caller stops it with ``stop_drill_platform``."""
     ensure_demo_assets()
     (tmp / "var").mkdir(parents=True, exist_ok=True)
     priv = PrivateRedis(tmp / "redis")

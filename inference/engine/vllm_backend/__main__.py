@@ -3,8 +3,8 @@
 The options of ``python -m inference.engine`` that mean something to vLLM, with the same names and defaults:
 ``--redis-url`` (default ``$REDIS_URL``), ``--device cpu|cuda``, ``--dtype float32|bfloat16|float16|auto``,
 ``--max-num-seqs 32``, ``--max-model-len N``, ``--link-prefix llmp``, ``--engine-id ID``, ``--num-threads N``
-(CPU threads of vLLM's worker, ``VLLM_CPU_OMP_THREADS_BIND``), ``--log-level``, ``--step-watchdog-s 300``; and ``--tokenizer-dir DIR``
-(default the model directory), ``--kv-cache-gb 1`` (CPU only: ``VLLM_CPU_KVCACHE_SPACE``),
+(CPU threads of vLLM's worker, ``VLLM_CPU_OMP_THREADS_BIND``), ``--log-level``, ``--step-watchdog-s 300``; and
+``--tokenizer-dir DIR`` (default the model directory), ``--kv-cache-gb 1`` (CPU only: ``VLLM_CPU_KVCACHE_SPACE``),
 ``--gpu-memory-utilization 0.9`` (CUDA only). Ignored (accepted so a command line of the native engine runs):
 ``--max-prefill-tokens``, ``--prefix-cache-mb`` (vLLM's prefix cache lives in its KV cache), ``--task generate``.
 """

@@ -218,8 +218,9 @@ class Command(BaseCommand):
         policy = RestartPolicy()
         parked: list[tuple] = []  # (child, retry at): a multimodal api or render worker crashing past its budget
         next_reap = 0.0  # serve reaps dead api processes' admission reservations too (D-180), every second
-        watch = (HeartbeatWatch(client, settings.LINK_PREFIX, [m.served_model_name for m in models],
-                                opts["engine_unresponsive_s"]) if models and opts["engine_unresponsive_s"] > 0 else None)
+        unresponsive_s = opts["engine_unresponsive_s"]
+        watch = (HeartbeatWatch(client, settings.LINK_PREFIX, [m.served_model_name for m in models], unresponsive_s)
+                 if models and unresponsive_s > 0 else None)
         while not stop["flag"]:
             dead = sup.dead_child()
             if dead is not None:
