@@ -8,12 +8,13 @@ One iteration ("step"):
    only when idle) and aborts (``control_stream``, plain XREAD);
 2. answer every newly accepted request at once with an empty output (``queued_ts``, ``engine_id``)
    so the api process knows which replica owns it; invalid requests fail here with ``error``;
-3. run one decode step for every running sequence, then spend the rest of the step's token budget
-   (``max_num_batched_tokens``) on prompts: the next chunk of prompts being prefilled a chunk at a time
-   (chunked prefill), then waiting requests that fit (``max_num_seqs``) -- whole prompts in one batched
-   forward, and the first one that does not fit in the budget left starts a chunk at a time (a prompt whose
-   prefix K/V is cached runs on its own from there: ``prefix_cache.py``). So a long prompt never stalls the
-   running decodes for more than one chunk's forward. Waiting requests go in order of ``priority`` (the caller's tier, set by the gateway
+3. spend the step's token budget (``max_num_batched_tokens``, less one token per running sequence) on prompts:
+   the next chunk of prompts being prefilled a chunk at a time (chunked prefill), then waiting requests that fit
+   (``max_num_seqs``) -- whole prompts in one batched forward, and the first one that does not fit in the budget
+   left starts a chunk at a time (a prompt whose prefix K/V is cached runs on its own from there:
+   ``prefix_cache.py``); publish the first tokens this gave, then run one decode step for every sequence that was
+   running when the step began (``step``). So a long prompt never stalls the running decodes for more than one
+   chunk's forward, and a newcomer's first token does not wait for the running batch's decode. Waiting requests go in order of ``priority`` (the caller's tier, set by the gateway
    from the API key: ``inference.admission.engine_priority``), then arrival (``enqueue_by_priority``: vLLM's
    priority scheduling order, without its preemption);
 4. sample (batched), apply stop rules, publish one ``EngineCoreOutputs`` message per client_id.
@@ -39,7 +40,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from typing import TYPE_CHECKING, TypedDict, cast
+from typing import TYPE_CHECKING, Callable, TypedDict, cast
 
 import msgpack
 import redis
@@ -716,35 +717,26 @@ class EngineCore:
         self.waiting.extendleft(reversed(compiling))
         return group, partial
 
-    def step(self) -> None:
-        """One engine iteration: decode every running sequence, then prefill prompt tokens within the step's
-        budget (chunks of prompts already started, then newcomers), and drop finished sequences."""
-        # 1. decode the sequences already in the batch (slot order: the runner's rows)
+    def step(self, first_tokens_out: Callable[[], None] | None = None) -> None:
+        """One engine iteration: prefill prompt tokens within the step's budget (chunks of prompts already started,
+        then newcomers), then decode every sequence that was running when the step began, then drop finished ones.
+
+        The budget (``max_num_batched_tokens``) is what the step's decodes leave, as before; only the order of the
+        two forwards is prefill first. ``first_tokens_out`` (the loop passes its flush) is called between them when
+        the prefills produced outputs and decodes follow, so a newcomer's first token goes out before the running
+        batch's decode forward instead of after it: its time to first token no longer includes a decode step of
+        everyone else, and the running sequences' tokens go out when they did before (end of the step). vLLM's V1
+        scheduler runs both in one forward, so its newcomers wait for the whole step. Without ``first_tokens_out``
+        (tests driving the scheduler) every output stays queued in ``_pending``."""
+        # the running batch at the step's start (slot order: the runner's rows); prefilled newcomers join next step
         decode_seqs = sorted(self.running, key=lambda s: s.slot if s.slot is not None else -1)
-        if decode_seqs:
-            t0 = time.perf_counter()
-            ahead = self._mask_ahead(decode_seqs)
-            try:
-                logits = self.runner.decode(decode_seqs)
-                for s in decode_seqs:
-                    s.num_computed += 1
-                self._apply(decode_seqs, logits, ahead)
-            except Exception as exc:
-                _settle(ahead)
-                log.exception("decode step failed")
-                self._fail_all_running(f"engine step failed: {exc}")
-                decode_seqs = []
-            else:
-                dt = time.perf_counter() - t0
-                self.stats.decode_tokens_per_s = self._ema(self.stats.decode_tokens_per_s,
-                                                           len(decode_seqs) / max(dt, 1e-9))
         budget = self.max_num_batched_tokens - len(decode_seqs)
-        # 2. the next chunks of prompts prefilled a chunk at a time, oldest first
+        # 1. the next chunks of prompts prefilled a chunk at a time, oldest first
         for seq in list(self.prefilling):
             if budget <= 0:
                 break
             budget -= self._prefill_chunk(seq, budget)
-        # 3. newcomers that fit
+        # 2. newcomers that fit
         group, partial = self._admit(budget)
         ts = now()
         for s in group + ([partial] if partial is not None else []):
@@ -758,6 +750,28 @@ class EngineCore:
             self.runner.prefill_groups([partial])  # its cached prefix, if any
             self.prefilling.append(partial)
             self._prefill_chunk(partial, max(budget, 1))
+        # a failed sampling of the prefills fails the whole running batch (_prefilled): nothing of it to decode then
+        running = set(map(id, self.running))
+        decode_seqs = [s for s in decode_seqs if id(s) in running and s.finish_reason is None]
+        if first_tokens_out is not None and decode_seqs and self._pending:
+            first_tokens_out()
+        # 3. decode the sequences that were running at the step's start
+        if decode_seqs:
+            t0 = time.perf_counter()
+            ahead = self._mask_ahead(decode_seqs)
+            try:
+                logits = self.runner.decode(decode_seqs)
+                for s in decode_seqs:
+                    s.num_computed += 1
+                self._apply(decode_seqs, logits, ahead)
+            except Exception as exc:
+                _settle(ahead)
+                log.exception("decode step failed")
+                self._fail_all_running(f"engine step failed: {exc}")
+            else:
+                dt = time.perf_counter() - t0
+                self.stats.decode_tokens_per_s = self._ema(self.stats.decode_tokens_per_s,
+                                                           len(decode_seqs) / max(dt, 1e-9))
         # 4. drop finished sequences
         finished = [s for s in self.running if s.finish_reason is not None]
         if finished:
@@ -797,7 +811,7 @@ class EngineCore:
                     if self.FLUSH_BEFORE_STEP:
                         self._flush()  # acceptance outputs go out before the (maybe long) step
                     if self.running or self.waiting or self.prefilling:
-                        self.step()
+                        self.step(first_tokens_out=self._flush)
                     self._flush()
                     if self.waiting:
                         self._wait_for_grammars()

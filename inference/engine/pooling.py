@@ -25,7 +25,7 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import TypedDict
+from typing import Callable, TypedDict
 
 import torch
 
@@ -177,8 +177,9 @@ class PoolingEngineCore(EngineCore):
     # reached here (``step`` is this class's own; ``running`` stays empty)
     runner: PoolingRunner  # type: ignore[assignment]
 
-    def step(self) -> None:
-        """Encode one batch of waiting requests and emit one finished output per request."""
+    def step(self, first_tokens_out: Callable[[], None] | None = None) -> None:
+        """Encode one batch of waiting requests and emit one finished output per request (one forward, nothing to
+        hand out before another: ``first_tokens_out`` is not called)."""
         group: list[Sequence] = []
         longest = 0
         while self.waiting and len(group) < self.max_num_seqs:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from inference.protocol.engine import (
     FINISH_ABORT,
@@ -192,8 +192,9 @@ class VllmEngineCore(EngineCore):
         self.running = []
 
     # ------------------------------------------------------------------ stepping
-    def step(self) -> None:
-        """Hand waiting requests to vLLM while it has room, run one vLLM step, publish its outputs."""
+    def step(self, first_tokens_out: Callable[[], None] | None = None) -> None:
+        """Hand waiting requests to vLLM while it has room, run one vLLM step, publish its outputs (vLLM's step is
+        one forward of prefills and decodes together: ``first_tokens_out`` is not called)."""
         from vllm.inputs import TokensPrompt
 
         while self.waiting and len(self._by_id) < self.max_num_seqs:
