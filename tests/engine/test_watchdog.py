@@ -78,8 +78,11 @@ def test_wedged_step_loop_withdraws_and_exits(backend, redis_url, link_prefix, m
         rid = eng.send(PROMPT, temperature=0.0, max_tokens=8, ignore_eos=True)
         assert len([t for o in eng.collect([rid])[rid] for t in o.new_token_ids]) == 8
 
-        rid = eng.send(PROMPT, temperature=1.0, max_tokens=400, ignore_eos=True)
-        eng.collect([rid], until_first_token=True)
+        # long enough that it is still generating when its core is stopped: 400 tokens could end first on a fast CPU
+        # (the replica's loop then idles and never waits on the stopped core)
+        rid = eng.send(PROMPT, temperature=1.0, max_tokens=3000, ignore_eos=True)
+        first = eng.collect([rid], until_first_token=True)
+        assert not any(o.finish_reason for o in first[rid]), first
         tree = descendants_of(eng.proc.pid)  # vLLM's engine core, its model worker, multiprocessing's tracker
         core_pids = [p for p in tree if Path(f"/proc/{p}/comm").read_text().startswith("VLLM::EngineCor")]
         assert len(core_pids) == 1, {p: Path(f"/proc/{p}/cmdline").read_text() for p in tree}
