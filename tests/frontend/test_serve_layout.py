@@ -84,7 +84,9 @@ def test_supervisor_starts_and_restarts_a_child_niced(tmp_path):
 @pytest.mark.parametrize("args,message", [(["--engine-nice", "20"], "0..19"), (["--engine-nice", "-2"], "0..19"),
                                           (["--engine-threads", "-1"], "engine threads"),
                                           (["--frontend-reserved-cores", "-1"], "reserved cores"),
-                                          (["--engine-unresponsive-s", "-1"], "seconds >= 0")])
+                                          (["--engine-unresponsive-s", "-1"], "seconds >= 0"),
+                                          (["--engine-step-watchdog-s", "-1"], "seconds >= 0"),
+                                          (["--engine-step-watchdog-s", "nan"], "seconds >= 0")])
 def test_serve_refuses_bad_layout_options_before_starting_anything(tmp_path, args, message):
     out = subprocess.run([sys.executable, str(REPO / "manage.py"), "serve", "--no-engine", *args],
                          env=serve_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -53,7 +53,8 @@ def test_serve_restarts_a_killed_api_on_its_port_and_nothing_else_stops(tmp_path
     env = serve_env(tmp_path)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, str(REPO / "manage.py"), "serve", "--demo", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, str(REPO / "manage.py"), "serve", "--demo", "--port", str(port),
+                             "--engine-step-watchdog-s", "120"],
                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -72,6 +73,7 @@ def test_serve_restarts_a_killed_api_on_its_port_and_nothing_else_stops(tmp_path
         want = engine_threads(len(os.sched_getaffinity(0)), len(engines), 1)
         for engine in engines:
             assert f"--num-threads {want} " in cmdline(engine) + " ", cmdline(engine)
+            assert "--step-watchdog-s 120.0 " in cmdline(engine) + " ", cmdline(engine)  # serve passes its bound on
             assert _nice(engine) == min(19, os.nice(0) + 10)
         assert _nice(api) == os.nice(0)
         # background work niced too; the render worker (every request's path) and Redis are not

@@ -22,7 +22,7 @@ from ops.supervisor import (RestartPolicy, Supervisor, http_ok, parse_cpu_list, 
                             unix_socket_accepts, wait_until)
 from inference.admission import reap as admission_reap
 from inference.config import SETTINGS
-from inference.engine.watchdog import EXIT_STEP_LOOP_WEDGED
+from inference.engine.watchdog import EXIT_STEP_LOOP_WEDGED, STEP_WATCHDOG_S
 from inference.protocol.engine import replicas_index_key
 from registry.models import ServedModel
 from registry.selectors import served_models_enabled
@@ -99,6 +99,12 @@ class Command(BaseCommand):
                             help="kill (then restart) an engine process whose heartbeat has lapsed this many seconds "
                                  "while it lives on (ops/engine_watch.py); 0 turns the watch off (default "
                                  f"{ENGINE_UNRESPONSIVE_S:.0f})")
+        parser.add_argument("--engine-step-watchdog-s", type=float, default=None,
+                            help="each engine's own step-loop watchdog (--step-watchdog-s: a replica whose step loop "
+                                 "has not turned over this many seconds withdraws and exits for serve to restart it); "
+                                 "0 turns it off (default: the engines' own, "
+                                 f"{STEP_WATCHDOG_S:.0f} s, vLLM's bound on one model step). Raise it where a "
+                                 "legitimate step can take longer (a throttled CPU, a long whole-prompt prefill)")
         parser.add_argument("--demo", action="store_true",
                             help="register the demo chat model and all-MiniLM-L6-v2 (embeddings), create the operator "
                                  "account, the demo tenant with its owner's login and a demo key")
@@ -142,6 +148,10 @@ class Command(BaseCommand):
         if not math.isfinite(opts["engine_unresponsive_s"]) or opts["engine_unresponsive_s"] < 0:
             raise CommandError(f"--engine-unresponsive-s {opts['engine_unresponsive_s']}: seconds >= 0 (0 turns the "
                                "watch off)")
+        step_watchdog = opts["engine_step_watchdog_s"]
+        if step_watchdog is not None and (not math.isfinite(step_watchdog) or step_watchdog < 0):
+            raise CommandError(f"--engine-step-watchdog-s {step_watchdog}: seconds >= 0 (0 turns the engines' "
+                               "watchdog off)")
         redis_url = settings.REDIS_URL
         if settings.REDIS_EMBEDDED:
             # options, password included, in a 0600 file: a command line is world-readable (ps, /proc/PID/cmdline)
@@ -191,7 +201,7 @@ class Command(BaseCommand):
                               f"{layout.threads} torch thread(s) each")
         for m in models:
             # the engine reads REDIS_URL from its environment (a --redis-url would show the password in ps)
-            argv, env_extra = engine_command(py, m, layout.threads)
+            argv, env_extra = engine_command(py, m, layout.threads, step_watchdog_s=step_watchdog)
             for i in range(m.num_replicas):  # replicas: engine-NAME, engine-NAME-2, ... (the api routes between them)
                 sup.start(f"engine-{m.served_model_name}" + (f"-{i + 1}" if i else ""), argv, env_extra=env_extra,
                           cpus=back_cpus, nice=layout.nice)
@@ -349,16 +359,19 @@ def _core_split(frontend_cores: str) -> tuple[frozenset[int] | None, frozenset[i
     return front, back
 
 
-def engine_command(py: str, m: ServedModel, threads: int) -> tuple[list[str], dict[str, str]]:
+def engine_command(py: str, m: ServedModel, threads: int,
+                   step_watchdog_s: float | None = None) -> tuple[list[str], dict[str, str]]:
     """Command line and extra environment of ``m``'s engine replica. ``backend=native``: ``python -m
     inference.engine`` in this environment; ``backend=vllm``: ``python -m inference.engine.vllm_backend`` run by
     ``settings.VLLM_PYTHON`` (vLLM's own environment) with this repository on ``PYTHONPATH`` (the link code comes
-    from here, not from an install there). ``threads``: CPU threads of a CPU engine. Raises ``CommandError`` when
+    from here, not from an install there). ``threads``: CPU threads of a CPU engine. ``step_watchdog_s``: the
+    replica's ``--step-watchdog-s`` (seconds, 0 off; ``None``: the engine's default). Raises ``CommandError`` when
     vLLM's interpreter is missing."""
     threads_arg = ["--num-threads", str(threads)] if m.device == "cpu" else []
+    watchdog_arg = [] if step_watchdog_s is None else ["--step-watchdog-s", repr(float(step_watchdog_s))]
     common = ["--model", m.served_model_name, "--model-dir", m.model_dir, "--device", m.device,
               "--max-num-seqs", str(m.max_num_seqs), "--max-model-len", str(m.max_model_len),
-              "--link-prefix", settings.LINK_PREFIX, *threads_arg]
+              "--link-prefix", settings.LINK_PREFIX, *threads_arg, *watchdog_arg]
     if m.backend == ServedModel.Backend.VLLM:
         if not os.access(settings.VLLM_PYTHON, os.X_OK):
             raise CommandError(f"model {m.served_model_name} has backend=vllm but vLLM's interpreter "
