@@ -75,7 +75,7 @@ from inference.redis_timeouts import blocking_socket_timeout
 
 from .runner import ModelRunner, RequestError, Sequence, make_rng, now
 from .structured import GrammarCompiler, GrammarMask, GrammarMasker, SequenceGrammar
-from .watchdog import EXIT_STEP_LOOP_WEDGED, STEP_WATCHDOG_S, exit_wedged, thread_stack
+from .watchdog import EXIT_STEP_LOOP_WEDGED, STEP_WATCHDOG_S, check_watchdog_seconds, exit_wedged, thread_stack
 
 if TYPE_CHECKING:
     import torch
@@ -187,9 +187,7 @@ class EngineCore:
         self._next_client_check = time.monotonic() + CLIENT_CHECK_INTERVAL_S
         self._grammars: GrammarCompiler | None = None
         self._masker: GrammarMasker | None = None
-        if step_watchdog_s is not None and not step_watchdog_s >= 0:
-            raise ValueError(f"step_watchdog_s ({step_watchdog_s}) must be >= 0 (0 or None: off)")
-        self.step_watchdog_s = step_watchdog_s or None
+        self.step_watchdog_s = None if step_watchdog_s is None else check_watchdog_seconds(step_watchdog_s) or None
         self._loop_turned_at = time.monotonic()  # when the step loop last began an iteration (the watchdog reads it)
         self._loop_thread: int | None = None  # the thread running the step loop (for the watchdog's stack dump)
 

@@ -24,6 +24,7 @@ import traceback
 import psutil
 
 from inference.proctree import kill_sparing_trackers
+from inference.protocol.engine import HEARTBEAT_TTL_S
 
 # Seconds a step loop may go without turning over. Well past the longest legitimate step: an idle loop turns over
 # every ``core.POLL_BLOCK_MS``, a busy one after a step of at most ``max_num_batched_tokens`` tokens; vLLM's
@@ -32,14 +33,26 @@ STEP_WATCHDOG_S = 300.0
 EXIT_STEP_LOOP_WEDGED = 70  # the replica's exit status when its watchdog gives it up (EX_SOFTWARE, sysexits.h)
 
 
+# The shortest bound that can tell a wedged loop from an idle one: an idle loop's blocking read alone takes
+# ``core.POLL_BLOCK_MS`` plus its socket margin, the heartbeat thread checks every ``HEARTBEAT_INTERVAL_S``, and a gap of
+# the heartbeat thread longer than the heartbeat's TTL restarts the watch (a paused process). A bound under the TTL
+# would end idle replicas.
+STEP_WATCHDOG_MIN_S = HEARTBEAT_TTL_S
+
+
+def check_watchdog_seconds(value: float) -> float:
+    """``value`` as a step-watchdog bound in seconds: 0 (off) or a finite number ``>= STEP_WATCHDOG_MIN_S``
+    (``-0.0`` reads as 0). Raises ``ValueError`` otherwise: a negative bound, or one under the minimum, would end
+    every replica at once, idle or not."""
+    if not math.isfinite(value) or value < 0 or 0 < value < STEP_WATCHDOG_MIN_S:
+        raise ValueError(f"a step watchdog bound is 0 (off) or seconds >= {STEP_WATCHDOG_MIN_S:g}, got {value!r}")
+    return value + 0.0
+
+
 def watchdog_seconds(text: str) -> float:
-    """``argparse`` type of ``--step-watchdog-s``: seconds, a finite number ``>= 0`` (0: off). Raises
-    ``ValueError`` otherwise, which argparse reports as an invalid value (a negative bound would end the replica at
-    once)."""
-    value = float(text)
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(text)
-    return value
+    """``argparse`` type of ``--step-watchdog-s``: ``check_watchdog_seconds`` of ``text`` read as a float. Raises
+    ``ValueError`` otherwise, which argparse reports as an invalid value."""
+    return check_watchdog_seconds(float(text))
 
 
 def thread_stack(thread_id: int | None) -> str:

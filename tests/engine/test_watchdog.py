@@ -121,10 +121,11 @@ def test_wedged_step_loop_withdraws_and_exits(backend, redis_url, link_prefix, m
             eng.r.delete(*keys)
 
 
-@pytest.mark.parametrize("value", ["-1", "nan", "inf", "x"])
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "x", "0.01", "2.9"])
 def test_the_bound_must_be_seconds_zero_or_more(value):
-    """A negative bound would end a replica at its first heartbeat; both engines' command lines refuse it (and what
-    is not a finite number), as they take 0 for off."""
+    """A negative bound would end a replica at its first heartbeat, one under the heartbeat's TTL an idle replica
+    (its blocking read alone takes 0.1 s and more); both engines' command lines refuse them (and what is not a
+    finite number), as they take 0 (or -0) for off."""
     from inference.engine.__main__ import parse_args
     from inference.engine.vllm_backend.__main__ import parse_args as parse_vllm_args
 
@@ -133,4 +134,6 @@ def test_the_bound_must_be_seconds_zero_or_more(value):
         with pytest.raises(SystemExit):
             parse([*base, "--step-watchdog-s", value])
         assert parse([*base, "--step-watchdog-s", "0"]).step_watchdog_s == 0
+        assert str(parse([*base, "--step-watchdog-s", "-0"]).step_watchdog_s) == "0.0"
+        assert parse([*base, "--step-watchdog-s", "3"]).step_watchdog_s == 3
         assert parse(base).step_watchdog_s == 300

@@ -85,8 +85,9 @@ def test_supervisor_starts_and_restarts_a_child_niced(tmp_path):
                                           (["--engine-threads", "-1"], "engine threads"),
                                           (["--frontend-reserved-cores", "-1"], "reserved cores"),
                                           (["--engine-unresponsive-s", "-1"], "seconds >= 0"),
-                                          (["--engine-step-watchdog-s", "-1"], "seconds >= 0"),
-                                          (["--engine-step-watchdog-s", "nan"], "seconds >= 0")])
+                                          (["--engine-step-watchdog-s", "-1"], "seconds >= 3"),
+                                          (["--engine-step-watchdog-s", "nan"], "seconds >= 3"),
+                                          (["--engine-step-watchdog-s", "0.01"], "seconds >= 3")])
 def test_serve_refuses_bad_layout_options_before_starting_anything(tmp_path, args, message):
     out = subprocess.run([sys.executable, str(REPO / "manage.py"), "serve", "--no-engine", *args],
                          env=serve_env(tmp_path), cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -22,7 +22,8 @@ from ops.supervisor import (RestartPolicy, Supervisor, http_ok, parse_cpu_list, 
                             unix_socket_accepts, wait_until)
 from inference.admission import reap as admission_reap
 from inference.config import SETTINGS
-from inference.engine.watchdog import EXIT_STEP_LOOP_WEDGED, STEP_WATCHDOG_S
+from inference.engine.watchdog import (EXIT_STEP_LOOP_WEDGED, STEP_WATCHDOG_MIN_S, STEP_WATCHDOG_S,
+                                       check_watchdog_seconds)
 from inference.protocol.engine import replicas_index_key
 from registry.models import ServedModel
 from registry.selectors import served_models_enabled
@@ -102,7 +103,7 @@ class Command(BaseCommand):
         parser.add_argument("--engine-step-watchdog-s", type=float, default=None,
                             help="each engine's own step-loop watchdog (--step-watchdog-s: a replica whose step loop "
                                  "has not turned over this many seconds withdraws and exits for serve to restart it); "
-                                 "0 turns it off (default: the engines' own, "
+                                 f"0 turns it off, else at least {STEP_WATCHDOG_MIN_S:g} s (default: the engines' own, "
                                  f"{STEP_WATCHDOG_S:.0f} s, vLLM's bound on one model step). Raise it where a "
                                  "legitimate step can take longer (a throttled CPU, a long whole-prompt prefill)")
         parser.add_argument("--demo", action="store_true",
@@ -149,9 +150,12 @@ class Command(BaseCommand):
             raise CommandError(f"--engine-unresponsive-s {opts['engine_unresponsive_s']}: seconds >= 0 (0 turns the "
                                "watch off)")
         step_watchdog = opts["engine_step_watchdog_s"]
-        if step_watchdog is not None and (not math.isfinite(step_watchdog) or step_watchdog < 0):
-            raise CommandError(f"--engine-step-watchdog-s {step_watchdog}: seconds >= 0 (0 turns the engines' "
-                               "watchdog off)")
+        if step_watchdog is not None:
+            try:
+                step_watchdog = check_watchdog_seconds(step_watchdog)
+            except ValueError:
+                raise CommandError(f"--engine-step-watchdog-s {step_watchdog}: 0 (the engines' watchdog off) or "
+                                   f"seconds >= {STEP_WATCHDOG_MIN_S:g}") from None
         redis_url = settings.REDIS_URL
         if settings.REDIS_EMBEDDED:
             # options, password included, in a 0600 file: a command line is world-readable (ps, /proc/PID/cmdline)
