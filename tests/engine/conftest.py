@@ -233,7 +233,15 @@ def engine(backend, redis_url, link_prefix, model_dir, tmp_path_factory):
     eng = EngineProc(redis_url, f"{link_prefix}{backend[0]}", model_dir, log, "--max-num-seqs", "8",
                      "--max-model-len", "512", "--step-watchdog-s", "30", *budget, backend=backend)
     yield eng
-    stop_in_background(f"{backend} engine", eng.stop)
+
+    def stop_and_clear() -> None:
+        # then what the replica and this client left under the prefix (this client's outputs stream has no TTL)
+        eng.stop()
+        keys = list(eng.r.scan_iter(f"{eng.prefix}:*", count=1000))
+        if keys:
+            eng.r.delete(*keys)
+
+    stop_in_background(f"{backend} engine", stop_and_clear)
 
 
 @pytest.fixture
