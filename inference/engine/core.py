@@ -14,9 +14,10 @@ One iteration ("step"):
    left starts a chunk at a time (a prompt whose prefix K/V is cached runs on its own from there:
    ``prefix_cache.py``); publish the first tokens this gave, then run one decode step for every sequence that was
    running when the step began (``step``). So a long prompt never stalls the running decodes for more than one
-   chunk's forward, and a newcomer's first token does not wait for the running batch's decode. Waiting requests go in order of ``priority`` (the caller's tier, set by the gateway
-   from the API key: ``inference.admission.engine_priority``), then arrival (``enqueue_by_priority``: vLLM's
-   priority scheduling order, without its preemption);
+   chunk's forward, and a newcomer's first token does not wait for the running batch's decode. Waiting requests go
+   in order of ``priority`` (the caller's tier, set by the gateway from the API key:
+   ``inference.admission.engine_priority``), then arrival (``enqueue_by_priority``: vLLM's priority scheduling
+   order, without its preemption);
 4. sample (batched), apply stop rules, publish one ``EngineCoreOutputs`` message per client_id.
 
 A heartbeat thread SETs ``replica_key`` (``EngineStats``) with a TTL so api processes notice a dead
@@ -749,8 +750,7 @@ class EngineCore:
             self.prefilling.append(partial)
             self._prefill_chunk(partial, max(budget, 1))
         # a failed sampling of the prefills fails the whole running batch (_prefilled): nothing of it to decode then
-        running = set(map(id, self.running))
-        decode_seqs = [s for s in decode_seqs if id(s) in running and s.finish_reason is None]
+        decode_seqs = [s for s in decode_seqs if s.finish_reason is None]
         if first_tokens_out is not None and decode_seqs and self._pending:
             first_tokens_out()
         # 3. decode the sequences that were running at the step's start

@@ -153,9 +153,8 @@ class Command(BaseCommand):
         if step_watchdog is not None:
             try:
                 step_watchdog = check_watchdog_seconds(step_watchdog)
-            except ValueError:
-                raise CommandError(f"--engine-step-watchdog-s {step_watchdog}: 0 (the engines' watchdog off) or "
-                                   f"seconds >= {STEP_WATCHDOG_MIN_S:g}") from None
+            except ValueError as exc:
+                raise CommandError(f"--engine-step-watchdog-s: {exc}") from None
         redis_url = settings.REDIS_URL
         if settings.REDIS_EMBEDDED:
             # options, password included, in a 0600 file: a command line is world-readable (ps, /proc/PID/cmdline)
