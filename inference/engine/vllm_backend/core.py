@@ -4,7 +4,8 @@ The link half is inherited unchanged: the consumer group on the request stream (
 replica left pending), aborts from the control stream (also ones that overtake their request), heartbeats with
 ``EngineStats``, the acceptance output, dropping the requests of vanished api processes, outputs batched into one
 ``EngineCoreOutputs`` message per step per api process, and the shutdown rules. Only the model half differs: a
-request becomes ``LLMEngine.add_request(request_id, TokensPrompt(prompt_token_ids=...), SamplingParams(...))``,
+request becomes ``LLMEngine.add_request(request_id, TokensPrompt(prompt_token_ids=..., cache_salt=...),
+SamplingParams(...))`` (the gateway's per-tenant cache salt salts vLLM's prefix-cache block hashes, as ours),
 one ``step`` is one ``LLMEngine.step()`` (vLLM's scheduler and model runner, in its own engine-core process), and
 its ``RequestOutput``s (``RequestOutputKind.DELTA``: the new token ids, logprobs, finish, ``num_cached_tokens``)
 become our ``EngineCoreOutput``s. An abort is ``LLMEngine.abort_request``.
@@ -37,6 +38,7 @@ from .params import (
     prompt_logprob_entries,
     sampling_kwargs,
     stop_reason_of,
+    tokens_prompt,
 )
 
 log = logging.getLogger("inference.engine.vllm")
@@ -202,8 +204,7 @@ class VllmEngineCore(EngineCore):
             params = self._params.pop(seq.request_id)
             seq.scheduled_ts = now()
             try:
-                self.vllm.engine.add_request(seq.request_id,
-                                             TokensPrompt(prompt_token_ids=seq.request.prompt_token_ids), params,
+                self.vllm.engine.add_request(seq.request_id, TokensPrompt(**tokens_prompt(seq.request)), params,
                                              arrival_time=seq.request.arrival_time)
             except Exception as exc:  # noqa: BLE001 - vLLM refused it (its own input checks): fail this request only
                 log.warning("vLLM refused request %s: %s", seq.request_id, exc)

@@ -1,5 +1,6 @@
 """Our link's wire types ↔ vLLM's request and output fields, as plain data (importable without vLLM).
 
+``tokens_prompt`` turns an ``EngineCoreRequest`` into vLLM's prompt dict (token ids and the cache salt);
 ``sampling_kwargs`` turns our ``SamplingParams`` into the keyword arguments of ``vllm.SamplingParams``;
 ``logprob_entries`` / ``prompt_logprob_entries`` turn vLLM's per-position ``{token_id: Logprob}`` maps into our
 ``[sampled_logprob, [[token_id, logprob], ...top-k]]`` entries; ``stop_reason_of`` maps a finish back.
@@ -12,12 +13,28 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from inference.protocol.engine import STRUCTURED_KINDS, SamplingParams
+from inference.protocol.engine import STRUCTURED_KINDS, EngineCoreRequest, SamplingParams
 
 
 class UnsupportedRequestError(ValueError):
     """A request this backend cannot serve as asked (fails only that request; the gateway refuses these with a
     400 before they reach an engine, see ``registry.backends``)."""
+
+
+def tokens_prompt(req: EngineCoreRequest) -> dict[str, Any]:
+    """The fields of vLLM's ``TokensPrompt`` (``vllm/inputs/llm.py``, a ``TypedDict``) for ``req``:
+    ``prompt_token_ids`` (list of int) and, when ``req.cache_salt`` is a non-empty string, ``cache_salt``.
+
+    The salt is the gateway's per-cache-scope one (``gateway.pipeline.inputs.cache_salt_for``: the tenant or its
+    cache group, and the request's own ``cache_salt``). vLLM mixes it into the hash of a prompt's first KV block
+    only, and only when non-empty (``generate_block_hash_extra_keys`` in ``vllm/v1/core/kv_cache_utils.py``), as
+    our engine does (``inference.prefix_hash.block_hashes``): so on both backends prefix-cache blocks, and the
+    ``cached_tokens`` a caller sees, are shared only within one scope. ``None`` or ``""``: unsalted on both.
+    """
+    prompt: dict[str, Any] = {"prompt_token_ids": req.prompt_token_ids}
+    if req.cache_salt:
+        prompt["cache_salt"] = req.cache_salt
+    return prompt
 
 
 def sampling_kwargs(sp: SamplingParams, *, vocab_size: int) -> dict[str, Any]:
