@@ -2,8 +2,10 @@
 
 Auth: the Django session (``AuthMiddlewareStack``). A user for whom ``usage.web.can_view_all_tenants`` holds
 (active staff with ``usage.view_usagerollup``) may ask for ``"operator": true`` (all tenants); anyone else gets
-only the tenant they own. The user is read afresh from the database (in a worker thread) before every push:
-one deactivated, or asking for all tenants after losing the staff flag or the permission, gets an error
+only the tenant they own; with ``DJANGO_ADMIN_OTP`` the all-tenant view also needs the session's second factor,
+verified at the admin's login (``second_factor_verified``), as the admin does. The user is read afresh from the
+database (in a worker thread) before every push: one deactivated, or asking for all tenants after losing the staff
+flag or the permission (or without a verified second factor), gets an error
 (``{"error": {"message", "type": "permission_error", "param": null, "code": "forbidden"}}``) and the socket
 is closed with code 4403. Client → server JSON: ``{"range": "hour"|"day"|"30d",
 "api_key_id": int|null, "operator": bool}``, an operator view also ``"tenant": int|null, "q": str, "page": int``
@@ -16,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from types import SimpleNamespace
 
 from channels.db import database_sync_to_async  # closes broken DB connections (a PostgreSQL restart)
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
 from django.contrib.auth import get_user_model
 
 from tenancy.models import ApiKey, Tenant
@@ -39,16 +43,35 @@ def _id_or_none(value) -> int | None:
     return value if type(value) is int and 0 < value < 2**63 else None
 
 
-def _resolve(user_pk, want_operator: bool, key_id):
+def second_factor_verified(user, session) -> bool:
+    """Whether the Django ``session`` (a WebSocket scope's ``session``) carries a second factor verified for
+    ``user`` when the admin demands one (``DJANGO_ADMIN_OTP``; always True when it does not).
+
+    The admin's own rule (django-otp's ``OTPAdminSite``: ``user.is_verified()``, which django-otp's
+    ``OTPMiddleware`` installs from the session's device: confirmed, the user's own). Django's middleware does not
+    run on a Channels WebSocket scope, so that middleware is run here on the scope's session. Blocking (it reads
+    the session and the device from the database): call it off the event loop."""
+    if not settings.ADMIN_OTP:
+        return True
+    from django_otp.middleware import OTPMiddleware
+
+    request = SimpleNamespace(user=user, session=session)
+    OTPMiddleware(lambda req: req)(request)  # replaces request.user with the user django-otp verified
+    return bool(request.user.is_verified())
+
+
+def _resolve(user_pk, want_operator: bool, key_id, session=None):
     """``(tenant_id, key_id)`` the user ``user_pk`` (read now from the database) may watch (``tenant_id``
     None = all tenants); False when it owns no such tenant/key; ``_REFUSED`` when the user is gone or
-    inactive, or asks for all tenants without ``usage.web.can_view_all_tenants``. Blocking: call it off the
+    inactive, or asks for all tenants without ``usage.web.can_view_all_tenants`` or, when the admin demands a
+    second factor, without one verified in ``session`` (``second_factor_verified``). Blocking: call it off the
     event loop."""
     user = get_user_model().objects.filter(pk=user_pk).first()
     if user is None or not user.is_active:
         return _REFUSED
     if want_operator:
-        return (None, key_id) if can_view_all_tenants(user) else _REFUSED
+        allowed = can_view_all_tenants(user) and second_factor_verified(user, session)
+        return (None, key_id) if allowed else _REFUSED
     tenant = Tenant.objects.filter(owner=user, is_active=True).order_by("pk").first()
     if tenant is None:
         return False
@@ -113,8 +136,8 @@ class UsageLiveConsumer(AsyncJsonWebsocketConsumer):
             return
         user_pk = self.scope["user"].pk
         view = dict(self.view)
-        resolved = await database_sync_to_async(_resolve, thread_sensitive=False)(user_pk, view["operator"],
-                                                                         view["api_key_id"])
+        resolved = await database_sync_to_async(_resolve, thread_sensitive=False)(
+            user_pk, view["operator"], view["api_key_id"], self.scope.get("session"))
         if resolved is _REFUSED:
             await self._refuse()
             return
