@@ -6,10 +6,9 @@ from typing import Any
 
 from channels.db import database_sync_to_async  # closes broken DB connections (a PostgreSQL restart)
 
-from gateway import auth
 from gateway.errors import ErrorCode, not_found
 from gateway.http import GatewayConsumer
-from gateway.pipeline import limits
+from gateway.pipeline import limits, preamble
 from registry.models import ServedModel
 from registry.selectors import served_models_enabled
 from tenancy.selectors import AuthContext
@@ -22,12 +21,13 @@ def _model_card(m: ServedModel) -> dict[str, Any]:
 
 
 class ModelsConsumer(GatewayConsumer):
-    """Lists the enabled models this key may use; ``/v1/models/<id>`` retrieves one."""
+    """Lists the enabled models this key may use; ``/v1/models/<id>`` retrieves one. Needs the ``inference`` scope,
+    as the other inference routes (403 ``permission_error`` without it)."""
 
     methods = ("GET",)
 
     async def handle_request(self, body: bytes) -> None:
-        ctx = await auth.authenticate(self.scope["headers"])
+        ctx = await preamble.authenticate(self)  # 401 without a valid key, 403 without the 'inference' scope
         async with limits.held(self, ctx):  # one request of the key's RPM and concurrency
             await self._answer(ctx)
 

@@ -203,7 +203,7 @@ def openapi_document() -> dict[str, Any]:
     components.update(_RESPONSES)
     tokenize_body = {"oneOf": [{"$ref": _REF + "TokenizeCompletionRequest"},
                                {"$ref": _REF + "TokenizeChatRequest"}]}
-    models_errors = {k: v for k, v in _ERRORS_COMMON.items() if k != "403"}
+    models_errors = {**_ERRORS_COMMON, "403": "the key lacks the ``inference`` scope"}
     render = _operation("Render a completion request into tokens-in requests, one per prompt (vLLM)",
                         "TokensInRequest", request="CompletionRequest")
     render["responses"]["200"]["content"] = {"application/json": {"schema": {
