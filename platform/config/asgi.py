@@ -3,6 +3,10 @@
 WebSockets (live usage dashboards) go to ``usage.routing``; the ASGI lifespan to ``gateway.lifespan`` (the
 admission lease and reaper start with the process). HTTP requests under the gateway prefixes (``/v1/``, ``/health``, ``/tokenize``, ...) go to the gateway's
 Channels consumers; everything else (admin, REST control API, dashboards) goes to Django's ASGI handler.
+
+A configuration the platform refuses (config/startup_checks.py: an example secret, a TLS proxy without trusted proxy
+addresses) ends the process at import with one line on stderr and uvicorn's start-up failure status, so uvicorn's
+worker supervisor stops rather than restarting the worker forever.
 """
 
 import faulthandler
@@ -10,17 +14,28 @@ import os
 import signal
 
 from django.core.asgi import get_asgi_application
+from django.core.exceptions import ImproperlyConfigured
+
+from config.startup_checks import refuse_start, untrusted_proxy_problem
 
 # ``kill -USR2 <pid>`` writes every thread's Python stack to the process's log (faulthandler, from C: it works while
 # the loop or a thread is stuck); the render workers do the same (inference/render_limits.py)
 faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
-django_asgi_app = get_asgi_application()
+try:
+    django_asgi_app = get_asgi_application()
+except ImproperlyConfigured as exc:  # e.g. an example secret (config/startup_checks.py): the same on every restart
+    refuse_start(str(exc))
 
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
 from django.conf import settings  # noqa: E402
+
+# behind a TLS proxy, the api needs the proxies it may believe X-Forwarded-For from (config/startup_checks.py)
+if (_problem := untrusted_proxy_problem(behind_tls_proxy=settings.BEHIND_TLS_PROXY,
+                                        forwarded_allow_ips=settings.FORWARDED_ALLOW_IPS)):
+    refuse_start(f"Refusing to start the api: {_problem}")
 
 from config.body_limit import BodyLimitMiddleware  # noqa: E402
 from gateway import handoff, ingress  # noqa: E402

@@ -8,6 +8,9 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
 ==========================  =================================================================================
 ``DJANGO_SECRET_KEY``       (or ``SECRET_KEY``) Django secret. Default: generated once, stored in
                             ``var/secret_key`` (mode 0600). Set it explicitly when running on several machines.
+                            With ``DEBUG`` off, every process refuses to start while it, ``API_KEY_PEPPER``,
+                            ``REDIS_URL``, ``DATABASE_URL`` or ``SEGMENT_CACHE_REDIS_URL`` still holds the example
+                            value ``CHANGE_ME...`` of ``deploy/`` (config/startup_checks.py).
 ``DJANGO_DEBUG``            (or ``DEBUG``) ``1/true/yes/on`` enables debug. Default False.
 ``DJANGO_ALLOWED_HOSTS``    (or ``ALLOWED_HOSTS``) comma-separated. Default ``127.0.0.1,localhost,[::1]``.
 ``DATABASE_URL``            dj-database-url syntax. Default SQLite at ``var/db.sqlite3`` (busy timeout 20 s,
@@ -67,7 +70,8 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
 ``FORWARDED_ALLOW_IPS``     comma-separated proxy addresses (or networks) whose ``X-Forwarded-For``/``-Proto``
                             ``manage.py serve``'s uvicorn believes (its ``--forwarded-allow-ips``). Default empty:
                             proxy headers are ignored (``--no-proxy-headers``), so a client cannot pick the
-                            address that login throttling counts.
+                            address that login throttling counts. Required with ``DJANGO_BEHIND_TLS_PROXY``: the api
+                            refuses to start without it (config/startup_checks.py).
 ``LOGIN_COOLOFF_MINUTES``   how long such a lockout lasts. Default 15.
 ``DJANGO_ADMIN_OTP``        ``1``: the admin asks staff for a TOTP code too (django-otp's ``OTPAdminSite``); enrol a
                             device first with ``manage.py enrol_totp USERNAME``. Default off.
@@ -101,6 +105,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import dj_database_url
 
+from config import startup_checks as _startup_checks  # refusals at start (a plain module: no Django)
+from inference.config import SETTINGS as _INFERENCE_SETTINGS
 from inference.redis_timeouts import blocking_socket_timeout
 from ops import layout as _layout  # serve's engine-layout defaults (a plain module: no Django)
 
@@ -171,6 +177,21 @@ def _celery_redis_url(url: str) -> str:
 # --- core --------------------------------------------------------------------------------------------
 SECRET_KEY = _env_first("DJANGO_SECRET_KEY", "SECRET_KEY") or _secret_key_load_or_create(VAR_DIR / "secret_key")
 DEBUG = _env_bool("DJANGO_DEBUG", "DEBUG", default=False)
+# A secret that still holds deploy/'s example value (CHANGE_ME...) is public: refused unless DEBUG (every Django
+# process loads these settings, so every one refuses; config/startup_checks.py).
+_EXAMPLE_SECRETS = _startup_checks.example_secret_names({
+    "DJANGO_SECRET_KEY" if _env_first("DJANGO_SECRET_KEY") else "SECRET_KEY": _env_first("DJANGO_SECRET_KEY",
+                                                                                         "SECRET_KEY"),
+    "API_KEY_PEPPER": _env_first("API_KEY_PEPPER"),
+    "REDIS_URL": _env_first("REDIS_URL"),
+    "DATABASE_URL": _env_first("DATABASE_URL"),
+    "SEGMENT_CACHE_REDIS_URL": _INFERENCE_SETTINGS.segment_cache_redis_url,
+})
+if _EXAMPLE_SECRETS and not DEBUG:
+    from django.core.exceptions import ImproperlyConfigured
+
+    raise ImproperlyConfigured(_startup_checks.example_secrets_message(_EXAMPLE_SECRETS))
+
 ALLOWED_HOSTS = _env_list("DJANGO_ALLOWED_HOSTS", "ALLOWED_HOSTS", default="127.0.0.1,localhost,[::1]")
 CSRF_TRUSTED_ORIGINS = _env_list("DJANGO_CSRF_TRUSTED_ORIGINS", default="")
 

@@ -13,6 +13,7 @@ import redis
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from config.startup_checks import untrusted_proxy_problem
 from ops.bootstrap import demo_bootstrap, embedded_redis_config_write, private_tree, redacted_url
 from ops.engine_watch import ENGINE_UNRESPONSIVE_S, HeartbeatWatch
 from ops.migrate import migrate_serialized
@@ -116,6 +117,11 @@ class Command(BaseCommand):
                                  "1 for a new registration)")
 
     def handle(self, *args, **opts):
+        # the api it would start refuses this configuration (config.asgi): refused before anything starts
+        problem = untrusted_proxy_problem(behind_tls_proxy=settings.BEHIND_TLS_PROXY,
+                                          forwarded_allow_ips=settings.FORWARDED_ALLOW_IPS)
+        if problem:
+            raise CommandError(f"Refusing to start: {problem}")
         var_dir = Path(settings.VAR_DIR)
         # everything this process and its children create is private to this user (inherited by every child),
         # and what earlier runs left under var/ is made so too: dirs 0700, files and sockets 0600
