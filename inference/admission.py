@@ -197,10 +197,11 @@ def holders_key(prefix: str) -> str:
 # ------------------------------------------------------------------------------------------------ Lua
 # Shared check. Returns nil when admissible, else {reason, limit, measure}: the hard limits first (as before
 # fairness existed), then the tier's ceiling, then the tenant's weighted share above the soft threshold.
-# ``tier``: the caller's priority tier; ``treqs``/``ttoks``: what the caller's tenant holds already; ``share``: the
+# ``tier``: the caller's priority tier; ``treqs``/``ttoks``: what the caller's tenant holds already (requests as
+# counted for its share: see ``Reservation.fair_cost``); ``tn``: what this request adds to ``treqs``; ``share``: the
 # tenant's weighted share (0..1] of each limit among the tenants holding reservations (1 = alone / no tenant).
 _CHECK = """
-local function check(limits_key, reqs, toks, n, add, tier, treqs, ttoks, share)
+local function check(limits_key, reqs, toks, n, add, tier, treqs, ttoks, share, tn)
   local lim = redis.call('HMGET', limits_key, 'max_num_queued_reqs', 'max_num_queued_tokens',
                          'fair_share_threshold_pct', 'tier_ceiling_pct:' .. tier)
   local mr = tonumber(lim[1])
@@ -218,7 +219,7 @@ local function check(limits_key, reqs, toks, n, add, tier, treqs, ttoks, share)
     end
   end
   if soft < 100 and share < 1 then
-    if mr and treqs > 0 and (reqs + n) * 100 > mr * soft and treqs + n > mr * share then
+    if mr and treqs > 0 and (reqs + n) * 100 > mr * soft and treqs + tn > mr * share then
       return {'fair_share', math.floor(mr * share), 'reqs'}
     end
     if mt and add > 0 and ttoks > 0 and (toks + add) * 100 > mt * soft and ttoks + add > mt * share then
@@ -234,7 +235,8 @@ end
 """
 
 # KEYS: limits, state, refused, reservation, holder set, holders zset, models set, tenants, tenant counts
-# ARGV: n, per-child tokens, holder, lease_ms, reservation id, model, request id, tenant ('' = none), weight, tier
+# ARGV: n, per-child tokens, holder, lease_ms, reservation id, model, request id, tenant ('' = none), weight, tier,
+# fair cost (requests each child counts as in its tenant's share)
 # Returns {1, reqs, tokens, fair rank} admitted, {0, reason, limit, reqs, tokens, measure, tenant reqs, tenant tokens}
 # refused. Fair rank (0..99, 0 without fairness): 10 × what the tenant holds after admission / its share of the
 # limit (tokens when bounded, else requests), the engine's order within a tier (``engine_priority``).
@@ -254,6 +256,7 @@ local reqs = tonumber(st[1]) or 0
 local toks = tonumber(st[2]) or 0
 local wsum = tonumber(st[3]) or 0
 local add = n * ptok
+local tn = n * (tonumber(ARGV[11]) or 1)
 local treqs, ttoks, wold, share = 0, 0, nil, 1
 if tenant ~= '' then
   local tv = redis.call('HMGET', KEYS[8], 'r:' .. tenant, 't:' .. tenant, 'w:' .. tenant)
@@ -263,7 +266,7 @@ if tenant ~= '' then
   local others = wsum - (wold or 0)
   if others > 0 then share = weight / (others + weight) end
 end
-local bad = check(KEYS[1], reqs, toks, n, add, ARGV[10], treqs, ttoks, share)
+local bad = check(KEYS[1], reqs, toks, n, add, ARGV[10], treqs, ttoks, share, tn)
 if bad then
   redis.call('HINCRBY', KEYS[3], bad[1], 1)
   if tenant ~= '' then redis.call('HINCRBY', KEYS[9], 'x:' .. tenant, 1) end
@@ -272,14 +275,14 @@ end
 redis.call('HINCRBY', KEYS[2], 'reqs', n)
 redis.call('HINCRBY', KEYS[2], 'tokens', add)
 local fields = {'model', ARGV[6], 'holder', ARGV[3], 'reqs', n, 'ptok', ptok, 'tokens', add, 'rid', ARGV[7],
-                'tenant', tenant}
+                'tenant', tenant, 'treqs', tn}
 for i = 0, n - 1 do
   fields[#fields + 1] = 'c' .. i
   fields[#fields + 1] = 1
 end
 redis.call('HSET', KEYS[4], unpack(fields))
 if tenant ~= '' then
-  redis.call('HINCRBY', KEYS[8], 'r:' .. tenant, n)
+  redis.call('HINCRBY', KEYS[8], 'r:' .. tenant, tn)
   redis.call('HINCRBY', KEYS[8], 't:' .. tenant, add)
   if wold ~= weight then
     redis.call('HSET', KEYS[8], 'w:' .. tenant, weight)
@@ -296,7 +299,7 @@ if tenant ~= '' then
   local mr, mt, soft = tonumber(lim[1]), tonumber(lim[2]), tonumber(lim[3]) or 100
   local frac = nil
   if soft < 100 and mt and mt > 0 then frac = (ttoks + add) / (mt * share)
-  elseif soft < 100 and mr and mr > 0 then frac = (treqs + n) / (mr * share) end
+  elseif soft < 100 and mr and mr > 0 then frac = (treqs + tn) / (mr * share) end
   if frac then rank = math.min(99, math.floor(frac * 10)) end
 end
 return {1, reqs + n, toks + add, rank}
@@ -306,7 +309,7 @@ return {1, reqs + n, toks + add, rank}
 _RELEASE_FN = """
 local function release_res(prefix, rid)
   local rkey = prefix .. ':adm:r:' .. rid
-  local v = redis.call('HMGET', rkey, 'model', 'holder', 'reqs', 'tokens', 'tenant')
+  local v = redis.call('HMGET', rkey, 'model', 'holder', 'reqs', 'tokens', 'tenant', 'treqs')
   if not v[1] then return 0 end
   local skey = prefix .. ':adm:m:' .. v[1] .. ':state'
   redis.call('HINCRBY', skey, 'reqs', 0 - tonumber(v[3]))
@@ -314,7 +317,7 @@ local function release_res(prefix, rid)
   local t = v[5]
   if t and t ~= '' then
     local tkey = prefix .. ':adm:m:' .. v[1] .. ':tenants'
-    local left = redis.call('HINCRBY', tkey, 'r:' .. t, 0 - tonumber(v[3]))
+    local left = redis.call('HINCRBY', tkey, 'r:' .. t, 0 - tonumber(v[6] or v[3]))
     redis.call('HINCRBY', tkey, 't:' .. t, 0 - tonumber(v[4]))
     if left <= 0 then
       local w = tonumber(redis.call('HGET', tkey, 'w:' .. t)) or 0
@@ -395,7 +398,7 @@ local reqs = tonumber(st[1]) or 0
 local toks = tonumber(st[2]) or 0
 if new > old then
   local others = toks - old
-  local bad = check(KEYS[1], 0, others, 0, new, '0', 0, 0, 1)
+  local bad = check(KEYS[1], 0, others, 0, new, '0', 0, 0, 1, 0)
   if bad then
     redis.call('HINCRBY', KEYS[3], bad[1], 1)
     if v[4] and v[4] ~= '' then
@@ -488,7 +491,10 @@ class Reservation:
 
     ``tenant`` (the caller's tenant id, ``""`` = none: no fairness accounting), ``weight`` (its fair-share
     weight ≥ 1) and ``tier`` (its priority tier) come from the API key, never from the request body;
-    ``fair_rank`` is set when admitted (see ``engine_priority``).
+    ``fair_cost`` (≥ 1): the requests each child counts as in its tenant's share of ``max_num_queued_reqs``, and in
+    its fair rank (a request with an output constraint costs every step a token mask: ``STRUCTURED_FAIR_SHARE_WEIGHT``;
+    the model's own request count is ``n`` whatever the cost); ``fair_rank`` is set when admitted (see
+    ``engine_priority``).
 
     ``reservation_id`` keys the Redis hash; ``provisional`` is True until ``reserve`` settled it to the
     exact prompt length. Release methods on ``Admission`` are idempotent per reservation and child.
@@ -502,6 +508,7 @@ class Reservation:
     tenant: str = ""
     weight: int = 1
     tier: int = TIER_STANDARD
+    fair_cost: int = 1
     fair_rank: int = 0
     provisional: bool = False
     prefill_released: set[int] = field(default_factory=set)
@@ -604,14 +611,15 @@ class Admission:
 
     # --------------------------------------------------------------------------------- checks
     async def precheck(self, model: str, request_id: str, n: int, estimated_tokens: int, *, tenant: str = "",
-                       weight: int = 1, tier: int = TIER_STANDARD) -> Reservation:
+                       weight: int = 1, tier: int = TIER_STANDARD, fair_cost: int = 1) -> Reservation:
         """Provisional reservation of ``n`` requests × ``estimated_tokens`` before rendering, for ``tenant``
-        (weight, tier: see ``Reservation``).
+        (weight, tier, fair cost: see ``Reservation``).
 
         Raises ``AdmissionRefused`` when it does not fit (nothing was reserved then).
         """
         res = Reservation(model=model, request_id=request_id, n=int(n), prompt_tokens=int(estimated_tokens),
-                          tenant=str(tenant), weight=max(1, int(weight)), tier=int(tier), provisional=True)
+                          tenant=str(tenant), weight=max(1, int(weight)), tier=int(tier),
+                          fair_cost=max(1, int(fair_cost)), provisional=True)
         return await self._take_for_caller(res)
 
     async def reserve(self, model: str, request_id: str, n: int, prompt_tokens: int, *,
@@ -637,7 +645,7 @@ class Admission:
         if status == -1:  # reaped (this process stalled past its lease): take a fresh one
             fresh = Reservation(model=model, request_id=request_id, n=int(n), prompt_tokens=int(prompt_tokens),
                                 reservation_id=reservation.reservation_id, tenant=reservation.tenant,
-                                weight=reservation.weight, tier=reservation.tier)
+                                weight=reservation.weight, tier=reservation.tier, fair_cost=reservation.fair_cost)
             await self._take_for_caller(fresh)
             reservation.prompt_tokens = fresh.prompt_tokens
             reservation.provisional = False
@@ -664,7 +672,7 @@ class Admission:
                   f"{p}:adm:h:{self.holder}", holders_key(p), models_key(p), tenants_key(p, m),
                   tenant_counts_key(p, m)],
             args=[res.n, res.prompt_tokens, self.holder, int(LEASE_TTL_S * 1000), res.reservation_id, m,
-                  res.request_id, res.tenant, res.weight, res.tier])
+                  res.request_id, res.tenant, res.weight, res.tier, res.fair_cost])
         if int(out[0]) != 1:
             res.released = True
             raise await self._refusal(m, out, res.tier)

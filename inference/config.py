@@ -50,6 +50,24 @@ variable                           type     default              meaning (unit; 
 ``STRUCTURED_MAX_CHOICES``         int      1024                 entries of ``structured_outputs.choice`` (``structured.py``)
 ``STRUCTURED_MAX_GRAMMAR_SIZE``    int      100000               llguidance grammar symbols (``structured.py``)
 ``STRUCTURED_MAX_LEXER_STATES``    int      50000                llguidance lexer states per grammar (``structured.py``)
+``STRUCTURED_MAX_GRAMMAR_LINES``   int      4096                 lines of a ``structured_outputs.grammar`` (``structured_caps.py``)
+``STRUCTURED_MAX_GRAMMAR_RULES``   int      512                  rule definitions of a grammar (``structured_caps.py``)
+``STRUCTURED_MAX_NESTING``         int      64                   nested groups (parentheses) of a grammar or regular
+                                                                 expression (``structured_caps.py``)
+``STRUCTURED_MAX_SCHEMA_REFS``     int      512                  ``$ref`` s of a JSON schema (``structured_caps.py``)
+``STRUCTURED_MAX_SCHEMA_DEFS``     int      512                  ``$defs`` / ``definitions`` entries of a JSON schema
+                                                                 (``structured_caps.py``)
+``STRUCTURED_COMPILE_CPU_S``       float    1                    CPU seconds one constraint's compile may use in the api's
+                                                                 grammar sandbox process; past it: 400 (``structured_sandbox.py``)
+``STRUCTURED_COMPILE_PROCESSES``   int      2                    grammar sandbox processes per api process
+                                                                 (``structured_sandbox.py``)
+``STRUCTURED_COMPILE_PER_TENANT``  int      1                    compiles of one tenant running at once in one api process's
+                                                                 sandbox; more wait (``structured_sandbox.py``)
+``STRUCTURED_COMPILE_MAX_BYTES``   int      1073741824 (1 GiB)   address space of a sandbox process (``structured_sandbox.py``)
+``STRUCTURED_COMPILE_CACHE_SIZE``  int      1024                 compile results an api process keeps (LRU, per cache
+                                                                 scope) (``structured_sandbox.py``)
+``STRUCTURED_FAIR_SHARE_WEIGHT``   int      2                    requests a constrained request counts as in its tenant's
+                                                                 fair share of the admission limits (``admission.py``)
 ``STRUCTURED_COMPILE_THREADS``     int      2                    engine threads compiling grammars
                                                                  (``engine/structured.py``)
 ``STRUCTURED_GRAMMAR_CACHE_SIZE``  int      256                  compiled grammars an engine keeps (LRU)
@@ -127,6 +145,17 @@ class InferenceSettings:
     structured_max_choices: int = 1024
     structured_max_grammar_size: int = 100_000
     structured_max_lexer_states: int = 50_000
+    structured_max_grammar_lines: int = 4096
+    structured_max_grammar_rules: int = 512
+    structured_max_nesting: int = 64
+    structured_max_schema_refs: int = 512
+    structured_max_schema_defs: int = 512
+    structured_compile_cpu_s: float = 1.0
+    structured_compile_processes: int = 2
+    structured_compile_per_tenant: int = 1
+    structured_compile_max_bytes: int = 1 << 30
+    structured_compile_cache_size: int = 1024
+    structured_fair_share_weight: int = 2
     structured_compile_threads: int = 2
     structured_grammar_cache_size: int = 256
     segment_cache_max_tokens: int = 4_000_000

@@ -19,7 +19,7 @@ from typing import Any
 
 from inference.protocol.engine import EngineCoreRequest, SamplingParams
 from inference.protocol.openai import RequestValidationError
-from inference.structured import constraint_of
+from inference.structured import Constraint
 
 
 @dataclass(frozen=True)
@@ -183,20 +183,17 @@ def resolve_max_tokens(*, prompt_len: int, max_model_len: int, requested: int | 
 
 def build_sampling_params(req: Any, *, max_tokens: int, defaults: GenerationDefaults, vocab_size: int,
                           logprobs: int | None, prompt_logprobs: int | None = None,
-                          constraint: Any = None) -> SamplingParams:
+                          constraint: Constraint | None = None) -> SamplingParams:
     """Merge request values over model defaults over OpenAI defaults into ``SamplingParams``.
 
-    ``constraint``: the output constraint decided before, copied to the structured fields: the request's
-    ``response_format`` / ``structured_outputs`` validated by the gateway (``inference.structured.Constraint``),
-    or ``inference.tool_parsers.forced.ToolChoiceConstraint`` for ``tool_choice`` required/named (``kind``,
-    ``spec``, ``after_token_ids``).
+    ``constraint``: the output constraint the gateway compiled (``inference.structured.Constraint`` in its engine
+    form: the request's ``response_format`` / ``structured_outputs``, or the schema a ``tool_choice`` required/named
+    forces), copied to the structured fields; ``None``: unconstrained (a request's own constraint fields are never
+    sent to an engine unchecked).
 
     Order per field (vLLM ``to_sampling_params``): request value → ``generation_config.json`` → OpenAI
     default. Raises ``RequestValidationError`` for ``logit_bias`` / ``stop_token_ids`` ids outside the
     vocabulary and ``min_tokens`` > ``max_tokens``.
-
-    Without ``constraint`` the request's own ``response_format`` / ``structured_outputs`` are mapped unvalidated (``constraint_of``: the engine then
-    refuses a bad one by finishing the request with an error).
     """
     def pick(value: Any, default: Any, fallback: Any) -> Any:
         if value is not None:
@@ -226,8 +223,6 @@ def build_sampling_params(req: Any, *, max_tokens: int, defaults: GenerationDefa
     temperature = float(pick(req.temperature, defaults.temperature, 1.0))
     greedy = temperature < 1e-5
     top_k = int(pick(req.top_k, defaults.top_k, 0))
-    if constraint is None:
-        constraint = constraint_of(req)
     return SamplingParams(
         temperature=0.0 if greedy else temperature,
         top_p=1.0 if greedy else float(pick(req.top_p, defaults.top_p, 1.0)),
@@ -248,7 +243,7 @@ def build_sampling_params(req: Any, *, max_tokens: int, defaults: GenerationDefa
         vocab_size=vocab_size,
         structured_kind=constraint.kind if constraint is not None else None,
         structured_spec=constraint.spec if constraint is not None else "",
-        structured_after_token_ids=list(getattr(constraint, "after_token_ids", ()) or ()),
+        structured_after_token_ids=list(constraint.after_token_ids) if constraint is not None else [],
     )
 
 
@@ -256,7 +251,7 @@ def process_inputs(req: Any, *, external_id: str, prompt_token_ids: list[int], p
                    max_model_len: int, vocab_size: int, defaults: GenerationDefaults, client_id: str,
                    arrival_time: float | None = None, eos_token_ids: list[int] | None = None,
                    logprobs: int | None = None, cache_salt: str | None = None,
-                   prompt_logprobs: int | None = None, constraint: Any = None) -> ProcessedInput:
+                   prompt_logprobs: int | None = None, constraint: Constraint | None = None) -> ProcessedInput:
     """Turn a validated chat/completion request plus its prompt ids into ``n`` ``EngineCoreRequest``s.
 
     ``logprobs`` / ``prompt_logprobs``: the engine's ``SamplingParams`` fields (top-k per generated / prompt

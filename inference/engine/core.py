@@ -216,7 +216,8 @@ class EngineCore:
         if sp.structured_kind not in STRUCTURED_KINDS:
             raise RequestError(f"unknown structured_kind {sp.structured_kind!r}")
         eos = seq.eos_ids or frozenset(self.runner.eos_token_ids)
-        return SequenceGrammar(self.grammars.compile(sp.structured_kind, sp.structured_spec),
+        return SequenceGrammar(self.grammars.compile(sp.structured_kind, sp.structured_spec,
+                                                     scope=seq.request.cache_salt or ""),
                                sp.structured_after_token_ids, eos)
 
     def _load_grammar_tokenizer(self) -> None:

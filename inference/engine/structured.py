@@ -3,8 +3,12 @@ per-step token mask (issue 16; the request side and the grammar text: ``inferenc
 
 * ``GrammarCompiler``: a small thread pool (``STRUCTURED_COMPILE_THREADS``) builds the llguidance tokenizer of the
   served model once, then compiles each constraint into a pristine ``LLMatcher`` (llguidance drops the GIL while it
-  builds one), kept in an LRU (``STRUCTURED_GRAMMAR_CACHE_SIZE``) by ``spec_key(kind, spec, tokenizer id)``. A
-  request's ``compile`` returns a ``Future``; the step loop never waits on it (``SequenceGrammar.ready``).
+  builds one), kept in an LRU (``STRUCTURED_GRAMMAR_CACHE_SIZE``) by ``(kind, spec, cache scope)``: a compiled
+  grammar is reused only by requests of one cache scope (a shared one would tell a tenant, by its TTFT, which
+  schemas another sent). A request's ``compile`` returns a ``Future``; the step loop never waits on it
+  (``SequenceGrammar.ready``). The spec is the engine form the gateway's grammar sandbox produced
+  (``inference.structured.engine_grammar``: native library calls only; no Python-side conversion of client text
+  runs here, where it would hold the GIL against the step loop and the heartbeat).
 * ``SequenceGrammar``: a sequence's own matcher, a ``deep_copy`` of the cached pristine one (cheap: the compiled
   grammar is shared), so the ``n`` children of a request advance independently. With ``after_token_ids`` it is
   inactive (unconstrained output) until one of those ids was sampled.
@@ -33,7 +37,7 @@ import numpy as np
 import torch
 
 from inference.config import SETTINGS
-from inference.structured import StructuredSpecError, grammar_for, parser_limits, spec_key
+from inference.structured import StructuredSpecError, engine_grammar, parser_limits
 
 log = logging.getLogger("inference.engine")
 
@@ -93,7 +97,7 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="grammar")
         self._tokenizer: Future[tuple[llguidance.LLTokenizer, str]] = self._pool.submit(
             load_tokenizer, model_dir, self.eos_token_ids)
-        self._cache: OrderedDict[tuple[str, str], Future[llguidance.LLMatcher]] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, str], Future[llguidance.LLMatcher]] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -107,11 +111,12 @@ class GrammarCompiler:
         """Whether the tokenizer is built (or failed)."""
         return self._tokenizer.done()
 
-    def compile(self, kind: str, spec: str) -> Future[llguidance.LLMatcher]:
-        """A future of the pristine matcher of ``(kind, spec)``: from the cache, or compiling in the pool. Its
+    def compile(self, kind: str, spec: str, scope: str = "") -> Future[llguidance.LLMatcher]:
+        """A future of the pristine matcher of the engine-form constraint ``(kind, spec)`` for a request of cache
+        scope ``scope`` (its ``cache_salt``): from the cache of that scope, or compiling in the pool. Its
         ``result()`` raises ``StructuredSpecError`` for a constraint that does not compile (cached too: the same
         bad spec fails at once). Never blocks."""
-        key = (kind, spec)
+        key = (kind, spec, scope)
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None:
@@ -127,15 +132,11 @@ class GrammarCompiler:
 
     def _compile(self, kind: str, spec: str) -> llguidance.LLMatcher:
         tok = self.tokenizer
-        grammar = grammar_for(kind, spec)
+        grammar = engine_grammar(kind, spec)
         matcher = llguidance.LLMatcher(tok, grammar, log_level=0, limits=parser_limits())
         if matcher.is_error():
             raise StructuredSpecError(f"does not compile: {matcher.get_error()}")
         return matcher
-
-    def key(self, kind: str, spec: str) -> str:
-        """``spec_key`` of ``(kind, spec)`` on this tokenizer (the cache's identity of a compiled grammar)."""
-        return spec_key(kind, spec, self._tokenizer.result()[1])
 
     def shutdown(self) -> None:
         """Stop the pool (pending compiles are cancelled)."""

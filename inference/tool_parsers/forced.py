@@ -13,10 +13,10 @@ arguments).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from inference.protocol.openai import RequestValidationError
+from inference.structured import Constraint
 from inference.tool_parsers.base import ParsedToolCall, ToolParseDelta, ToolParser, call_from_obj
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -108,26 +108,18 @@ class NamedToolParser(_WholeOutputParser):
         return [ParsedToolCall(self.function_name, json.dumps(value, ensure_ascii=False))]
 
 
-@dataclass(frozen=True)
-class ToolChoiceConstraint:
-    """The structured-output fields of ``SamplingParams`` that force a ``tool_choice``: ``kind`` ``"json"``,
-    ``spec`` the schema's JSON text, ``after_token_ids`` the end-of-thinking ids of a reasoning model whose
-    output starts with thinking (the constraint then applies to the answer only), else ``[]``."""
+def tool_choice_constraint(req: Any) -> Constraint | None:
+    """The constraint of a chat request's ``tool_choice`` (``None`` unless ``"required"`` or named): kind ``"json"``,
+    the schema's JSON text, ``param`` the field a bad schema came from (``tools[i].function.parameters`` for a named
+    tool, ``tools`` for ``"required"``). The gateway compiles it in its grammar sandbox like any client schema (a
+    tool's ``parameters`` is client text) and sets ``after_token_ids`` from the reasoning parser.
 
-    kind: str
-    spec: str
-    after_token_ids: list[int]
-
-
-def tool_choice_constraint(req: Any, *, reasoning_end_ids: list[int]) -> ToolChoiceConstraint | None:
-    """The constraint of a chat request's ``tool_choice`` (``None`` unless ``"required"`` or named).
-
-    ``reasoning_end_ids``: the reasoning parser's ``end_token_ids`` for this prompt (``[]``: no thinking).
     Raises ``RequestValidationError`` (param ``tool_choice``) when the request also asks for another output
     constraint (``response_format`` other than ``text``, ``structured_outputs``): one output cannot follow two
     schemas, and vLLM refuses ``structured_outputs`` with a named tool too (D-124).
     """
-    schema = tool_choice_schema(req.tools or [], req.tool_choice, req.parallel_tool_calls is not False)
+    tools = req.tools or []
+    schema = tool_choice_schema(tools, req.tool_choice, req.parallel_tool_calls is not False)
     if schema is None:
         return None
     response_format = getattr(req, "response_format", None)
@@ -137,4 +129,7 @@ def tool_choice_constraint(req: Any, *, reasoning_end_ids: list[int]) -> ToolCho
         raise RequestValidationError(
             "tool_choice 'required' or a named function constrains the output to tool calls; it cannot be "
             "combined with response_format or structured_outputs", "tool_choice")
-    return ToolChoiceConstraint("json", json.dumps(schema, ensure_ascii=False), list(reasoning_end_ids))
+    name = forced_tool_name(req.tool_choice)
+    param = "tools" if name is None else \
+        f"tools[{next(i for i, t in enumerate(tools) if t.function.name == name)}].function.parameters"
+    return Constraint("json", json.dumps(schema, ensure_ascii=False), param)

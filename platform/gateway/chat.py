@@ -33,7 +33,8 @@ class ChatCompletionsConsumer(GatewayConsumer):
                                  n, grant=pre.grant) as scope:
             model = await preamble.resolve_model(ctx, req.model, generate=True)
             await hold_before_render(self, scope, ctx, model, n=n, size=len(body), exact=False,
-                                     max_tokens=req.requested_max_tokens[0], request_priority=req.priority)
+                                     max_tokens=req.requested_max_tokens[0], request_priority=req.priority,
+                                     constrained=inputs.asks_for_constraint(req))
             tokenizer, rendered, processed = await flow.render_chat_input(
                 ctx, model, req, external_id=pre.external_id, client_id=link().client_id, arrival_time=arrival)
             inputs.attach_media(processed, rendered)

@@ -51,8 +51,8 @@ class CompletionsConsumer(GatewayConsumer):
             await hold_before_render(self, scope, ctx, model, n=n * len(prompts), exact=exact, size=size,
                                      max_tokens=max_tokens, request_priority=req.priority,
                                      tokens=limits.estimate_prompts(model, sizes, n, max_tokens, exact=ids_prompt)
-                                     if req.is_batch else None)
-            structured = await inputs.structured_constraint(req)
+                                     if req.is_batch else None, constrained=inputs.asks_for_constraint(req))
+            structured = await inputs.structured_constraint(req, ctx)
             tokenizer = await rendering.load_tokenizer(model)
             if not ids_prompt:
                 rendering.check_prompt_chars(model, tokenizer, max(len(cast(str, p)) for p in prompts), "prompt")

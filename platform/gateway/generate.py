@@ -101,8 +101,10 @@ class GenerateConsumer(GatewayConsumer):
             try:
                 model = await preamble.resolve_model(ctx, req.model, generate=True)
                 await hold_before_render(self, scope, ctx, model, n=n, size=len(req.token_ids), exact=True,
-                                         max_tokens=sp.max_tokens)
-                structured = await inputs.structured_constraint(_ParamsView(sp), param_prefix="sampling_params.")
+                                         max_tokens=sp.max_tokens,
+                                         constrained=inputs.asks_for_constraint(_ParamsView(sp)))
+                structured = await inputs.structured_constraint(_ParamsView(sp), ctx,
+                                                              param_prefix="sampling_params.")
                 tokenizer = await rendering.load_tokenizer(model)
                 defaults = GenerationDefaults(eos_token_ids=tuple(sp.eos_token_ids) if sp.eos_token_ids is not None
                                               else generation_defaults(model.model_dir).eos_token_ids)

@@ -29,6 +29,9 @@ Every value comes from Redis, so all api processes answer the same numbers (DESI
   whose ids came from / were stored in the segment tokenization cache, summed over the render workers and the
   inline route (``inference.renderer.segment_cache``; Redis hash ``inference.tasks.segment_cache_counter_key``);
   ``render_segment_cache_shared_hits_total``: of the hits, those read from the render workers' shared tier in Redis.
+* ``structured_compiles_total{outcome}`` (counter) / ``structured_compile_cpu_seconds_total`` (counter) — output
+  constraints (grammars, regexes, schemas) compiled in the api processes' grammar sandboxes: ``ok``, ``invalid``,
+  ``budget`` (ended at its CPU-time budget), and the CPU seconds they took (``inference.structured_sandbox``);
 * ``engine_routed_requests_total{model,engine_id}`` / ``engine_routed_prefix_hit_tokens_total{model,engine_id}``
   (counters) — requests the api processes routed to each replica, and the prompt tokens the router expected
   that replica's prefix cache to serve (``inference/router.py``; the replicas ever routed to);
@@ -56,6 +59,7 @@ from gateway.errors import forbidden
 from gateway.pipeline.clients import admission
 from gateway.http import GatewayConsumer
 from inference import admission as adm
+from inference import structured_sandbox
 from inference import tasks as render_tasks
 from inference.protocol.engine import EngineStats, live_replica_keys, replicas_index_key, routing_key
 
@@ -152,6 +156,15 @@ async def collect_families(redis: Redis, prefix: str) -> list[Metric]:
     for field, count in sorted((await redis.hgetall(auth.refusals_key(prefix))).items()):
         reason, key_prefix = auth.refusal_labels(field.decode() if isinstance(field, bytes) else field)
         refusals.add_metric([reason, key_prefix], int(count))
+    comp = await redis.hgetall(structured_sandbox.counters_key(prefix))
+    compiles = CounterMetricFamily("structured_compiles", "Output constraints compiled in the api processes' grammar "
+                                   "sandboxes, by outcome (ok, invalid, budget: ended at its CPU-time budget)",
+                                   labels=["outcome"])
+    for outcome in structured_sandbox.OUTCOMES:
+        compiles.add_metric([outcome], int(comp.get(outcome.encode(), comp.get(outcome, 0))))
+    compile_cpu = CounterMetricFamily("structured_compile_cpu_seconds", "CPU seconds the grammar sandboxes' compiles "
+                                      "took (a compile ended at its budget counts the budget)")
+    compile_cpu.add_metric([], float(comp.get(b"cpu_s", comp.get("cpu_s", 0))))
     seg = await redis.hgetall(render_tasks.segment_cache_counter_key(prefix))
     seg_hits = CounterMetricFamily("render_segment_cache_hits", "Prompt segments whose token ids came from the "
                                    "segment tokenization cache (render workers and inline rendering)")
@@ -163,7 +176,7 @@ async def collect_families(redis: Redis, prefix: str) -> list[Metric]:
                                      "from the render workers' shared tier in Redis")
     seg_shared.add_metric([], int(seg.get(b"shared_hits", seg.get("shared_hits", 0))))
     return [rejections, q_reqs, q_toks, lim_reqs, lim_toks, tps, ttft, *phases.values(), t_adm, t_ref, t_reqs, t_toks, handoffs, refusals,
-            seg_hits, seg_misses, seg_shared,
+            seg_hits, seg_misses, seg_shared, compiles, compile_cpu,
             *await _replica_families(redis, prefix, models)]
 
 async def _replica_families(redis: Redis, prefix: str, models: list[str]) -> list[Metric]:

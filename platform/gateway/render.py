@@ -88,7 +88,7 @@ class CompletionRenderConsumer(GatewayConsumer):
             tokenizer = await rendering.load_tokenizer(model)
             rendering.check_prompt_chars(model, tokenizer, max(len(p) if isinstance(p, str) else 0
                                                                for p in req.prompts), "prompt")
-            structured = await inputs.structured_constraint(req)
+            structured = await inputs.structured_constraint(req, ctx)
             out = []
             salt, defaults = inputs.cache_salt_for(ctx, req.cache_salt), generation_defaults(model.model_dir)
             for i, (prompt_ids, _) in enumerate(await rendering.prompt_ids_for(model, req, salt)):

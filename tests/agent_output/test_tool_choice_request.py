@@ -4,6 +4,7 @@ Real request validation (pydantic schemas), real input processing, the real Qwen
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -26,7 +27,9 @@ def req(**kw):
 
 
 def processed(r, end_ids=()):
-    c = tool_choice_constraint(r, reasoning_end_ids=list(end_ids))
+    c = tool_choice_constraint(r)
+    if c is not None:
+        c = replace(c, after_token_ids=tuple(end_ids))
     return process_inputs(r, external_id="chatcmpl-x", prompt_token_ids=[1, 2, 3], prompt_param="messages",
                           max_model_len=64, vocab_size=1000, defaults=GenerationDefaults(), client_id="c",
                           constraint=c).requests[0].sampling_params

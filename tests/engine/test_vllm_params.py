@@ -57,7 +57,7 @@ def test_sampling_fields_map_one_to_one():
     ("json_object", "", {"json_object": True}),
     ("regex", "[a-z]+", {"regex": "[a-z]+"}),
     ("choice", '["a", "b c"]', {"choice": ["a", "b c"]}),
-    ("grammar", 'start: "x"', {"grammar": 'start: "x"'}),
+    ("grammar", '%llguidance {}\nstart: "x"', {"grammar": '%llguidance {}\nstart: "x"'}),
 ])
 def test_structured_kinds_map_to_structured_outputs_params(kind, spec, expected):
     assert structured_outputs_kwargs(SamplingParams(structured_kind=kind, structured_spec=spec)) == expected
@@ -70,6 +70,9 @@ def test_structured_kinds_map_to_structured_outputs_params(kind, spec, expected)
     SamplingParams(structured_kind="choice", structured_spec='[1, 2]'),
     SamplingParams(structured_kind="nonsense", structured_spec="x"),
     SamplingParams(structured_kind="choice", structured_spec='["y"]', structured_after_token_ids=[151668]),
+    # not the gateway's engine form: vLLM would sniff and convert it in Python on the replica's step loop
+    SamplingParams(structured_kind="grammar", structured_spec='root ::= "x"'),
+    SamplingParams(structured_kind="grammar", structured_spec="\n" * 9000 + "x"),
 ])
 def test_constraints_vllm_cannot_take_are_refused(sp):
     with pytest.raises(UnsupportedRequestError):

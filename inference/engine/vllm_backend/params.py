@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from inference.protocol.engine import STRUCTURED_KINDS, EngineCoreRequest, SamplingParams
+from inference.structured_caps import LARK_HEADER
 
 
 class UnsupportedRequestError(ValueError):
@@ -90,7 +91,8 @@ def structured_outputs_kwargs(sp: SamplingParams) -> dict[str, Any] | None:
     """Keyword arguments of vLLM's ``StructuredOutputsParams`` for ``sp``'s constraint, ``None`` without one.
 
     ``json`` → ``json`` (the schema, parsed), ``json_object`` → ``json_object=True``, ``regex`` → ``regex``,
-    ``choice`` → ``choice`` (the list), ``grammar`` (Lark) → ``grammar``. Raises ``UnsupportedRequestError`` for
+    ``choice`` → ``choice`` (the list), ``grammar`` (the engine form: Lark headed ``%llguidance {}``, which vLLM's
+    format sniffing recognises at its first character) → ``grammar``. Raises ``UnsupportedRequestError`` for
     an unknown kind, a malformed spec, or ``structured_after_token_ids`` (vLLM sets up reasoning-aware constraints
     per engine, not per request).
     """
@@ -113,6 +115,9 @@ def structured_outputs_kwargs(sp: SamplingParams) -> dict[str, Any] | None:
             if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
                 raise UnsupportedRequestError("a choice constraint is a JSON list of strings")
             return {"choice": choices}
+        if not sp.structured_spec.startswith(LARK_HEADER):  # vLLM would convert it here, in Python, on the loop
+            raise UnsupportedRequestError("a grammar constraint must be the gateway's engine form (Lark, first line "
+                                          f"{LARK_HEADER!r}); GBNF is converted by the gateway")
         return {"grammar": sp.structured_spec}
     except json.JSONDecodeError as exc:
         raise UnsupportedRequestError(f"malformed {kind} constraint: {exc}") from None

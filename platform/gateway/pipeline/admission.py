@@ -13,25 +13,31 @@ from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutErr
 from gateway.pipeline.clients import admission, retry_later
 from gateway.pipeline.failures import api_error_from
 from inference.admission import TIER_STANDARD, AdmissionRefused, Reservation, estimate_prompt_tokens
+from inference.config import SETTINGS
 from inference.output_processor import FirstTokenLatency
 from tenancy.selectors import AuthContext
 
 log = logging.getLogger(__name__)
 
+CONSTRAINED_FAIR_COST = max(1, SETTINGS.structured_fair_share_weight)
+
 
 async def precheck(model: ModelSnapshot, request_id: str, n: int, size: int, exact: bool = False,
-                   ctx: AuthContext | None = None) -> Reservation:
+                   ctx: AuthContext | None = None, constrained: bool = False) -> Reservation:
     """Provisional reservation before rendering; 503 when refused.
 
     ``size``: an upper bound of the prompt's tokens known before rendering (the body's or the prompt
     text's bytes, or with ``exact`` the length of a token-id prompt); see ``estimate_prompt_tokens``. ``ctx``: the
     caller, whose tenant, fair-share weight and priority tier admission counts (None: no tenant accounting).
+    ``constrained``: the request asks for an output constraint, so each child counts as
+    ``STRUCTURED_FAIR_SHARE_WEIGHT`` requests in its tenant's share (``Reservation.fair_cost``).
     """
     try:
         return await admission().precheck(
             model.served_model_name, request_id, n, estimate_prompt_tokens(size, model.max_model_len, exact=exact),
             tenant="" if ctx is None else str(ctx.tenant_id), weight=1 if ctx is None else ctx.fair_share_weight,
-            tier=TIER_STANDARD if ctx is None else ctx.priority_tier)
+            tier=TIER_STANDARD if ctx is None else ctx.priority_tier,
+            fair_cost=CONSTRAINED_FAIR_COST if constrained else 1)
     except AdmissionRefused as exc:
         raise api_error_from(exc) from None
 

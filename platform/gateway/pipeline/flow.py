@@ -21,12 +21,13 @@ from tenancy.selectors import AuthContext
 
 async def hold_before_render(consumer: GatewayConsumer, scope: RequestScope, ctx: AuthContext, model: ModelSnapshot, *, n: int, size: int,
                              exact: bool, max_tokens: int | None = None, tokens: int | None = None,
-                             request_priority: int | None = None) -> None:
+                             request_priority: int | None = None, constrained: bool = False) -> None:
     """Steps 2-3, before any render or image work: the key's limits on an estimate (``tokens``, else
     ``limits.estimate(model, size, n, max_tokens)``; 429): added to ``scope.grant`` when the preamble took the
     request and concurrency limits already (``limits.add_tokens``), else taken whole (``limits.acquire``); then the admission pre-check of ``n`` requests of at
     most ``size`` (bytes, or with ``exact`` token ids; 503), counted for the caller's tenant (fair share, tier). Both
-    are recorded on ``scope`` as soon as taken; ``scope.priority`` becomes the engine priority of the caller's tier,
+    are recorded on ``scope`` as soon as taken (``constrained``: the request asks for an output constraint, which
+    weighs more in its tenant's fair share: ``admission.precheck``); ``scope.priority`` becomes the engine priority of the caller's tier,
     its tenant's standing against its fair share at admission, and the request's own ``priority`` (which only orders
     it later within the tier)."""
     if tokens is None:
@@ -35,7 +36,8 @@ async def hold_before_render(consumer: GatewayConsumer, scope: RequestScope, ctx
         scope.grant = await limits.acquire(consumer, ctx, tokens)
     else:
         await limits.add_tokens(consumer, ctx, scope.grant, tokens)
-    scope.reservation = await admission.precheck(model, scope.recorder.request_id, n, size, exact=exact, ctx=ctx)
+    scope.reservation = await admission.precheck(model, scope.recorder.request_id, n, size, exact=exact, ctx=ctx,
+                                                 constrained=constrained)
     scope.priority = engine_priority(ctx.priority_tier, request_priority, scope.reservation.fair_rank)
 
 
@@ -65,7 +67,7 @@ async def render_chat_input(ctx: AuthContext, model: ModelSnapshot, req: ChatCom
     output parsing, ``processed.chat_output``, and the ``tool_choice`` constraint). Returns
     ``(tokenizer, rendered, processed)``; ``rendered`` is the
     render task's dict (``prompt_token_ids``, media keys). Raises ``ApiError`` (400 naming the field, 503)."""
-    structured = await inputs.structured_constraint(req)
+    structured = await inputs.structured_constraint(req, ctx)
     tokenizer = await rendering.load_tokenizer(model)
     rendering.check_prompt_chars(model, tokenizer, rendering.message_chars(req.messages), "messages")
     salt = inputs.cache_salt_for(ctx, req.cache_salt)

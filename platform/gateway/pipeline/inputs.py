@@ -12,7 +12,10 @@ from dataclasses import replace
 from typing import Any
 
 from tenancy.selectors import AuthContext
-from gateway.errors import bad_request
+from django.conf import settings
+
+from gateway.errors import bad_request, unavailable
+from gateway.pipeline.clients import redis
 from gateway.model_cache import ModelSnapshot
 from gateway.pipeline.failures import api_error_from
 from inference.input_processor import (
@@ -25,8 +28,10 @@ from inference.input_processor import (
 from inference.chat_output import ChatOutputSpec, resolve_parser_name
 from inference.protocol.openai import RequestValidationError
 from inference.renderer.tokenizer_cache import LoadedTokenizer
-from inference.tool_parsers.forced import ToolChoiceConstraint, tool_choice_constraint
-from inference.structured import Constraint, resolve
+from inference import structured_sandbox
+from inference.tool_parsers.forced import tool_choice_constraint
+from inference.structured import Constraint, constraint_of, spec_key
+from inference.structured_caps import StructuredSpecError, check_size
 from registry.backends import STRUCTURED_AFTER_REASONING
 
 
@@ -56,18 +61,78 @@ def eos_ids_of(tokenizer: LoadedTokenizer) -> list[int]:
     return [eos] if isinstance(eos, int) else []
 
 
-async def structured_constraint(req: Any, param_prefix: str = "") -> Constraint | None:
-    """The request's structured-output constraint (``response_format`` / ``structured_outputs``), validated by
-    llguidance in a worker thread (``inference.structured.resolve``: serialising and validating a schema takes
-    up to milliseconds; results are cached by hash, so a repeated schema costs a lookup). ``None`` without one.
-    ``ApiError`` 400 naming the field (``response_format.json_schema.schema``, ``structured_outputs.regex``, ...)
-    for a constraint the library refuses or one over a cap (``param_prefix`` before it, see ``api_error_from``)."""
-    if constraint_of_fields_absent(req):
+async def structured_constraint(req: Any, ctx: AuthContext, param_prefix: str = "") -> Constraint | None:
+    """The request's output constraint (``response_format`` / ``structured_outputs``, or the schema a ``tool_choice``
+    required/named forces), compiled into its engine form in this process's grammar sandbox
+    (``inference.structured_sandbox``: worker processes, a CPU-time budget per compile, a few compiles per tenant at
+    once, results cached per cache scope). ``None`` without one. Serialising and sizing the constraint runs in a
+    thread (linear in the body); nothing of the grammar work runs in this process.
+
+    Raises ``ApiError`` 400 naming the field (``response_format.json_schema.schema``, ``structured_outputs.regex``,
+    ``tools[0].function.parameters``, ...; ``param_prefix`` before it, see ``api_error_from``) for a constraint over
+    a cap, one the library refuses, or one whose compile exceeded its budget; 503 when the sandbox cannot run."""
+    if constraint_of_fields_absent(req) and not forces_tool_call(req):
         return None
     try:
-        return await asyncio.to_thread(resolve, req)
+        constraint, key = await asyncio.to_thread(_requested, req, ctx.cache_scope)
     except RequestValidationError as exc:
         raise api_error_from(exc, param_prefix=param_prefix) from None
+    if constraint is None:
+        return None
+    try:
+        result = await structured_sandbox.sandbox().compile(constraint.kind, constraint.spec, key=key,
+                                                            tenant=str(ctx.tenant_id))
+    except structured_sandbox.SandboxUnavailable as exc:
+        raise unavailable(f"The output constraint cannot be checked right now ({exc}); retry shortly",
+                          code="structured_outputs_unavailable") from None
+    if not result.cached:
+        record_compile(result)
+    if result.error is not None:
+        raise api_error_from(constraint.refusal(result.error), param_prefix=param_prefix) from None
+    return replace(constraint, spec=result.value())
+
+
+def _requested(req: Any, scope: str) -> tuple[Constraint | None, str]:
+    """In a thread: the request's constraint as the client sent it (``constraint_of``, else the ``tool_choice``
+    one) and its cache key for ``scope``; over the byte cap → ``RequestValidationError`` naming the field."""
+    constraint = constraint_of(req) or tool_choice_constraint(req)
+    if constraint is None:
+        return None, ""
+    try:
+        check_size(constraint.spec)
+    except StructuredSpecError as exc:
+        raise constraint.refusal(str(exc)) from None
+    return constraint, spec_key(constraint.kind, constraint.spec, scope)
+
+
+def record_compile(result: structured_sandbox.CompileResult) -> None:
+    """Count a sandbox compile in Redis for ``/metrics`` (``structured_compiles_total{outcome}``,
+    ``structured_compile_cpu_seconds_total``), in the background: a lost count never fails a request."""
+    async def write() -> None:
+        pipe = redis().pipeline(transaction=False)
+        key = structured_sandbox.counters_key(settings.LINK_PREFIX)
+        pipe.hincrby(key, result.outcome, 1)
+        pipe.hincrbyfloat(key, "cpu_s", result.cpu_s)
+        await pipe.execute()
+
+    task = asyncio.get_running_loop().create_task(write(), name="count a grammar compile")
+    _counting.add(task)
+    task.add_done_callback(_counting.discard)
+
+
+_counting: set[asyncio.Task[None]] = set()
+
+
+def asks_for_constraint(req: Any) -> bool:
+    """True when ``req`` asks for an output constraint of any kind (``response_format`` json, ``structured_outputs``,
+    a forced ``tool_choice``): a field check, no parsing."""
+    return not constraint_of_fields_absent(req) or forces_tool_call(req)
+
+
+def forces_tool_call(req: Any) -> bool:
+    """True when a chat request's ``tool_choice`` is ``"required"`` or names a function (a constraint)."""
+    choice = getattr(req, "tool_choice", None)
+    return choice == "required" or isinstance(choice, dict)
 
 
 def constraint_of_fields_absent(req: Any) -> bool:
@@ -88,25 +153,22 @@ def process(req: Any, model: ModelSnapshot, tokenizer: LoadedTokenizer, *, exter
     without it is refused here rather than sent unvalidated). ``chat_output`` (a chat request's output parsing)
     adds the ``tool_choice`` constraint (required/named), makes a thinking model's constraint start after its
     reasoning, and is kept on the result for the response."""
-    if structured is None and not constraint_of_fields_absent(req):
-        raise RuntimeError("a request with a structured-output constraint reached input processing unvalidated "
+    if structured is None and not (constraint_of_fields_absent(req) and not forces_tool_call(req)):
+        raise RuntimeError("a request with an output constraint reached input processing unvalidated "
                            "(await structured_constraint first)")
     try:
-        constraint: Constraint | ToolChoiceConstraint | None = structured
-        if chat_output is not None:
+        constraint = structured
+        if chat_output is not None and constraint is not None:
             reasoning = chat_output.reasoning()
-            end_ids = list(reasoning.end_token_ids) if reasoning is not None else []
-            constraint = tool_choice_constraint(req, reasoning_end_ids=end_ids)
-            if constraint is None and structured is not None:  # response_format / structured_outputs
-                constraint = replace(structured, after_token_ids=tuple(end_ids))
-            if (constraint is not None and constraint.after_token_ids
-                    and STRUCTURED_AFTER_REASONING in model.unsupported_features):
+            end_ids = tuple(reasoning.end_token_ids) if reasoning is not None else ()
+            constraint = replace(constraint, after_token_ids=end_ids)
+            if end_ids and STRUCTURED_AFTER_REASONING in model.unsupported_features:
                 raise bad_request(
                     f"The model '{model.served_model_name}' is served by an engine backend that cannot start an "
                     "output constraint (response_format, structured_outputs, tool_choice 'required' or a named "
                     "tool) after the model's reasoning; turn thinking off (chat_template_kwargs "
                     '{"enable_thinking": false}) or drop the constraint',
-                    "response_format" if structured is not None else "tool_choice")
+                    "tool_choice" if constraint.param.startswith("tools") else constraint.param.split(".")[0])
         processed = process_inputs(
             req, external_id=external_id, prompt_token_ids=prompt_token_ids, prompt_param=prompt_param,
             max_model_len=model.max_model_len, vocab_size=vocab_size_of(tokenizer, model),
