@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pebble import ProcessExpired, ProcessPool
 
 from inference.config import SETTINGS
+from inference.structured import check
 from inference.structured_caps import StructuredSpecError
 
 CPU_BUDGET_S = SETTINGS.structured_compile_cpu_s
@@ -90,8 +91,8 @@ class CompileResult:
 
 
 def _init_worker(max_bytes: int) -> None:
-    """Worker start: lower priority, no core files, an address-space cap, killed with its parent; imports the
-    grammar code once (so a compile's budget is spent on the compile)."""
+    """Worker start: lower priority, no core files, an address-space cap, killed with its parent. (The grammar code
+    is imported with this module, before the first compile's budget starts.)"""
     os.nice(10)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if max_bytes > 0:
@@ -103,15 +104,12 @@ def _init_worker(max_bytes: int) -> None:
     if os.getppid() == 1:  # the parent died before the signal was set
         os._exit(1)
     signal.signal(signal.SIGPROF, signal.SIG_DFL)  # the budget's timer: the default action ends the process
-    import inference.structured  # noqa: F401  (warm: llguidance and the caps)
 
 
 def _compile(kind: str, spec: str, budget_s: float) -> tuple[str | None, str | None, float]:
     """In a worker: ``inference.structured.check(kind, spec)`` under a CPU-time timer of ``budget_s`` seconds.
     Returns ``(engine form, None, cpu_s)`` or ``(None, error message, cpu_s)``; past the budget the process is
     ended by ``SIGPROF`` (the parent sees the worker expire)."""
-    from inference.structured import check
-
     start = time.process_time()
     signal.setitimer(signal.ITIMER_PROF, budget_s)
     try:
