@@ -24,7 +24,7 @@ from django.conf import settings
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
 from gateway.disconnect import ClientGone, bind
-from gateway.errors import ApiError, ErrorCode, ErrorType, error_body, internal_error, redis_unavailable
+from gateway.errors import ApiError, ErrorCode, ErrorType, internal_error, redis_unavailable
 from inference.protocol.openai import parse_json_body
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,3 @@ async def json_body(body: bytes) -> dict[str, Any]:
         return await asyncio.to_thread(parse_json_body, body)
     return parse_json_body(body)
 
-
-def not_found_app_body(path: str) -> bytes:
-    """Envelope for unknown routes."""
-    return error_body(f"Unknown route: {path}", ErrorType.NOT_FOUND, None, ErrorCode.UNKNOWN_ROUTE)

@@ -100,12 +100,6 @@ class GenerationRun:
         if error:
             raise engine_error(error, retry_after=retry_after)
 
-    def usage(self) -> dict[str, Any]:
-        """The request's token counts and times for its usage record."""
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "cached_tokens": self.num_cached_tokens, "first_token_time": self.first_token_time,
-                "finished_time": self.finished_time}
-
     async def close(self) -> None:
         """Abort children that have not finished (client gone, error, cancellation), drop their output routes
         and release the admission reservation. Idempotent."""

@@ -35,5 +35,3 @@ def api_error_from(exc: BaseException, *, param_prefix: str = "") -> ApiError:
         return unavailable(str(exc), 2, ErrorCode.ENGINE_UNAVAILABLE)
     raise exc
 
-
-MAPPED = (RequestValidationError, AdmissionRefused, RateLimitExceeded, EngineUnavailableError)

@@ -35,7 +35,6 @@ from inference.protocol.openai import ChatCompletionRequest, ChatMessage, Comple
 from inference.renderer.tokenizer_cache import LoadedTokenizer, cached_tokenizer, get_tokenizer
 
 RENDER_QUEUE = "render"
-RENDER_ROUTES = ("celery", "inline")
 
 _INLINE = {
     "inference.render_chat": render_tasks.run_render_chat,
