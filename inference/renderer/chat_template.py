@@ -551,6 +551,91 @@ def encode_rendered(tok: LoadedTokenizer, text: str, neutral: str, add_special_t
     return tok.encode_with_trusted(text, trusted, add_special_tokens=add_special_tokens)
 
 
+def _checked_render_args(
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    tools: Any,
+    documents: Any,
+    chat_template_kwargs: Any,
+) -> dict[str, Any]:
+    """The request's ``chat_template_kwargs`` as a fresh dict once the render options are consistent.
+
+    Raises ``InvalidTemplateKwargsError`` when both ``continue_final_message`` and ``add_generation_prompt`` are
+    set, ``tools``/``documents`` are not lists of objects, ``chat_template_kwargs`` is not an object or sets a
+    reserved (``_RESERVED_KWARGS``) or non-string name."""
+    if continue_final_message and add_generation_prompt:
+        raise InvalidTemplateKwargsError(
+            "continue_final_message and add_generation_prompt cannot both be true", param="continue_final_message"
+        )
+    if tools is not None and not isinstance(tools, list):
+        raise InvalidTemplateKwargsError("tools must be a list of objects", param="tools")
+    if tools is not None and any(not isinstance(t, dict) for t in tools):
+        raise InvalidTemplateKwargsError("tools must be a list of objects", param="tools")
+    if documents is not None and (
+        not isinstance(documents, list) or any(not isinstance(d, dict) for d in documents)
+    ):
+        raise InvalidTemplateKwargsError("documents must be a list of objects", param="documents")
+    kwargs = dict(chat_template_kwargs or {})
+    if not isinstance(chat_template_kwargs or {}, dict):
+        raise InvalidTemplateKwargsError("chat_template_kwargs must be an object")
+    bad = sorted(k for k in kwargs if k in _RESERVED_KWARGS or not isinstance(k, str))
+    if bad:
+        raise InvalidTemplateKwargsError(f"chat_template_kwargs may not set {bad}")
+    return kwargs
+
+
+def _tag_final_message(chat: list[dict[str, Any]], source: str) -> str:
+    """For ``continue_final_message``: append ``_CONTINUE_TAG`` to the text of the last message of ``chat`` (its
+    string content, or its last part holding ``text``), in place, and return that text as it was.
+
+    Raises ``InvalidMessagesError`` (param ``continue_final_message``) when the template ``source`` never reads
+    message content or the final message has no text to continue."""
+    last = chat[-1]
+    if "content" not in source:
+        raise InvalidMessagesError(
+            "continue_final_message is set but the chat template does not read message content",
+            param="continue_final_message",
+        )
+    content = last.get("content")
+    if isinstance(content, list):
+        for part in reversed(content):
+            if "text" in part:
+                final_text: str = part["text"]
+                part["text"] = part["text"] + _CONTINUE_TAG
+                return final_text
+        raise InvalidMessagesError(
+            "continue_final_message is set but the final message has no text to continue",
+            param="continue_final_message",
+        )
+    if isinstance(content, str):
+        last["content"] = content + _CONTINUE_TAG
+        return content
+    raise InvalidMessagesError(
+        "continue_final_message is set but the final message has no content", param="continue_final_message"
+    )
+
+
+def _cut_at_final_message(text: str, final_text: str) -> str:
+    """The rendered ``text`` cut at the last ``_CONTINUE_TAG`` (rendered after the final message's ``final_text``),
+    so the model continues that message; where the template trimmed the tag's trailing space, the whitespace before
+    the tag is cut too.
+
+    Raises ``TemplateRenderError`` (param ``continue_final_message``) when the template dropped the final text or
+    the tag."""
+    tag = _CONTINUE_TAG.strip()
+    if final_text.strip() not in text or tag not in text:
+        raise TemplateRenderError(
+            "continue_final_message is set but the final message does not appear in the rendered "
+            "chat; the chat template removes part of it",
+            param="continue_final_message",
+        )
+    loc = text.rindex(tag)
+    if text[loc : loc + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return text[:loc]
+    return text[:loc].rstrip()
+
+
 def render_chat_text(
     tokenizer_dir: str,
     messages: list[dict[str, Any]],
@@ -588,57 +673,15 @@ def render_chat_text(
     Raises a ``RenderError`` subclass (see ``errors.py``); all are ``ValueError``.
     """
     tok = get_tokenizer(tokenizer_dir)
-    if continue_final_message and add_generation_prompt:
-        raise InvalidTemplateKwargsError(
-            "continue_final_message and add_generation_prompt cannot both be true", param="continue_final_message"
-        )
-    if tools is not None and not isinstance(tools, list):
-        raise InvalidTemplateKwargsError("tools must be a list of objects", param="tools")
-    if tools is not None and any(not isinstance(t, dict) for t in tools):
-        raise InvalidTemplateKwargsError("tools must be a list of objects", param="tools")
-    if documents is not None and (
-        not isinstance(documents, list) or any(not isinstance(d, dict) for d in documents)
-    ):
-        raise InvalidTemplateKwargsError("documents must be a list of objects", param="documents")
-    kwargs = dict(chat_template_kwargs or {})
-    if not isinstance(chat_template_kwargs or {}, dict):
-        raise InvalidTemplateKwargsError("chat_template_kwargs must be an object")
-    bad = sorted(k for k in kwargs if k in _RESERVED_KWARGS or not isinstance(k, str))
-    if bad:
-        raise InvalidTemplateKwargsError(f"chat_template_kwargs may not set {bad}")
+    kwargs = _checked_render_args(add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message, tools=tools, documents=documents,
+                                  chat_template_kwargs=chat_template_kwargs)
 
     source = resolve_template(tok, chat_template, tools)
     content_format = detect_content_format(source)
     has_developer = "'developer'" in source or '"developer"' in source
     chat = normalize_messages(messages, content_format=content_format, template_has_developer=has_developer)
-
-    final_text: str | None = None
-    if continue_final_message:
-        last = chat[-1]
-        if "content" not in source:
-            raise InvalidMessagesError(
-                "continue_final_message is set but the chat template does not read message content",
-                param="continue_final_message",
-            )
-        content = last.get("content")
-        if isinstance(content, list):
-            for part in reversed(content):
-                if "text" in part:
-                    final_text = part["text"]
-                    part["text"] = part["text"] + _CONTINUE_TAG
-                    break
-            else:
-                raise InvalidMessagesError(
-                    "continue_final_message is set but the final message has no text to continue",
-                    param="continue_final_message",
-                )
-        elif isinstance(content, str):
-            final_text = content
-            last["content"] = content + _CONTINUE_TAG
-        else:
-            raise InvalidMessagesError(
-                "continue_final_message is set but the final message has no content", param="continue_final_message"
-            )
+    final_text = _tag_final_message(chat, source) if continue_final_message else None
 
     variables: dict[str, Any] = {**tok.special_tokens_map, **_plain(kwargs, "chat_template_kwargs")}
     variables.update(
@@ -654,23 +697,7 @@ def render_chat_text(
     if max_ops is None:
         max_ops = DEFAULT_MAX_OPS + 100 * n_items + input_chars
     text = render_template(source, variables, max_output_chars=max_output_chars, max_ops=max_ops)
-
-    if continue_final_message:
-        assert final_text is not None
-        tag = _CONTINUE_TAG.strip()
-        if final_text.strip() not in text or tag not in text:
-            raise TemplateRenderError(
-                "continue_final_message is set but the final message does not appear in the rendered "
-                "chat; the chat template removes part of it",
-                param="continue_final_message",
-            )
-        loc = text.rindex(tag)
-        if text[loc : loc + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
-            text = text[:loc]
-        else:
-            text = text[:loc].rstrip()
-
-    return text
+    return text if final_text is None else _cut_at_final_message(text, final_text)
 
 
 def tokenize_prompt(tokenizer_dir: str, prompt: str, add_special_tokens: bool = True) -> list[int]:
