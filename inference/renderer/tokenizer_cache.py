@@ -358,23 +358,30 @@ def _read_json(path: str) -> dict[str, Any]:
         return data
 
 
-def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
-    """Load a tokenizer directory without caching (see ``get_tokenizer``).
+@dataclass(frozen=True)
+class _TokenizerFiles:
+    """What ``_read_tokenizer_files`` reads from a tokenizer directory."""
 
-    Raises ``TokenizerLoadError`` when ``tokenizer.json`` is missing or unreadable.
-    """
-    real = os.path.realpath(tokenizer_dir)
+    tokenizer: tokenizers.Tokenizer  # after the LlamaTokenizer rebuild; no padding, no truncation
+    config: dict[str, Any]  # tokenizer_config.json, {} when absent
+    base_class: str  # tokenizer_class without its "Fast" suffix ("" when unset)
+    fingerprint: str  # blake2b-128 hex of tokenizer.json's text (after the rebuild) and the config
+
+
+def _read_tokenizer_files(tokenizer_dir: str, real: str) -> _TokenizerFiles:
+    """Read ``tokenizer.json`` and ``tokenizer_config.json`` of ``real`` (the real path of ``tokenizer_dir``) into a
+    ``tokenizers.Tokenizer``, with transformers 5's LlamaTokenizer rebuild applied (module docstring).
+
+    Raises ``TokenizerLoadError`` when ``tokenizer.json`` is missing or either file is unreadable."""
     tj_path = os.path.join(real, "tokenizer.json")
     cfg_path = os.path.join(real, "tokenizer_config.json")
     try:
         config = _read_json(cfg_path) if os.path.exists(cfg_path) else {}
-        tclass = str(config.get("tokenizer_class") or "")
-        base_class = tclass.removesuffix("Fast")
+        base_class = str(config.get("tokenizer_class") or "").removesuffix("Fast")
         with open(tj_path, encoding="utf-8") as f:
             raw = f.read()
-        tok_json: dict[str, Any] | None = None
         if base_class == "LlamaTokenizer":
-            tok_json = json.loads(raw)
+            tok_json: dict[str, Any] = json.loads(raw)
             if not _is_byte_level(tok_json):
                 raw = json.dumps(_llama_rewrite(tok_json, config))
         tok = tokenizers.Tokenizer.from_str(raw)
@@ -382,15 +389,18 @@ def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
         # a prompt is encoded exactly, never padded or cut here (lengths are checked by the caller).
         tok.no_padding()
         tok.no_truncation()
-        model_type = type(tok.model).__name__
         digest = hashlib.blake2b(raw.encode("utf-8", "surrogatepass"), digest_size=16)
         digest.update(json.dumps(config, sort_keys=True).encode("utf-8", "surrogatepass"))
-        fingerprint = digest.hexdigest()
-        del raw
+        return _TokenizerFiles(tokenizer=tok, config=config, base_class=base_class, fingerprint=digest.hexdigest())
     except Exception as exc:  # tokenizers raises plain Exception
         raise TokenizerLoadError(f"cannot load tokenizer from {tokenizer_dir!r}: {exc}") from exc
 
-    # Named special tokens, as transformers' special_tokens_map.
+
+def _named_special_tokens(config: dict[str, Any], base_class: str) -> tuple[dict[str, str], list[str]]:
+    """``(special_tokens_map, additional special tokens)`` as transformers builds them from ``config``: the
+    ``SPECIAL_TOKEN_ATTRIBUTES`` (the tokenizer class' defaults where the config omits one), the named
+    ``extra_special_tokens`` of a dict, and the strings of an ``extra_special_tokens`` list and of
+    ``additional_special_tokens``."""
     defaults = _CLASS_DEFAULTS.get(base_class, {})
     stm: dict[str, str] = {}
     for attr in SPECIAL_TOKEN_ATTRIBUTES:
@@ -406,21 +416,31 @@ def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
                 stm.setdefault(k, s)
     elif isinstance(extra, list):
         additional += [s for s in map(_token_str, extra) if s is not None]
-    ast = config.get("additional_special_tokens")
-    if isinstance(ast, list):
-        additional += [s for s in map(_token_str, ast) if s is not None]
+    listed = config.get("additional_special_tokens")
+    if isinstance(listed, list):
+        additional += [s for s in map(_token_str, listed) if s is not None]
+    return stm, additional
 
+
+def _special_ids(tok: tokenizers.Tokenizer, special: list[str],
+                 added: dict[int, tokenizers.AddedToken]) -> tuple[list[int], frozenset[int]]:
+    """``(all_special_ids, skip_ids)``: the ids of the ``special`` token strings in order, once each (those not in
+    the vocabulary left out), and the ids ``decode(skip_special_tokens=True)`` drops: those plus the ``added``
+    tokens (``get_added_tokens_decoder()``) that ``tokenizer.json`` marks special."""
     all_special: list[int] = []
-    for s in list(stm.values()) + additional:
+    for s in special:
         i = tok.token_to_id(s)
         if i is not None and i not in all_special:
             all_special.append(i)
-    added = tok.get_added_tokens_decoder()
     rust_special = {i for i, t in added.items() if t.special}
-    skip_ids = frozenset(rust_special | set(all_special))
+    return all_special, frozenset(rust_special | set(all_special))
 
-    # Chat templates: tokenizer_config.json (string or list of {name, template}), then
-    # chat_template.jinja (which transformers 5 saves instead, and prefers when present).
+
+def _read_chat_templates(real: str, config: dict[str, Any]) -> tuple[str | None, dict[str, str]]:
+    """``(default chat template or None, named templates)`` of the tokenizer directory ``real``:
+    tokenizer_config.json's ``chat_template`` (a string, or a list of ``{name, template}``), then
+    ``chat_template.jinja`` (which transformers 5 saves instead, and prefers when present) and the
+    ``additional_chat_templates/*.jinja`` files (named by their stems)."""
     chat_template: str | None = None
     named: dict[str, str] = {}
     ct = config.get("chat_template")
@@ -445,25 +465,48 @@ def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
                     named[fn[: -len(".jinja")]] = f.read()
         if chat_template is not None:
             named.setdefault("default", chat_template)
+    return chat_template, named
 
-    control = tuple(sorted({t.content for t in added.values() if t.content.replace("\u2581", " ").strip()}))
 
-    vocab = tok.get_vocab(with_added_tokens=True)
-    max_chars = max((len(s) for s in vocab), default=1)
-
+def _adds_bos_eos(tok: tokenizers.Tokenizer, stm: dict[str, str]) -> tuple[bool, bool]:
+    """``(add_bos_token, add_eos_token)``: whether the post-processor puts the BOS/EOS token of ``stm`` around an
+    encoding, found by encoding ``"a"`` with and without special tokens."""
     probe = tok.encode("a", add_special_tokens=True).ids
     plain = tok.encode("a", add_special_tokens=False).ids
     bos_id = tok.token_to_id(stm["bos_token"]) if "bos_token" in stm else None
     eos_id = tok.token_to_id(stm["eos_token"]) if "eos_token" in stm else None
     add_bos = len(probe) > len(plain) and bos_id is not None and probe[0] == bos_id
     add_eos = len(probe) > len(plain) and eos_id is not None and probe[-1] == eos_id
+    return add_bos, add_eos
 
+
+def _cleans_up_spaces(config: dict[str, Any], tok: tokenizers.Tokenizer) -> bool:
+    """Whether ``decode`` applies ``clean_up_tokenization_spaces``: as the config says, except for BPE models,
+    where transformers 5 skips it (unless the config forces it with its long-named override)."""
     cleanup = bool(config.get("clean_up_tokenization_spaces", False))
-    if cleanup and model_type == "BPE" and not config.get(
+    if cleanup and type(tok.model).__name__ == "BPE" and not config.get(
         "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False
     ):
         cleanup = False
+    return cleanup
 
+
+def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
+    """Load a tokenizer directory without caching (see ``get_tokenizer``).
+
+    Raises ``TokenizerLoadError`` when ``tokenizer.json`` is missing or unreadable.
+    """
+    real = os.path.realpath(tokenizer_dir)
+    files = _read_tokenizer_files(tokenizer_dir, real)
+    tok, config = files.tokenizer, files.config
+    # Named special tokens, as transformers' special_tokens_map.
+    stm, additional = _named_special_tokens(config, files.base_class)
+    added = tok.get_added_tokens_decoder()
+    all_special, skip_ids = _special_ids(tok, list(stm.values()) + additional, added)
+    chat_template, named = _read_chat_templates(real, config)
+    control = tuple(sorted({t.content for t in added.values() if t.content.replace("\u2581", " ").strip()}))
+    max_chars = max((len(s) for s in tok.get_vocab(with_added_tokens=True)), default=1)
+    add_bos, add_eos = _adds_bos_eos(tok, stm)
     return LoadedTokenizer(
         path=real,
         tokenizer=tok,
@@ -477,11 +520,12 @@ def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
         max_token_chars=max(1, max_chars),
         add_bos_token=add_bos,
         add_eos_token=add_eos,
-        clean_up_tokenization_spaces=cleanup,
+        clean_up_tokenization_spaces=_cleans_up_spaces(config, tok),
         control_tokens=control,
         control_regex=literal_trie_regex(control) if control else None,
-        segments=build_splitter(tok, fingerprint) if SEGMENT_CACHE.max_tokens > 0 else None,
+        segments=build_splitter(tok, files.fingerprint) if SEGMENT_CACHE.max_tokens > 0 else None,
     )
+
 
 
 logger = logging.getLogger(__name__)
