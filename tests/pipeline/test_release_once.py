@@ -172,3 +172,43 @@ async def test_a_disconnect_during_the_release_of_a_4xx_still_releases(env):
             break
         await asyncio.sleep(0.02)
     assert (await _state(prefix)) == (0, 0, 1), "admission not released, or usage not written exactly once"
+
+
+@pytest.mark.parametrize("outcome", ["success", "4xx", "engine_error", "disconnect"])
+async def test_each_release_has_one_owner(env, monkeypatch, outcome):
+    """One owner of each release, by structure rather than idempotency (issue 40): whatever the end, the pipeline
+    asks for the admission release, the key-limit settle, the usage event and the run's close once each, all from
+    ``RequestScope.release``. A second caller (``GenerationRun.close`` released admission too, saved only by
+    ``Reservation.released``) fails here even though the second call changed nothing."""
+    prefix, fake = env
+    fake.script = SCRIPTS[outcome]
+    calls: dict[str, int] = {}
+
+    def count(owner, name: str, what: str, held=lambda *a: True) -> None:
+        real = getattr(owner, name)
+
+        async def counted(*args, **kwargs):
+            if held(*args):
+                calls[what] = calls.get(what, 0) + 1
+            return await real(*args, **kwargs)
+        monkeypatch.setattr(owner, name, counted)
+
+    count(scope_mod.admission, "release", "admission release", lambda reservation: reservation is not None)
+    count(scope_mod.limits, "settle", "key-limit settle", lambda grant, used: grant is not None)
+    count(scope_mod.UsageRecorder, "emit", "usage event")
+    count(engine.GenerationRun, "close", "run close")
+    task = asyncio.get_running_loop().create_task(_one_request(_ctx(), outcome))
+    if outcome == "disconnect":
+        for _ in range(200):  # bounded: until the request holds its engine run
+            await asyncio.sleep(0.01)
+            if fake.script == {} and (await _state(prefix))[0] == 2:
+                break
+        task.cancel()
+    try:
+        await task
+    except (ApiError, asyncio.CancelledError):
+        pass
+    ran = outcome != "4xx"
+    assert calls == {"admission release": 1, "key-limit settle": 1, "usage event": 1,
+                     **({"run close": 1} if ran else {})}, calls
+    assert (await _state(prefix)) == (0, 0, 1)

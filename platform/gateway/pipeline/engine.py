@@ -101,8 +101,9 @@ class GenerationRun:
             raise engine_error(error, retry_after=retry_after)
 
     async def close(self) -> None:
-        """Abort children that have not finished (client gone, error, cancellation), drop their output routes
-        and release the admission reservation. Idempotent."""
+        """Abort children that have not finished (client gone, error, cancellation) and drop their output routes.
+        Idempotent. The admission reservation is not released here: ``RequestScope.release`` owns that (it
+        closes the run first)."""
         if self._closed:
             return
         self._closed = True
@@ -111,7 +112,6 @@ class GenerationRun:
             await asyncio.shield(_abort(self.model.served_model_name, unfinished))
         for c in self.state.choices:
             link().release(c.request_id)
-        await admission.release(self.reservation)
         if self.state.finished_time is None:
             self.state.finished_time = time.time()
 

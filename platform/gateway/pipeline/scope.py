@@ -39,8 +39,9 @@ class RequestScope:
 
     async def release(self) -> None:
         """Give everything back, in order: emit the usage event, close the run (abort unfinished children),
-        release admission, settle the key limits on the tokens used (none for ``failed_without_output``). Each
-        step is idempotent.
+        release admission, settle the key limits on the tokens used (none for ``failed_without_output``). This is
+        the one owner of each of these releases (nothing else calls them on a scope's resources); each step is
+        idempotent besides.
 
         The usage event goes first: the answer is already out, and an api process killed during the releases'
         Redis round trips (the many-hosts drill kills one mid-burst) lost the record of a request its client had
