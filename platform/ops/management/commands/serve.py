@@ -19,7 +19,7 @@ from ops.engine_watch import ENGINE_UNRESPONSIVE_S, HeartbeatWatch
 from ops.migrate import migrate_serialized
 from ops.layout import (BACKGROUND_NICE, RENDER_POOLS, EngineLayout, engine_layout, render_processes,
                         render_worker_env)
-from ops.supervisor import (RestartPolicy, Supervisor, http_ok, parse_cpu_list, python, redis_ping,
+from ops.supervisor import (Child, RestartPolicy, Supervisor, http_ok, parse_cpu_list, python, redis_ping,
                             unix_socket_accepts, wait_until)
 from inference.admission import reap as admission_reap
 from inference.config import SETTINGS
@@ -150,17 +150,33 @@ class Command(BaseCommand):
         self.stdout.write("stopped")
 
     def _run(self, sup: Supervisor, env: dict, var_dir: Path, opts: dict, stop: dict) -> None:
+        """Start every process in dependency order (Redis, the database, workers, engines, the apis), wait until
+        the platform serves, show the banner, then supervise until ``stop["flag"]`` is set. Raises
+        ``CommandError`` for bad options (before anything starts) and ``RuntimeError`` when a child that cannot be
+        restarted or set aside dies."""
         front_cpus, back_cpus = _core_split(opts["frontend_cores"])
-        _engine_layout(opts, [], front_cpus, back_cpus)  # bad layout options: refused before anything starts
-        if not math.isfinite(opts["engine_unresponsive_s"]) or opts["engine_unresponsive_s"] < 0:
-            raise CommandError(f"--engine-unresponsive-s {opts['engine_unresponsive_s']}: seconds >= 0 (0 turns the "
-                               "watch off)")
-        step_watchdog = opts["engine_step_watchdog_s"]
-        if step_watchdog is not None:
-            try:
-                step_watchdog = check_watchdog_seconds(step_watchdog)
-            except ValueError as exc:
-                raise CommandError(f"--engine-step-watchdog-s: {exc}") from None
+        step_watchdog = _checked_engine_options(opts, front_cpus, back_cpus)
+        client = self._start_redis(sup, env, var_dir, back_cpus)
+        migrate_serialized(client, settings.LINK_PREFIX)  # other serve processes may be migrating the same database
+        info = None
+        if opts["demo"]:
+            info = demo_bootstrap(var_dir=var_dir, model_name="tiny-qwen3", model_dir=opts["demo_model_dir"],
+                                  max_model_len=opts["demo_max_model_len"], num_replicas=opts["demo_replicas"])
+        py = python()
+        _start_workers(sup, py, var_dir, opts, back_cpus)
+        models = self._start_engines(sup, py, opts, front_cpus, back_cpus, step_watchdog)
+        mm_socket = _start_apis(sup, py, var_dir, opts, front_cpus, back_cpus)
+        base = _wait_until_serving(sup, client, models, opts["host"], opts["port"])
+        self._banner(base, info, var_dir)
+        unresponsive_s = opts["engine_unresponsive_s"]
+        watch = (HeartbeatWatch(client, settings.LINK_PREFIX, [m.served_model_name for m in models], unresponsive_s)
+                 if models and unresponsive_s > 0 else None)
+        self._supervise(sup, client, watch, mm_socket, stop)
+
+    def _start_redis(self, sup: Supervisor, env: dict, var_dir: Path,
+                     back_cpus: frozenset[int] | None) -> redis.Redis:
+        """Start the embedded Redis (unless ``REDIS_URL`` names one), put its URL in the children's ``env`` and
+        return a client once it answers (``RuntimeError`` after 20 s)."""
         redis_url = settings.REDIS_URL
         if settings.REDIS_EMBEDDED:
             # options, password included, in a 0600 file: a command line is world-readable (ps, /proc/PID/cmdline)
@@ -176,33 +192,12 @@ class Command(BaseCommand):
         wait_until(lambda: redis_ping(client), 20, f"Redis at {redacted_url(redis_url)}", sup)
         where = f" (password in {settings.EMBEDDED_REDIS_PASSWORD_FILE})" if settings.REDIS_EMBEDDED else ""
         self.stdout.write(f"redis: {redacted_url(redis_url)}{where}")
+        return client
 
-        migrate_serialized(client, settings.LINK_PREFIX)  # other serve processes may be migrating the same database
-        info = None
-        if opts["demo"]:
-            info = demo_bootstrap(var_dir=var_dir, model_name="tiny-qwen3", model_dir=opts["demo_model_dir"],
-                                  max_model_len=opts["demo_max_model_len"], num_replicas=opts["demo_replicas"])
-
-        py = python()
-        pool = opts["render_pool"]
-        for i, children in enumerate(render_processes(pool, opts["render_concurrency"], opts["render_workers"])):
-            name = "worker" if i == 0 else f"worker-{i + 1}"
-            sup.start(name, [py, "-m", "celery", "-A", "config", "worker", "-Q", "render", "-c", str(children),
-                             "--pool", pool, "-n", f"{name.replace('-', '')}@%h", "--without-gossip",
-                             "--without-mingle", "-l", "WARNING"],  # INFO would log prompts
-                      cpus=back_cpus, env_extra=render_worker_env(pool, RENDER_REDELIVER_AFTER_S))
-        # usage writes on their own worker: a database flush (up to 200 ms measured on SQLite under load) never
-        # holds one of the render slots that every request's template and tokenization wait for
-        sup.start("worker-usage", [py, "-m", "celery", "-A", "config", "worker", "-Q", "usage", "-c", "1",
-                                   "--pool", "prefork", "-n", "usage@%h", "--without-gossip", "--without-mingle",
-                                   "-l", "WARNING"], cpus=back_cpus, nice=BACKGROUND_NICE)
-        # images are preprocessed on their own queue, one at a time per worker, so text never waits on them
-        # niced: image preprocessing yields the CPU to text requests sharing this machine
-        sup.start("worker-mm", [py, "-m", "celery", "-A", "config", "worker", "-Q", "mm", "-c", "1",
-                                "--pool", "prefork", "-n", "mm@%h", "--without-gossip", "--without-mingle",
-                                "-l", "WARNING"], cpus=back_cpus, nice=BACKGROUND_NICE)
-        sup.start("beat", [py, "-m", "celery", "-A", "config", "beat", "-l", "WARNING",
-                           "--schedule", str(var_dir / "celerybeat-schedule")], cpus=back_cpus, nice=BACKGROUND_NICE)
+    def _start_engines(self, sup: Supervisor, py: str, opts: dict, front_cpus: frozenset[int] | None,
+                       back_cpus: frozenset[int] | None, step_watchdog: float | None) -> list[ServedModel]:
+        """Start every replica of each enabled generate/embed model (none with ``--no-engine``): ``engine-NAME``,
+        ``engine-NAME-2``, ...; return those models."""
         models = [] if opts["no_engine"] else [m for m in served_models_enabled() if m.task in ("generate", "embed")]
         layout = _engine_layout(opts, models, front_cpus, back_cpus)
         if models:
@@ -214,68 +209,20 @@ class Command(BaseCommand):
             for i in range(m.num_replicas):  # replicas: engine-NAME, engine-NAME-2, ... (the api routes between them)
                 sup.start(f"engine-{m.served_model_name}" + (f"-{i + 1}" if i else ""), argv, env_extra=env_extra,
                           cpus=back_cpus, nice=layout.nice)
-        front_env, mm_socket = {}, None
-        if opts["mm_api_workers"] > 0:
-            mm_socket = _mm_socket_path(var_dir)
-            # the multimodal api: the same application on a unix socket, image chats relayed to it by the front
-            # api (gateway/handoff.py)
-            sup.start("api-mm", [py, "-m", "ops.mm_api", "--uds", mm_socket,
-                                 "--workers", str(opts["mm_api_workers"]), "--timeout-graceful-shutdown", "5"],
-                      cpus=back_cpus)
-            wait_until(lambda: unix_socket_accepts(mm_socket), 60, "the multimodal api", sup)
-            front_env["MULTIMODAL_API_SOCKET"] = mm_socket
-        sup.start("api", api_command(py, opts["host"], opts["port"], opts["api_workers"]),
-                  env_extra=front_env, cpus=front_cpus)
-        for m in models:
-            wait_until(lambda m=m: bool(client.zrangebyscore(replicas_index_key(settings.LINK_PREFIX, m.served_model_name),
-                                                             int(time.time() * 1000), "+inf")),
-                       300, f"engine for {m.served_model_name}", sup)
-        host = opts["host"] if ":" not in opts["host"] else f"[{opts['host']}]"
-        base = f"http://{host}:{opts['port']}"
-        wait_until(lambda: http_ok(base + "/health"), 60, "the API server", sup)
-        self._banner(base, info, var_dir)
+        return models
+
+    def _supervise(self, sup: Supervisor, client: redis.Redis, watch: HeartbeatWatch | None,
+                   mm_socket: str | None, stop: dict) -> None:
+        """Until ``stop["flag"]``: restart (or set aside) each child that died, bring set-aside children back after
+        the restart window, and every second reap dead api processes' admission reservations (D-180) and kill
+        engines that live on with their heartbeat lapsed (``watch``, None: off)."""
         policy = RestartPolicy()
         parked: list[tuple] = []  # (child, retry at): a multimodal api or render worker crashing past its budget
-        next_reap = 0.0  # serve reaps dead api processes' admission reservations too (D-180), every second
-        unresponsive_s = opts["engine_unresponsive_s"]
-        watch = (HeartbeatWatch(client, settings.LINK_PREFIX, [m.served_model_name for m in models], unresponsive_s)
-                 if models and unresponsive_s > 0 else None)
+        next_reap = 0.0
         while not stop["flag"]:
             dead = sup.dead_child()
             if dead is not None:
-                # Engines, workers and the api processes are restartable. Requests an engine held fail with a
-                # clear error (the api notices a dead replica by its heartbeat); the clients of a dead api see
-                # their connection closed, its admission reservations are reaped once its lease lapses (≈ 6 s,
-                # inference/admission.py; by serve itself below, and by every api from its start), its key-limit
-                # concurrency leases expire (6 s, tenancy/limits.py) and the
-                # engines abort its requests when its liveness key lapses (DESIGN.md §6); new requests are
-                # served once it is back on its port. Redis is not: without it nothing can be served (and an
-                # embedded one lost its data), so everything stops. While the multimodal api is down, the front
-                # api serves image chats itself (gateway/handoff.py), so one that keeps crashing is set aside
-                # and tried again after the restart window, not fatal; so is a render worker (the others render
-                # meanwhile, and with none the api refuses renders with 503 until one is back, D-191): a tenant's
-                # template that runs into the hard time limit again and again kills solo workers (D-296), and must
-                # not stop the whole platform.
-                code = dead.proc.returncode
-                if dead.name == "api-mm" and mm_socket and os.path.exists(mm_socket):
-                    os.unlink(mm_socket)  # a killed launcher leaves its socket file
-                if dead.name == "redis":
-                    raise RuntimeError(f"{dead.name} exited with code {code}; see {dead.log_path}")
-                if not policy.allow(dead.name, time.monotonic()):
-                    if not parkable(dead.name):
-                        raise RuntimeError(f"{dead.name} exited with code {code}; see {dead.log_path}")
-                    sup.kill_group(dead)
-                    sup.children.remove(dead)
-                    parked.append((dead, time.monotonic() + policy.window_s))
-                    meanwhile = ("the front api serves image requests itself" if dead.name == "api-mm"
-                                 else "the other render workers serve")
-                    self.stderr.write(f"{dead.name} exited with code {code} and keeps crashing; {meanwhile}; trying "
-                                      f"it again in {policy.window_s:.0f} s (see {dead.log_path})")
-                else:
-                    why = " (its step loop was wedged: the engine's watchdog gave it up)" if (
-                        dead.name.startswith("engine-") and code == EXIT_STEP_LOOP_WEDGED) else ""
-                    self.stderr.write(f"{dead.name} exited with code {code}{why}; restarting it (see {dead.log_path})")
-                    sup.restart(dead)
+                self._on_dead_child(sup, dead, policy, parked, mm_socket)
             for entry in list(parked):
                 if time.monotonic() >= entry[1] and policy.allow(entry[0].name, time.monotonic()):
                     parked.remove(entry)
@@ -287,6 +234,43 @@ class Command(BaseCommand):
                 if watch is not None:
                     self._kill_unresponsive_engines(sup, watch)
             time.sleep(0.5)
+
+    def _on_dead_child(self, sup: Supervisor, dead: Child, policy: RestartPolicy, parked: list[tuple],
+                       mm_socket: str | None) -> None:
+        """Restart the child ``dead`` while ``policy`` allows; past its restart budget, set a parkable one aside in
+        ``parked`` (``(child, retry at)``) and raise ``RuntimeError`` for any other (Redis at once).
+
+        Engines, workers and the api processes are restartable. Requests an engine held fail with a clear error
+        (the api notices a dead replica by its heartbeat); the clients of a dead api see their connection closed,
+        its admission reservations are reaped once its lease lapses (≈ 6 s, inference/admission.py; by serve itself
+        in ``_supervise``, and by every api from its start), its key-limit concurrency leases expire (6 s,
+        tenancy/limits.py) and the engines abort its requests when its liveness key lapses (DESIGN.md §6); new
+        requests are served once it is back on its port. Redis is not: without it nothing can be served (and an
+        embedded one lost its data), so everything stops. While the multimodal api is down, the front api serves
+        image chats itself (gateway/handoff.py), so one that keeps crashing is set aside and tried again after the
+        restart window, not fatal; so is a render worker (the others render meanwhile, and with none the api
+        refuses renders with 503 until one is back, D-191): a tenant's template that runs into the hard time limit
+        again and again kills solo workers (D-296), and must not stop the whole platform."""
+        code = dead.proc.returncode
+        if dead.name == "api-mm" and mm_socket and os.path.exists(mm_socket):
+            os.unlink(mm_socket)  # a killed launcher leaves its socket file
+        if dead.name == "redis":
+            raise RuntimeError(f"{dead.name} exited with code {code}; see {dead.log_path}")
+        if policy.allow(dead.name, time.monotonic()):
+            why = " (its step loop was wedged: the engine's watchdog gave it up)" if (
+                dead.name.startswith("engine-") and code == EXIT_STEP_LOOP_WEDGED) else ""
+            self.stderr.write(f"{dead.name} exited with code {code}{why}; restarting it (see {dead.log_path})")
+            sup.restart(dead)
+            return
+        if not parkable(dead.name):
+            raise RuntimeError(f"{dead.name} exited with code {code}; see {dead.log_path}")
+        sup.kill_group(dead)
+        sup.children.remove(dead)
+        parked.append((dead, time.monotonic() + policy.window_s))
+        meanwhile = ("the front api serves image requests itself" if dead.name == "api-mm"
+                     else "the other render workers serve")
+        self.stderr.write(f"{dead.name} exited with code {code} and keeps crashing; {meanwhile}; trying "
+                          f"it again in {policy.window_s:.0f} s (see {dead.log_path})")
 
     def _kill_unresponsive_engines(self, sup: Supervisor, watch: HeartbeatWatch) -> None:
         """SIGKILL the process group of every engine child that lives on with its heartbeat lapsed for
@@ -342,6 +326,82 @@ def _reap_dead_holders(client: redis.Redis) -> None:
         admission_reap(client, settings.LINK_PREFIX)
     except redis.RedisError:
         pass
+
+
+def _checked_engine_options(opts: dict, front_cpus: frozenset[int] | None,
+                            back_cpus: frozenset[int] | None) -> float | None:
+    """Refuse bad engine options before anything starts (``CommandError``): the layout (``_engine_layout``), a
+    negative or non-finite ``--engine-unresponsive-s``, a ``--engine-step-watchdog-s`` the engines would refuse
+    (``check_watchdog_seconds``). Returns the step watchdog's seconds (None: the engines' default)."""
+    _engine_layout(opts, [], front_cpus, back_cpus)
+    if not math.isfinite(opts["engine_unresponsive_s"]) or opts["engine_unresponsive_s"] < 0:
+        raise CommandError(f"--engine-unresponsive-s {opts['engine_unresponsive_s']}: seconds >= 0 (0 turns the "
+                           "watch off)")
+    step_watchdog = opts["engine_step_watchdog_s"]
+    if step_watchdog is not None:
+        try:
+            step_watchdog = check_watchdog_seconds(step_watchdog)
+        except ValueError as exc:
+            raise CommandError(f"--engine-step-watchdog-s: {exc}") from None
+    return step_watchdog
+
+
+def _start_workers(sup: Supervisor, py: str, var_dir: Path, opts: dict, back_cpus: frozenset[int] | None) -> None:
+    """Start the Celery processes: the render workers (``worker``, ``worker-2``, ...), the usage and mm workers and
+    beat, all on ``back_cpus``."""
+    pool = opts["render_pool"]
+    for i, children in enumerate(render_processes(pool, opts["render_concurrency"], opts["render_workers"])):
+        name = "worker" if i == 0 else f"worker-{i + 1}"
+        sup.start(name, [py, "-m", "celery", "-A", "config", "worker", "-Q", "render", "-c", str(children),
+                         "--pool", pool, "-n", f"{name.replace('-', '')}@%h", "--without-gossip",
+                         "--without-mingle", "-l", "WARNING"],  # INFO would log prompts
+                  cpus=back_cpus, env_extra=render_worker_env(pool, RENDER_REDELIVER_AFTER_S))
+    # usage writes on their own worker: a database flush (up to 200 ms measured on SQLite under load) never
+    # holds one of the render slots that every request's template and tokenization wait for
+    sup.start("worker-usage", [py, "-m", "celery", "-A", "config", "worker", "-Q", "usage", "-c", "1",
+                               "--pool", "prefork", "-n", "usage@%h", "--without-gossip", "--without-mingle",
+                               "-l", "WARNING"], cpus=back_cpus, nice=BACKGROUND_NICE)
+    # images are preprocessed on their own queue, one at a time per worker, so text never waits on them
+    # niced: image preprocessing yields the CPU to text requests sharing this machine
+    sup.start("worker-mm", [py, "-m", "celery", "-A", "config", "worker", "-Q", "mm", "-c", "1",
+                            "--pool", "prefork", "-n", "mm@%h", "--without-gossip", "--without-mingle",
+                            "-l", "WARNING"], cpus=back_cpus, nice=BACKGROUND_NICE)
+    sup.start("beat", [py, "-m", "celery", "-A", "config", "beat", "-l", "WARNING",
+                       "--schedule", str(var_dir / "celerybeat-schedule")], cpus=back_cpus, nice=BACKGROUND_NICE)
+
+
+def _start_apis(sup: Supervisor, py: str, var_dir: Path, opts: dict, front_cpus: frozenset[int] | None,
+                back_cpus: frozenset[int] | None) -> str | None:
+    """Start the multimodal api on its unix socket (with ``--mm-api-workers`` > 0; waited for, up to 60 s) and then
+    the front api on ``--host``:``--port`` (on ``front_cpus``), told the socket. Returns the socket's path or
+    None."""
+    front_env, mm_socket = {}, None
+    if opts["mm_api_workers"] > 0:
+        mm_socket = _mm_socket_path(var_dir)
+        # the multimodal api: the same application on a unix socket, image chats relayed to it by the front
+        # api (gateway/handoff.py)
+        sup.start("api-mm", [py, "-m", "ops.mm_api", "--uds", mm_socket,
+                             "--workers", str(opts["mm_api_workers"]), "--timeout-graceful-shutdown", "5"],
+                  cpus=back_cpus)
+        wait_until(lambda: unix_socket_accepts(mm_socket), 60, "the multimodal api", sup)
+        front_env["MULTIMODAL_API_SOCKET"] = mm_socket
+    sup.start("api", api_command(py, opts["host"], opts["port"], opts["api_workers"]),
+              env_extra=front_env, cpus=front_cpus)
+    return mm_socket
+
+
+def _wait_until_serving(sup: Supervisor, client: redis.Redis, models: list[ServedModel], host: str,
+                        port: int) -> str:
+    """Wait until each of ``models`` has a live replica (300 s each) and the api answers ``/health`` (60 s); return
+    the api's base URL. Raises ``RuntimeError`` when one does not come up in time or a child dies meanwhile."""
+    for m in models:
+        wait_until(lambda m=m: bool(client.zrangebyscore(replicas_index_key(settings.LINK_PREFIX, m.served_model_name),
+                                                         int(time.time() * 1000), "+inf")),
+                   300, f"engine for {m.served_model_name}", sup)
+    host = host if ":" not in host else f"[{host}]"
+    base = f"http://{host}:{port}"
+    wait_until(lambda: http_ok(base + "/health"), 60, "the API server", sup)
+    return base
 
 
 def _shown(password: str | None) -> str:
