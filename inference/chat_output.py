@@ -14,6 +14,11 @@ calls is held back in a stream and dropped when calls follow, D-122); ``tool_cal
 ``{"id": "chatcmpl-tool-<16 hex>", "type": "function", "function": {"name", "arguments"}}``. A stream sends a
 call as two deltas: ``{index, id, type, function: {name, arguments: ""}}``, then ``{index, function:
 {arguments}}``.
+
+It runs on the api's event loop for every delta of every choice: each ``push`` is O(len(text)) (the parsers are
+linear, ``inference.markers``; the message's texts are kept as lists of parts, joined once when read), and the
+leading whitespace held before calls is bounded by ``inference.markers.MAX_HELD_CHARS``: past it, it is released
+as content (then kept even when calls follow).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from inference.markers import MAX_HELD_CHARS, joined_parts
 from inference.protocol.engine import FINISH_STOP
 from inference.reasoning import REASONING_PARSERS, ReasoningParser, default_reasoning_parser, get_reasoning_parser
 from inference.reasoning.base import TokenizerLike
@@ -101,20 +107,33 @@ class ChatOutputParser:
         tools: the request's tool parser, or ``None`` (no tools, ``tool_choice: "none"``, or no parser).
         parallel_tool_calls: ``False`` keeps only the first call (OpenAI, vLLM).
         named_tool: the request forced one named function (its finish reason stays ``stop``, vLLM/OpenAI).
+        max_held_chars: the most leading whitespace held back before calls (default ``MAX_HELD_CHARS``).
     """
 
     def __init__(self, reasoning: ReasoningParser | None = None, tools: ToolParser | None = None, *,
-                 parallel_tool_calls: bool = True, named_tool: bool = False):
+                 parallel_tool_calls: bool = True, named_tool: bool = False, max_held_chars: int | None = None):
         self.reasoning = reasoning
         self.tools = tools
         self.parallel_tool_calls = parallel_tool_calls
         self.named_tool = named_tool
+        self.max_held_chars = MAX_HELD_CHARS if max_held_chars is None else max_held_chars
         self.calls: list[ToolCallOut] = []
-        self.reasoning_text = ""
-        self.content_text = ""
+        self._reasoning_parts: list[str] = []
+        self._content_parts: list[str] = []
         self._content_started = tools is None  # without tools, content flows as it comes
-        self._held_ws = ""
+        self._held_ws: list[str] = []
+        self._held_ws_len = 0
         self.finished = False
+
+    @property
+    def reasoning_text(self) -> str:
+        """The reasoning text so far (joined on read: O(its length); read it at the end, not per delta)."""
+        return joined_parts(self._reasoning_parts)
+
+    @property
+    def content_text(self) -> str:
+        """The content text so far (joined on read: O(its length); read it at the end, not per delta)."""
+        return joined_parts(self._content_parts)
 
     def push(self, text: str) -> ChatDelta:
         """Feed the choice's next text delta."""
@@ -132,13 +151,15 @@ class ChatOutputParser:
         return self._merge(rd.reasoning, self._answer(rd.content, final=True))
 
     def _merge(self, reasoning: str, delta: ChatDelta) -> ChatDelta:
-        self.reasoning_text += reasoning
+        if reasoning:
+            self._reasoning_parts.append(reasoning)
         delta.reasoning = reasoning
         return delta
 
     def _answer(self, text: str, *, final: bool) -> ChatDelta:
         if self.tools is None:
-            self.content_text += text
+            if text:
+                self._content_parts.append(text)
             return ChatDelta(content=text)
         td = self.tools.push(text) if text else None
         content = td.content if td else ""
@@ -157,16 +178,22 @@ class ChatOutputParser:
         return out
 
     def _gate(self, content: str, *, final: bool, calls: bool) -> str:
-        """Hold leading whitespace until real content comes; drop it at the end when calls were made."""
+        """Hold leading whitespace until real content comes; drop it at the end when calls were made. Whitespace
+        held past ``max_held_chars`` is released (content starts there)."""
         if not self._content_started:
-            if content.strip():
-                content, self._held_ws, self._content_started = self._held_ws + content, "", True
+            if content and not content.isspace():
+                content, self._content_started = "".join(self._held_ws) + content, True
+                self._held_ws, self._held_ws_len = [], 0
             else:
-                self._held_ws += content
+                self._held_ws.append(content)
+                self._held_ws_len += len(content)
                 content = ""
-                if final and not calls:
-                    content, self._held_ws = self._held_ws, ""
-        self.content_text += content
+                over = self._held_ws_len > self.max_held_chars
+                if over or (final and not calls):
+                    content, self._content_started = "".join(self._held_ws), over
+                    self._held_ws, self._held_ws_len = [], 0
+        if content:
+            self._content_parts.append(content)
         return content
 
     def finish_reason(self, engine_reason: str | None) -> str | None:

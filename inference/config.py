@@ -88,6 +88,11 @@ variable                           type     default              meaning (unit; 
                                                                  ``prefix`` (its own stream, chosen by prefix-cache hit
                                                                  against load) or ``shared`` (the model's shared stream,
                                                                  any replica pulls it) (``engine_client.py``, ``router.py``)
+``OUTPUT_PARSER_MAX_HELD_CHARS``   int      262144               characters an output parser may hold back undecided: a
+                                                                 tool call's markup and JSON longer than this is content,
+                                                                 leading whitespace longer than this is released
+                                                                 (``markers.py``: ``tool_parsers/``, ``reasoning/``,
+                                                                 ``chat_output.py``)
 =================================  =======  ===================  ===========================================================
 """
 
@@ -164,6 +169,7 @@ class InferenceSettings:
     segment_cache_redis_ttl_s: int = 300
     segment_cache_redis_url: str | None = None
     engine_routing: str = "prefix"
+    output_parser_max_held_chars: int = 1 << 18
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> InferenceSettings:

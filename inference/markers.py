@@ -3,16 +3,43 @@
 A marker such as ``</think>`` or ``<tool_call>`` can arrive split over several text deltas (``"</th"`` then
 ``"ink>"``); text that may still become a marker is held back, as ``output_processor.StopChecker`` holds back
 a possible stop string, so no part of a marker ever leaks into a field.
+
+The parsers run on the api's event loop, once per text delta of every choice, so each is linear in the output:
+a delta's work is proportional to the delta plus a bounded look-back (the longest marker), never a rescan of
+the text so far. What a parser holds back undecided is bounded by ``MAX_HELD_CHARS`` (the
+``OUTPUT_PARSER_MAX_HELD_CHARS`` setting, ``inference.config``); each parser's docstring says what it does past
+the bound. A text that grows with the output is kept as a list of parts (``joined_parts``).
 """
 
 from __future__ import annotations
 
+from inference.config import SETTINGS
 
-def partial_marker_len(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper, non-empty prefix of ``marker`` (0 when
+MAX_HELD_CHARS = SETTINGS.output_parser_max_held_chars
+"""Characters an output parser may hold back undecided (default 262144 = 256 Ki). A tool call's markup and
+JSON longer than this is not read as a call but released as content, and leading whitespace held longer than
+this is released: a tool call's arguments come from the model's output, and 256 Ki characters (some 64k tokens
+at ~4 characters a token) is more than any call a client would act on, e.g. a whole source file passed to a
+``write_file`` tool, while it keeps what one choice holds to about 1 MiB."""
+
+if MAX_HELD_CHARS < 1:
+    raise ValueError(f"OUTPUT_PARSER_MAX_HELD_CHARS must be at least 1, got {MAX_HELD_CHARS}")
+
+
+def joined_parts(parts: list[str]) -> str:
+    """``"".join(parts)``, left in ``parts`` as its one element so that the next read costs nothing more. A growing
+    text kept as parts costs O(its length) to build, where ``self.text += delta`` copies the whole text at every
+    delta (O(length²): CPython extends a string in place only when it is a local variable)."""
+    if len(parts) > 1:
+        parts[:] = ["".join(parts)]
+    return parts[0] if parts else ""
+
+
+def partial_marker_len(text: str, marker: str, start: int = 0) -> int:
+    """Length of the longest suffix of ``text[start:]`` that is a proper, non-empty prefix of ``marker`` (0 when
     none): the characters to hold back because the next delta may complete the marker. O(len(marker)²)."""
-    for k in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:k]):
+    for k in range(min(len(text) - start, len(marker) - 1), 0, -1):
+        if text.endswith(marker[:k], start):
             return k
     return 0
 
@@ -20,7 +47,8 @@ def partial_marker_len(text: str, marker: str) -> int:
 def split_at_marker(text: str, marker: str) -> tuple[str, str | None, str]:
     """``(before, marker_or_None, after)``: ``before`` is safe to emit; when ``marker`` occurs in ``text``
     ``after`` is what follows its first occurrence, else ``after`` is the held-back tail (a possible start
-    of the marker)."""
+    of the marker). O(len(text)): call it on a delta plus a held tail shorter than the marker, not on the text
+    so far."""
     i = text.find(marker)
     if i >= 0:
         return text[:i], marker, text[i + len(marker):]

@@ -14,7 +14,9 @@ Importable without Django and torch. Two pieces, used per request (per choice) i
   across pushes, and truncates at the earliest match (keeping the stop string only when
   ``include_stop_str_in_output``).
 
-Both give the same total output whether tokens are pushed one by one or all at once.
+Both give the same total output whether tokens are pushed one by one or all at once. Both run on the api's event
+loop per engine output of every choice, so they are linear in the output: the texts they keep are lists of
+parts joined once when read (``output_text``, ``ChoiceState.text``), never copied per delta.
 
 On top of them, the per-request output state (vLLM's ``vllm/v1/engine/output_processor.py`` shape):
 
@@ -33,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from inference.markers import joined_parts
 from inference.protocol.engine import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, EngineCoreOutput
 from inference.renderer.tokenizer_cache import LoadedTokenizer
 
@@ -50,7 +53,7 @@ class IncrementalDetokenizer:
 
     ``push(ids)`` returns the newly complete text (possibly ``""``); ``flush()`` returns what was
     held back (an incomplete trailing character decodes to U+FFFD). ``output_token_ids`` and
-    ``output_text`` (everything returned so far) are kept for final responses.
+    ``output_text`` (everything returned so far; joined on read, O(its length)) are kept for final responses.
     Raises ``TokenIdError`` from ``push`` for ids outside the vocabulary.
     """
 
@@ -65,7 +68,12 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self.output_token_ids: list[int] = []
-        self.output_text = ""
+        self._text_parts: list[str] = []
+
+    @property
+    def output_text(self) -> str:
+        """Everything returned so far (joined on read: O(its length), then cached until more text comes)."""
+        return joined_parts(self._text_parts)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode_unchecked(ids, skip_special_tokens=self.skip_special_tokens)
@@ -96,7 +104,8 @@ class IncrementalDetokenizer:
         self.tokenizer.check_ids(ids)
         self.output_token_ids.extend(ids)
         out = "".join(self._step(t) for t in ids)
-        self.output_text += out
+        if out:
+            self._text_parts.append(out)
         return out
 
     def flush(self) -> str:
@@ -105,7 +114,8 @@ class IncrementalDetokenizer:
         new_text = self._decode(self._ids[self._prefix_offset :])
         out = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
         self._prefix_offset = self._read_offset = len(self._ids)
-        self.output_text += out
+        if out:
+            self._text_parts.append(out)
         return out
 
 
@@ -251,13 +261,14 @@ class StopChecker:
 
 @dataclass
 class ChoiceState:
-    """Output state of one choice (one engine child request)."""
+    """Output state of one choice (one engine child request). ``text`` (the choice's text after stop strings) is
+    kept in ``text_parts``; ``add_text`` appends, reading ``text`` joins them once."""
 
     index: int
     request_id: str
     detok: IncrementalDetokenizer
     stops: StopChecker
-    text: str = ""
+    text_parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
     # the engine's prompt logprob entries (``EngineCoreOutput.prompt_logprobs``), when the request asked
@@ -273,6 +284,16 @@ class ChoiceState:
     queued_ts: float | None = None
     scheduled_ts: float | None = None
     first_token_ts: float | None = None
+
+    @property
+    def text(self) -> str:
+        """The choice's text so far (joined on read: O(its length), then cached until more text comes)."""
+        return joined_parts(self.text_parts)
+
+    def add_text(self, text: str) -> None:
+        """Append ``text`` to the choice's text (O(1): no copy of what came before)."""
+        if text:
+            self.text_parts.append(text)
 
 
 @dataclass
@@ -474,7 +495,7 @@ class OutputProcessor:
         emit, matched = state.stops.push(text)
         if matched is not None:
             state.finish_reason, state.stop_reason = FINISH_STOP, matched
-            state.text += emit
+            state.add_text(emit)
             return ChoiceDelta(state.index, emit, new_ids, FINISH_STOP, matched), finish is None
         if finish is not None:
             tail, late_match = state.stops.flush()
@@ -482,7 +503,7 @@ class OutputProcessor:
             state.finish_reason = FINISH_STOP if late_match is not None else finish
             state.stop_reason = late_match if late_match is not None else out.stop_reason
             state.error = out.error
-        state.text += emit
+        state.add_text(emit)
         if not emit and not new_ids and finish is None:
             return None, False
         return ChoiceDelta(state.index, emit, new_ids, state.finish_reason, state.stop_reason), False

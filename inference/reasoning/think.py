@@ -14,16 +14,24 @@ request text never holds them as control ids, D-064):
 
 Reasoning that never ends (``max_tokens`` reached inside it) stays reasoning. The text between the markers is
 kept as the model wrote it (vLLM does not strip it either); the text after ``</think>`` is the content.
+
+Bounded hold and cost: reasoning and content flow as they come (only a possible start of ``</think>`` is held
+back), so the one thing held is the output's leading whitespace while it is undecided whether a ``<think>``
+follows; whitespace longer than ``max_held_chars`` (``inference.markers.MAX_HELD_CHARS`` by default) decides it:
+the output then does not start with a think block (the rule above for an output without ``<think>``). Each
+``push`` is O(len(text)) plus a look-back of one marker length.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
-from inference.markers import split_at_marker
+from inference.markers import MAX_HELD_CHARS, split_at_marker
 from inference.reasoning.base import ReasoningDelta, ReasoningParser, TokenizerLike, register_reasoning_parser
 
 _START, _REASONING, _CONTENT = "start", "reasoning", "content"
+_NON_WS = re.compile(r"\S")  # ``\s`` is ``str.isspace``'s set, the whitespace ``str.lstrip`` drops
 
 
 class ThinkTagReasoningParser(ReasoningParser):
@@ -31,6 +39,9 @@ class ThinkTagReasoningParser(ReasoningParser):
 
     ``implicit_start``: without an opening marker in the output (and none open in the prompt), the output is
     reasoning up to ``end_marker`` (True, R1) or content (False, Qwen3).
+
+    ``max_held_chars``: the longest leading whitespace held while the start is undecided (default
+    ``MAX_HELD_CHARS``; module docstring).
     """
 
     start_marker: ClassVar[str] = "<think>"
@@ -38,8 +49,9 @@ class ThinkTagReasoningParser(ReasoningParser):
     implicit_start: ClassVar[bool] = False
 
     def __init__(self, tokenizer: TokenizerLike, prompt_token_ids: list[int],
-                 chat_template_kwargs: dict[str, Any] | None = None):
+                 chat_template_kwargs: dict[str, Any] | None = None, *, max_held_chars: int | None = None):
         super().__init__(tokenizer, prompt_token_ids, chat_template_kwargs)
+        self.max_held_chars = MAX_HELD_CHARS if max_held_chars is None else max_held_chars
         self._start_id = tokenizer.token_to_id(self.start_marker)
         self._end_id = tokenizer.token_to_id(self.end_marker)
         prompt_state = self._prompt_state()
@@ -53,7 +65,11 @@ class ThinkTagReasoningParser(ReasoningParser):
         self._thinking = self._mode != _CONTENT
         # the output surely starts in the reasoning (the prompt opened it, or R1's implicit start)
         self._starts_in_reasoning = self._fallback == _REASONING
+        # _START: the text after the leading whitespace (a proper prefix of start_marker); _REASONING: a possible
+        # start of end_marker
         self._pending = ""
+        self._ws: list[str] = []  # _START: the leading whitespace, in parts
+        self._ws_len = 0
         self._had_reasoning = False  # the output entered the think block
 
     def _prompt_state(self) -> str:
@@ -88,36 +104,57 @@ class ThinkTagReasoningParser(ReasoningParser):
         return [self._end_id] if self._starts_in_reasoning and self._end_id is not None else []
 
     def push(self, text: str) -> ReasoningDelta:
-        out = ReasoningDelta()
-        self._pending += text
-        while self._pending:
-            if self._mode == _CONTENT:
-                out.content += self._pending
-                self._pending = ""
-            elif self._mode == _START:
-                body = self._pending.lstrip()
-                if body.startswith(self.start_marker):
-                    self._pending = body[len(self.start_marker):]
-                    self._mode, self._had_reasoning = _REASONING, True
-                elif self.start_marker.startswith(body):
-                    break  # empty or a proper prefix of the marker: wait for more
-                else:
-                    self._mode = self._fallback
-                    self._had_reasoning = self._mode == _REASONING
-            else:
-                before, marker, rest = split_at_marker(self._pending, self.end_marker)
-                out.reasoning += before
-                if marker is None:
-                    self._pending = rest
-                    break
-                self._pending, self._mode = rest, _CONTENT
-        return out
+        if self._mode == _START:
+            started = self._start(text)
+            if started is None:
+                return ReasoningDelta()
+            text = started
+        if self._mode == _REASONING:
+            before, marker, rest = split_at_marker(self._pending + text, self.end_marker)
+            if marker is None:
+                self._pending = rest
+                return ReasoningDelta(reasoning=before)
+            self._pending, self._mode = "", _CONTENT
+            return ReasoningDelta(reasoning=before, content=rest)
+        return ReasoningDelta(content=text)
+
+    def _start(self, text: str) -> str | None:
+        """Decide where the output starts; returns the text to read in the mode decided (the leading whitespace
+        dropped before a start marker), ``None`` while it is still undecided (all of ``text`` held)."""
+        if not self._pending:
+            m = _NON_WS.search(text)
+            ws = text if m is None else text[:m.start()]
+            if ws:
+                self._ws.append(ws)
+                self._ws_len += len(ws)
+            if self._ws_len > self.max_held_chars:
+                return self._fallback_start(text[len(ws):])
+            if m is None:
+                return None
+            text = text[len(ws):]
+        body = self._pending + text
+        if body.startswith(self.start_marker):
+            self._pending, self._ws, self._ws_len = "", [], 0
+            self._mode, self._had_reasoning = _REASONING, True
+            return body[len(self.start_marker):]
+        if self.start_marker.startswith(body):
+            self._pending = body  # a proper prefix of the marker: wait for more
+            return None
+        self._pending = ""
+        return self._fallback_start(body)
+
+    def _fallback_start(self, rest: str) -> str:
+        """No start marker: the fallback mode; returns the held whitespace and ``rest``, to read in it."""
+        held = "".join(self._ws) + rest
+        self._ws, self._ws_len = [], 0
+        self._mode = self._fallback
+        self._had_reasoning = self._mode == _REASONING
+        return held
 
     def flush(self) -> ReasoningDelta:
         held, self._pending = self._pending, ""
         if self._mode == _START:
-            self._mode = self._fallback
-            self._had_reasoning = self._mode == _REASONING
+            held = self._fallback_start(held)
         if self._mode == _REASONING:
             return ReasoningDelta(reasoning=held)
         return ReasoningDelta(content=held)

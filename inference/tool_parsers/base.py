@@ -7,6 +7,11 @@ by that text. A call is emitted only once its markup is complete and its JSON pa
 does not parse stays content text, markup included, so a client never receives half a call it cannot use. The
 concatenation of all deltas does not depend on the chunking.
 
+The parsers run on the api's event loop for every text delta of every choice, so each is linear in the output
+(a ``push`` costs O(len(text)) plus a look-back of one marker, never a rescan of what came before) and holds
+back at most ``inference.markers.MAX_HELD_CHARS`` characters plus its markup: text held longer than that (a call
+too long to be one) is released as content (each parser's docstring says how).
+
 Parsers are chosen by name from ``TOOL_PARSERS`` (``register_tool_parser`` adds one), per served model (the
 registry's ``tool_call_parser`` field; ``"auto"`` derives it from the chat template, ``default_tool_parser``).
 """
@@ -35,18 +40,18 @@ class ToolParseDelta:
     calls: list[ParsedToolCall] = field(default_factory=list)
 
     def extend(self, other: ToolParseDelta) -> None:
-        """Append ``other`` (in order) to this delta."""
+        """Append ``other`` (in order) to this delta (copies ``content``: not for a loop over many deltas)."""
         self.content += other.content
         self.calls.extend(other.calls)
 
 
 def call_from_json(text: str, *, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> ParsedToolCall | None:
     """A ``ParsedToolCall`` from ``{"name": str, "<args key>": {...}}`` text, ``None`` when it is not one (not
-    JSON, not an object, no string ``name``, arguments that are not an object). A missing arguments key means
-    ``{}`` only when ``args_keys`` allows it (see the parsers)."""
+    JSON, not an object, no string ``name``, arguments that are not an object, nesting too deep for the JSON
+    decoder). A missing arguments key means ``{}`` only when ``args_keys`` allows it (see the parsers)."""
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return call_from_obj(obj, args_keys=args_keys)
 
@@ -65,7 +70,11 @@ def call_from_obj(obj: Any, *, args_keys: tuple[str, ...] = ("arguments", "param
         args = obj[key]
     if not isinstance(args, dict):
         return None
-    return ParsedToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    try:
+        arguments = json.dumps(args, ensure_ascii=False)
+    except RecursionError:  # nested as deep as the decoder allows, one frame deeper here
+        return None
+    return ParsedToolCall(obj["name"], arguments)
 
 
 class ToolParser:

@@ -58,17 +58,18 @@ def tool_choice_schema(tools: list[Any], tool_choice: Any, parallel_tool_calls: 
 
 class _WholeOutputParser(ToolParser):
     """A forced choice's parser: the output is one JSON value, read whole at the end (``calls_of``); a value that
-    does not parse, or is not what the choice forces (cut short by ``max_tokens``), is content as written."""
+    does not parse, or is not what the choice forces (cut short by ``max_tokens``), is content as written. The
+    text is kept as a list of parts, joined once at ``flush`` (O(output) in all, not a copy per delta)."""
 
     def __init__(self) -> None:
-        self._text = ""
+        self._parts: list[str] = []
 
     def push(self, text: str) -> ToolParseDelta:
-        self._text += text
+        self._parts.append(text)
         return ToolParseDelta()
 
     def flush(self) -> ToolParseDelta:
-        text, self._text = self._text, ""
+        text, self._parts = "".join(self._parts), []
         try:
             value = json.loads(text)
         except ValueError:

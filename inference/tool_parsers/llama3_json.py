@@ -8,105 +8,195 @@ content. Each object is taken as a call once its closing brace arrives (a small 
 strings). The first object that is not a call, or text after a call that is neither whitespace, ``;`` nor
 another object, turns the rest of the answer into content from that point (the calls before it stand); an
 object still open at the end is content.
+
+Bounded hold: the parser holds back at most ``max_held_chars`` characters (``inference.markers.MAX_HELD_CHARS``
+by default) of undecided text: the answer's start (whitespace and the tag) together with its first object, a
+later object, or the whitespace and ``;`` between calls. Text that would grow past that turns, with the rest of
+the answer, into content, as an object that is not a call does (so an object longer than the bound is content).
+The result does not depend on the chunking.
+
+Cost: each ``push`` is O(len(text)): the scanner jumps between the characters that matter (quotes, escapes,
+brackets) with regular expressions, the held text is a list of parts, and a closed object is joined and parsed
+once.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
-from inference.tool_parsers.base import ToolParseDelta, ToolParser, call_from_obj, register_tool_parser
+from inference.markers import MAX_HELD_CHARS
+from inference.tool_parsers.base import ParsedToolCall, ToolParseDelta, ToolParser, call_from_obj, register_tool_parser
 
 PYTHON_TAG = "<|python_tag|>"
 _START, _OBJECT, _BETWEEN, _TEXT = "start", "object", "between", "text"
+_WS = re.compile(r"\s*")  # a whitespace run (``\s`` is ``str.isspace``'s set)
+_STRUCTURE = re.compile(r'["{}\[\]]')  # outside strings: what changes the depth or opens a string
+_IN_STRING = re.compile(r'["\\]')  # inside strings: what ends the string or escapes
+
+
+def _ws_end(text: str, pos: int, end: int) -> int:
+    """The end of the whitespace run at ``text[pos:end]`` (``pos`` when there is none)."""
+    m = _WS.match(text, pos, end)
+    return m.end() if m else pos
 
 
 @register_tool_parser
 class Llama3JsonToolParser(ToolParser):
-    """See the module docstring."""
+    """See the module docstring.
+
+    Args:
+        max_held_chars: the most characters held back undecided (default ``MAX_HELD_CHARS``).
+    """
 
     name = "llama3_json"
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_held_chars: int | None = None) -> None:
+        self.max_held_chars = MAX_HELD_CHARS if max_held_chars is None else max_held_chars
         self._mode = _START
-        self._raw = ""  # received text not yet emitted or consumed (the current object, a separator, the start)
+        self._held: list[str] = []  # received text not yet emitted or consumed (the start, an object, a separator)
+        self._held_len = 0
+        self._tag_part = ""  # _START: the non-whitespace text so far, a proper prefix of the tag
+        self._tag_seen = False
         self._depth = 0
         self._in_string = False
         self._escape = False
         self._seen_sep = False
-        self._obj_start = 0  # where the current object starts in _raw
+        self._obj_start = 0  # where the current object starts in the held text
 
-    def _to_text(self, out: ToolParseDelta) -> None:
-        out.content += self._raw
-        self._raw, self._mode = "", _TEXT
+    def _hold(self, text: str) -> None:
+        self._held.append(text)
+        self._held_len += len(text)
+
+    def _to_text(self, content: list[str]) -> None:
+        content.extend(self._held)
+        self._held, self._held_len, self._mode = [], 0, _TEXT
 
     def push(self, text: str) -> ToolParseDelta:
-        out = ToolParseDelta()
-        for ch in text:
-            self._step(ch, out)
-        return out
+        content: list[str] = []
+        calls: list[ParsedToolCall] = []
+        pos, n = 0, len(text)
+        while pos < n:
+            if self._mode == _TEXT:
+                content.append(text[pos:])
+                break
+            room = self.max_held_chars - self._held_len
+            if room <= 0:
+                self._to_text(content)  # the held text would grow past the bound
+                continue
+            end = min(n, pos + room)
+            if self._mode == _START:
+                pos = self._start(text, pos, end, content)
+            elif self._mode == _BETWEEN:
+                pos = self._between(text, pos, end, content)
+            else:
+                pos = self._object(text, pos, end, content, calls)
+        return ToolParseDelta("".join(content), calls)
 
-    def _step(self, ch: str, out: ToolParseDelta) -> None:
-        if self._mode == _TEXT:
-            out.content += ch
-            return
-        self._raw += ch
-        if self._mode == _START:
-            body = self._raw.lstrip()
-            if body.startswith(PYTHON_TAG):
-                body = body[len(PYTHON_TAG):].lstrip()
-            if not body or (len(body) < len(PYTHON_TAG) and PYTHON_TAG.startswith(body)):
-                return
-            if body.startswith("{") and len(body) == 1:
-                self._mode, self._depth = _OBJECT, 1
-                self._obj_start = len(self._raw) - 1
-                return
-            self._to_text(out)
-            return
-        if self._mode == _BETWEEN:
-            if ch.isspace():
-                return
+    def _start(self, text: str, pos: int, end: int, content: list[str]) -> int:
+        """The answer's start: whitespace, at most one tag, then ``{`` (an object) or anything else (content).
+        Reads ``text[pos:end]``; returns where it stopped (on a change of mode, or ``end``)."""
+        while pos < end:
+            if not self._tag_part:
+                ws_end = _ws_end(text, pos, end)
+                if ws_end > pos:
+                    self._hold(text[pos:ws_end])
+                    pos = ws_end
+                    continue
+                if text[pos] == "{":
+                    self._obj_start = self._held_len
+                    self._hold("{")
+                    self._mode, self._depth = _OBJECT, 1
+                    return pos + 1
+            part = self._tag_part + text[pos]
+            self._hold(text[pos])
+            pos += 1
+            if part == PYTHON_TAG and not self._tag_seen:
+                self._tag_part, self._tag_seen = "", True
+            elif len(part) < len(PYTHON_TAG) and PYTHON_TAG.startswith(part):
+                self._tag_part = part
+            else:
+                self._to_text(content)
+                return pos
+        return pos
+
+    def _between(self, text: str, pos: int, end: int, content: list[str]) -> int:
+        """After a call: whitespace and one ``;`` (dropped), then ``{`` (the next object) or content."""
+        while pos < end:
+            ws_end = _ws_end(text, pos, end)
+            if ws_end > pos:
+                self._hold(text[pos:ws_end])
+                pos = ws_end
+                continue
+            ch = text[pos]
             if ch == ";" and not self._seen_sep:
                 self._seen_sep = True
-                return
+                self._hold(ch)
+                pos += 1
+                continue
             if ch == "{":
-                self._raw, self._mode, self._depth = "{", _OBJECT, 1
-                self._obj_start = 0
-                return
-            self._to_text(out)
-            return
-        # _OBJECT: scan JSON until the object closes
-        if self._in_string:
-            if self._escape:
-                self._escape = False
-            elif ch == "\\":
-                self._escape = True
-            elif ch == '"':
-                self._in_string = False
-            return
-        if ch == '"':
-            self._in_string = True
-        elif ch in "{[":
-            self._depth += 1
-        elif ch in "}]":
-            self._depth -= 1
-            if self._depth == 0:
-                self._close_object(out)
+                self._held, self._held_len, self._obj_start = ["{"], 1, 0
+                self._mode, self._depth = _OBJECT, 1
+                return pos + 1
+            self._to_text(content)
+            return pos
+        return pos
 
-    def _close_object(self, out: ToolParseDelta) -> None:
+    def _object(self, text: str, pos: int, end: int, content: list[str], calls: list[ParsedToolCall]) -> int:
+        """Scan JSON in ``text[pos:end]`` until the object closes (then read it) or ``end``."""
+        start = pos
+        while pos < end:
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                    pos += 1
+                    continue
+                m = _IN_STRING.search(text, pos, end)
+                if m is None:
+                    pos = end
+                    break
+                pos = m.end()
+                if m.group() == "\\":
+                    self._escape = True
+                else:
+                    self._in_string = False
+                continue
+            m = _STRUCTURE.search(text, pos, end)
+            if m is None:
+                pos = end
+                break
+            pos = m.end()
+            ch = m.group()
+            if ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            else:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._hold(text[start:pos])
+                    self._close_object(content, calls)
+                    return pos
+        self._hold(text[start:pos])
+        return pos
+
+    def _close_object(self, content: list[str], calls: list[ParsedToolCall]) -> None:
+        raw = "".join(self._held)
         try:
-            obj = json.loads(self._raw[self._obj_start:])
-        except ValueError:
+            obj = json.loads(raw[self._obj_start:])
+        except (ValueError, RecursionError):
             obj = None
         call = call_from_obj(obj, args_keys=("parameters", "arguments"), args_required=True)
         if call is None:
-            self._to_text(out)
+            self._held = [raw]
+            self._to_text(content)
             return
-        out.calls.append(call)
-        self._raw, self._mode, self._seen_sep = "", _BETWEEN, False
+        calls.append(call)
+        self._held, self._held_len, self._mode, self._seen_sep = [], 0, _BETWEEN, False
 
     def flush(self) -> ToolParseDelta:
-        out = ToolParseDelta()
+        content: list[str] = []
         if self._mode == _BETWEEN:
-            self._raw = ""  # whitespace and a ';' after the last call: markup
-        self._to_text(out)
-        return out
+            self._held, self._held_len = [], 0  # whitespace and a ';' after the last call: markup
+        self._to_text(content)
+        return ToolParseDelta("".join(content))
