@@ -48,9 +48,3 @@ async def _undo_when_taken(task: asyncio.Future[T], undo: Callable[[T], Awaitabl
         await undo(value)
     except Exception:
         log.exception("undoing a reservation taken by a cancelled caller failed")
-
-
-async def drain_pending() -> None:
-    """Wait for every undo still in flight (tests, shutdown)."""
-    while _pending:
-        await asyncio.gather(*list(_pending), return_exceptions=True)

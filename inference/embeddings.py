@@ -147,12 +147,6 @@ def encode_vector(vec: np.ndarray, encoding_format: str) -> np.ndarray | str:
     return np.ascontiguousarray(vec, dtype=np.float32)
 
 
-def _validate_embeddings(data: dict[str, Any]) -> tuple[EmbeddingRequest, list[str | list[int]]]:
-    """The validated request and its normalized inputs (raises ``RequestValidationError``)."""
-    req = validate_request(EmbeddingRequest, data)
-    return req, normalize_input(req.input)
-
-
 def validate_embeddings(data: dict[str, Any]) -> tuple[EmbeddingRequest, list[str | list[int]]]:
     """The validated request and its normalized inputs (raises ``RequestValidationError``)."""
     req = validate_request(EmbeddingRequest, data)

@@ -256,13 +256,6 @@ class _TemplateNamespace(jinja2.utils.Namespace):
 
 # -- filter prechecks: same parameters as Jinja's filters (jinja2/filters.py); each raises
 # TemplateLimitError before the filter builds a result over budget.max_chars ---------------------------------
-def _width(budget: RenderBudget, width: Any, what: str) -> None:
-    if isinstance(width, int):
-        budget.check_planned(width, what)
-    elif isinstance(width, str):
-        budget.check_planned(len(width), what)
-
-
 def _pre_center(budget: RenderBudget, value: Any, width: Any = 80) -> None:
     n = budget.text_size(value)
     if isinstance(width, int):

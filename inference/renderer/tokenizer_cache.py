@@ -20,7 +20,7 @@ What transformers 5.24 does on top of ``tokenizer.json`` that we reproduce (chec
   warning); applied only for other model types.
 * ``add_bos_token``/``add_eos_token``: transformers 5 keeps the ``tokenizer.json`` post-processor
   for these files, so ``encode(add_special_tokens=True)`` is exactly the post-processor's output;
-  the ``add_bos_token``/``add_eos_token`` attributes report what that post-processor really does.
+  the ``add_bos_token`` attribute reports what that post-processor really does.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class LoadedTokenizer:
             ``c`` characters encodes to at least ``ceil(c / max_token_chars)`` tokens for
             tokenizers without expanding/contracting normalizers (NFC can contract), so it is a
             cheap pre-check bound, not an exact count.
-        add_bos_token/add_eos_token: whether ``encode(add_special_tokens=True)`` adds BOS/EOS.
+        add_bos_token: whether ``encode(add_special_tokens=True)`` starts with BOS.
         control_tokens: the strings of the added tokens of ``tokenizer.json``, ``special`` or not (Qwen3's
             ``<think>``/``<tool_call>``, DeepSeek-V3's ``<｜User｜>`` are non-special), except the whitespace-only
             ones (Gemma3's ``\n``/``▁▁``/``\t`` runs: ordinary text pieces), sorted; ``control_regex`` finds them
@@ -180,7 +180,6 @@ class LoadedTokenizer:
     skip_ids: frozenset[int]
     max_token_chars: int
     add_bos_token: bool
-    add_eos_token: bool
     clean_up_tokenization_spaces: bool
     control_tokens: tuple[str, ...] = ()
     control_regex: re.Pattern[str] | None = None
@@ -468,16 +467,13 @@ def _read_chat_templates(real: str, config: dict[str, Any]) -> tuple[str | None,
     return chat_template, named
 
 
-def _adds_bos_eos(tok: tokenizers.Tokenizer, stm: dict[str, str]) -> tuple[bool, bool]:
-    """``(add_bos_token, add_eos_token)``: whether the post-processor puts the BOS/EOS token of ``stm`` around an
-    encoding, found by encoding ``"a"`` with and without special tokens."""
+def _adds_bos(tok: tokenizers.Tokenizer, stm: dict[str, str]) -> bool:
+    """``add_bos_token``: whether the post-processor puts the BOS token of ``stm`` before an encoding, found by
+    encoding ``"a"`` with and without special tokens."""
     probe = tok.encode("a", add_special_tokens=True).ids
     plain = tok.encode("a", add_special_tokens=False).ids
     bos_id = tok.token_to_id(stm["bos_token"]) if "bos_token" in stm else None
-    eos_id = tok.token_to_id(stm["eos_token"]) if "eos_token" in stm else None
-    add_bos = len(probe) > len(plain) and bos_id is not None and probe[0] == bos_id
-    add_eos = len(probe) > len(plain) and eos_id is not None and probe[-1] == eos_id
-    return add_bos, add_eos
+    return len(probe) > len(plain) and bos_id is not None and probe[0] == bos_id
 
 
 def _cleans_up_spaces(config: dict[str, Any], tok: tokenizers.Tokenizer) -> bool:
@@ -506,7 +502,6 @@ def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
     chat_template, named = _read_chat_templates(real, config)
     control = tuple(sorted({t.content for t in added.values() if t.content.replace("\u2581", " ").strip()}))
     max_chars = max((len(s) for s in tok.get_vocab(with_added_tokens=True)), default=1)
-    add_bos, add_eos = _adds_bos_eos(tok, stm)
     return LoadedTokenizer(
         path=real,
         tokenizer=tok,
@@ -518,8 +513,7 @@ def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
         all_special_ids=all_special,
         skip_ids=skip_ids,
         max_token_chars=max(1, max_chars),
-        add_bos_token=add_bos,
-        add_eos_token=add_eos,
+        add_bos_token=_adds_bos(tok, stm),
         clean_up_tokenization_spaces=_cleans_up_spaces(config, tok),
         control_tokens=control,
         control_regex=literal_trie_regex(control) if control else None,

@@ -9,15 +9,17 @@ from auditlog.admin import LogEntryAdmin
 from auditlog.models import LogEntry
 from django.contrib import admin
 
+from audit.context import SOURCES
+
 
 class SourceFilter(admin.SimpleListFilter):
-    """Filter by the surface the change came from (``audit.context.SOURCES``)."""
+    """Filter by the surface the change came from (one of ``audit.context.SOURCES``)."""
 
     title = "source"
     parameter_name = "source"
 
     def lookups(self, request, model_admin):
-        return [(s, s) for s in ("admin", "rest", "web", "command", "system")]
+        return [(s, s) for s in SOURCES]
 
     def queryset(self, request, queryset):
         value = self.value()

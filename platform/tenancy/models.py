@@ -5,7 +5,6 @@ from __future__ import annotations
 from django.conf import settings
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
-from django.utils import timezone
 
 from .limits import Limits
 
@@ -112,12 +111,3 @@ class ApiKey(LimitFields):
         """The tier its requests get: the key's when set, but never better than its tenant's."""
         tenant_tier = self.tenant.priority_tier
         return tenant_tier if self.priority_tier is None else max(tenant_tier, self.priority_tier)
-
-    def is_usable(self, now=None) -> bool:
-        """Not revoked, not expired and its tenant active (``now`` defaults to the current time)."""
-        now = now or timezone.now()
-        return (
-            self.revoked_at is None
-            and (self.expires_at is None or self.expires_at > now)
-            and self.tenant.is_active
-        )

@@ -67,14 +67,12 @@ def api_key_split(secret: str) -> str | None:
     return prefix
 
 
-REFUSAL_REASONS = ("malformed", "unknown_key", "wrong_secret", "revoked", "expired", "tenant_inactive")
-
-
 @dataclass(frozen=True, slots=True)
 class AuthRefusal:
-    """Why a presented key was refused: ``reason`` (one of ``REFUSAL_REASONS``) and, only when the secret was the
-    key's own (``revoked``, ``expired``, ``tenant_inactive``), the key's ``key_prefix`` (else None: a malformed
-    string, an unknown prefix or a wrong secret names no key). Immutable, cached like an ``AuthContext``."""
+    """Why a presented key was refused: ``reason`` (``malformed``, ``unknown_key``, ``wrong_secret``, ``revoked``,
+    ``expired`` or ``tenant_inactive``) and, only when the secret was the key's own (``revoked``, ``expired``,
+    ``tenant_inactive``), the key's ``key_prefix`` (else None: a malformed string, an unknown prefix or a wrong
+    secret names no key). Immutable, cached like an ``AuthContext``."""
 
     reason: str
     key_prefix: str | None = None
