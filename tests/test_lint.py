@@ -77,3 +77,141 @@ def test_no_function_or_class_is_oversized() -> None:
     """No function over 80 lines and no class over 400 in ``inference/`` and ``platform/`` (migrations excluded)."""
     oversized = [line for path in _python_files(*SIZE_ROOTS) for line in _oversized_definitions(path)]
     assert not oversized, "split these by job:\n" + "\n".join(oversized)
+
+
+# -- dead code --------------------------------------------------------------------------------------------------------
+# vulture (pyproject.toml's test extra) reads the product code, the benches and scripts, and also tests/ and manage.py,
+# whose uses count: a definition only the tests use is a test hook, not dead. Findings are checked in DEAD_CODE_ROOTS
+# only. 60 is vulture's confidence for an unreferenced function, class, method, attribute or variable (100: unused
+# arguments, unreachable code), so everything it can tell is checked.
+DEAD_CODE_ROOTS = ("inference", "platform", "bench", "scripts")
+DEAD_CODE_MIN_CONFIDENCE = 60
+
+# Decorators whose functions and classes a framework calls or reads by name (vulture's --ignore-decorators).
+DEAD_CODE_DECORATORS = {
+    "@admin.register": "Django admin classes: registered with the admin site",
+    "@admin.display": "admin columns: named in list_display strings",
+    "@admin.action": "admin actions: named in actions strings",
+    "@shared_task": "Celery tasks: called by name through the broker",
+    "@*.connect": "Celery and Django signal receivers",
+    "@register": "Django system checks",
+    "@model_validator": "pydantic validators: run by their model",
+    "@field_validator": "pydantic validators: run by their model",
+    "@extend_schema_field": "drf-spectacular schema hints on serializer fields",
+}
+
+# Names a framework calls or reads wherever they are defined (vulture's --ignore-names; globs), by reason.
+DEAD_CODE_FRAMEWORK_NAMES = {
+    "Django models' Meta and app configs": (
+        "Meta", "abstract", "constraints", "indexes", "ordering", "verbose_name", "verbose_name_plural",
+        "default_auto_field", "*Config", "default_site"),
+    "Django admin and form options and hooks": (
+        "list_display", "search_fields", "fieldsets", "raw_id_fields", "inlines", "list_select_related", "actions",
+        "date_hierarchy", "show_full_result_count", "can_delete", "show_change_link", "parameter_name", "lookups",
+        "has_*_permission", "get_fields", "prepare_value", "clean_*"),
+    "Django management commands": ("Command", "help", "add_arguments", "handle"),
+    "Django REST framework views, serializers, permissions and pagination": (
+        "read_only_fields", "http_method_names", "serializer_class", "pagination_class", "authentication_classes",
+        "permission_classes", "parser_classes", "renderer_classes", "has_permission", "get_exception_handler",
+        "permission_denied", "get_page_size"),
+    "drf-spectacular's authentication extensions": ("target_class", "get_security_definition"),
+    "Django's request.user protocol, middleware flags and error handlers": (
+        "is_anonymous", "is_superuser", "sync_capable", "async_capable", "handler404", "handler500"),
+    "Channels consumers: ASGI events and channel-layer message types name their handlers": (
+        "channel_layer_alias", "dispatch", "http_request", "http_disconnect", "receive_json"),
+    "Jinja2 sandbox, extension and node visitor hooks": (
+        "tags", "intercepted_binops", "code_generator_class", "unsafe_undefined", "visit_*"),
+    "torch modules: forward runs through __call__": ("forward",),
+}
+
+# Definitions used where vulture cannot see (path glob relative to the repository, names, reason). An entry that no
+# longer matches a finding fails the test: remove it. "pending: AREA" marks unreferenced definitions in an area
+# another change is rewriting (issue 40), to be removed there with their entries; they are not checked for staleness
+# (the definition may still be used on one side of that change).
+DEAD_CODE_ALLOWED: list[tuple[str, tuple[str, ...], str]] = [
+    ("platform/config/settings.py", ("[A-Z]*",), "Django, Celery and app settings: read by name"),
+    ("platform/*/models.py", ("ttft_sum_ms", "e2e_sum_ms", "advanced_at", "replaced_by"),
+     "database columns: read and written through the ORM by name"),
+    ("platform/tenancy/services.py", ("replaced_by",), "a database column (ApiKey.replaced_by), saved by name"),
+    ("platform/usage/key_ranges.py", ("advanced_at",), "a database column, saved by name"),
+    ("platform/registry/models.py", ("FLOAT32", "BFLOAT16", "FLOAT16", "CUDA", "EMBED"),
+     "TextChoices members: the field's choices"),
+    ("platform/*/api/serializers.py", ("get_operation", "get_source", "get_status"),
+     "SerializerMethodField getters (get_<field>)"),
+    ("platform/tenancy/api/serializers.py", ("grace_period_s",), "a request field, read from validated_data by key"),
+    ("platform/tenancy/api/base.py", ("_audit_token",), "popped through self.__dict__ when the response is final"),
+    ("platform/tenancy/api/base.py", ("ApiKeyAuthenticationScheme",),
+     "a drf-spectacular extension: registered by subclassing"),
+    ("platform/tenancy/api/base.py", ("auto_schema",), "drf-spectacular's get_security_definition signature"),
+    ("platform/audit/admin.py", ("model_admin",), "Django's SimpleListFilter.lookups signature"),
+    ("platform/ops/checks.py", ("app_configs",), "Django's system check signature"),
+    ("platform/audit/context.py", ("AuditContextMiddleware",), "named in settings.MIDDLEWARE"),
+    ("platform/config/admin_site.py", ("PlatformOTPAdminSite",), "named by OTPAdminConfig.default_site"),
+    ("platform/config/errors.py", ("server_error",), "named by handler500 in config/urls.py"),
+    ("platform/config/celery.py", ("requires",), "a Celery bootstep's dependencies"),
+    ("platform/usage/consumers.py", ("usage_updated",), "the handler of the channel layer's usage.updated messages"),
+    ("inference/protocol/errors.py", ("RATE_LIMIT_EXCEEDED", "CONCURRENCY_LIMIT_EXCEEDED", "INSUFFICIENT_QUOTA"),
+     "written by value by tenancy/limits.py (LIMIT_CODES; tests/test_architecture.py checks they are ErrorCodes)"),
+    ("inference/protocol/openai.py", ("tool_call_id",), "a field of the tool message clients send"),
+    ("inference/render_limits.py", ("watchdog_pid",),
+     "read by tests/renderer/test_render_limits.py in a child process's source text"),
+    ("inference/renderer/sandbox.py", ("_render_body",), "called by name by GenerationTag's CallBlock"),
+    ("inference/renderer/sandbox.py", ("compare_guard", "loop_guard", "concat_guard"),
+     "called by the compiled templates (_GuardedCodeGenerator, _GuardInserter)"),
+    ("inference/renderer/sandbox.py", ("blank", "break_long_words", "break_on_hyphens"),
+     "parameters of Jinja's filters, which the prechecks take as the filters do"),
+    ("inference/renderer/sandbox.py", ("__self",), "Jinja's SandboxedEnvironment.call signature"),
+    ("inference/renderer/tokenizer_cache.py", ("encode_special_tokens",), "a tokenizers.Tokenizer setting, set here"),
+    ("bench/*.py", ("padding_side",), "a transformers tokenizer setting, set there"),
+    ("inference/engine/*", ("get_seq_length", "get_query_offset", "get_mask_sizes", "query_length"),
+     "transformers' Cache interface, called by the model"),
+    ("inference/engine/*", ("max_seq_length",), "a PoolingRecipe TypedDict key, read by subscript"),
+    ("inference/engine/*", ("special_token_ids",), "read by llguidance's TokenizerWrapper"),
+    ("inference/engine/*", ("tokenizer_ready", "dim"), "pending: inference/engine"),
+    ("inference/engine_client.py", ("load_of",), "pending: inference/engine_client.py"),
+    ("inference/protocol/engine.py", ("started_at",), "pending: inference/protocol (EngineStats, sent, never read)"),
+    ("inference/protocol/render.py", ("RenderRequest", "RenderResult", "client_chat_template"),
+     "pending: inference/protocol (the typed render request)"),
+    ("platform/gateway/*", ("as_dict", "revision", "ERROR_TABLE", "pooling_error"), "pending: platform/gateway"),
+    ("inference/renderer/errors.py", ("to_dict",),
+     "pending: the typed render result (inference/protocol/render.py) replaces the task's error dict"),
+    ("inference/media/image.py", ("to_dict",),
+     "pending: the typed render result (inference/protocol/render.py) replaces the mm task's error dict"),
+]
+
+
+def _dead_code_findings() -> list[tuple[str, str, str]]:
+    """``(path relative to the repository, name, vulture's report line)`` for each definition vulture finds
+    unreferenced in ``DEAD_CODE_ROOTS`` (migrations aside), with the framework rules above applied."""
+    import vulture  # the test extra; imported here so that the other lint tests run without it
+
+    names = [name for group in DEAD_CODE_FRAMEWORK_NAMES.values() for name in group]
+    scanner = vulture.Vulture(ignore_names=names, ignore_decorators=list(DEAD_CODE_DECORATORS))
+    scanner.scavenge([str(ROOT / p) for p in (*DEAD_CODE_ROOTS, "tests", "manage.py")], exclude=["*/migrations/*"])
+    found = []
+    for item in scanner.get_unused_code(min_confidence=DEAD_CODE_MIN_CONFIDENCE):
+        rel = Path(item.filename).resolve().relative_to(ROOT)
+        if rel.parts[0] in DEAD_CODE_ROOTS:
+            found.append((rel.as_posix(), item.name, item.get_report().replace(f"{ROOT}/", "")))
+    return found
+
+
+def test_no_dead_code() -> None:
+    """No function, class, method, attribute or variable that nothing references (vulture), except the framework
+    hooks and the uses vulture cannot see that are listed above with their reasons; no stale allow-list entry."""
+    import fnmatch
+
+    findings = _dead_code_findings()
+    used: set[tuple[str, str]] = set()
+    dead = []
+    for path, name, report in findings:
+        entry = next(((glob, n) for glob, allowed, _ in DEAD_CODE_ALLOWED for n in allowed
+                      if fnmatch.fnmatchcase(path, glob) and fnmatch.fnmatchcase(name, n)), None)
+        if entry is None:
+            dead.append(report)
+        else:
+            used.add(entry)
+    stale = [f"{glob}: {n}" for glob, allowed, reason in DEAD_CODE_ALLOWED for n in allowed
+             if (glob, n) not in used and not reason.startswith("pending:")]
+    assert not dead, "unreferenced (remove it, or list it in DEAD_CODE_ALLOWED with its reason):\n" + "\n".join(dead)
+    assert not stale, "DEAD_CODE_ALLOWED entries that match nothing any more (remove them):\n" + "\n".join(stale)
