@@ -7,9 +7,10 @@ import this module and route ``inference.mm_*`` to ``mm``: in ``config/settings.
 (callers also pass ``queue="mm"`` explicitly, so routing is belt and braces). A worker can also load it with
 ``-I inference.mm_tasks``.
 
-Result: ``{"ok": True, "items": [{"key", "num_tokens", "cached"}]}`` or ``{"ok": False, "error": {"type",
-"message", "param", "code"}}`` (``ImageError`` → HTTP 400; ``InternalError`` → 500; time limit →
-``ImageTimeoutError`` → 400).
+The task takes an ``inference.protocol.render.ImagesRequest`` on the wire and answers ``PreprocessedImages``
+(``{"ok": True, "items": [{"key", "num_tokens", "cached"}]}``) or a ``RenderFailure`` (``{"ok": False, "error":
+{"type", "message", "param", "code"}}``: ``ImageError`` with its code, a client error; ``ImageTimeoutError``, code
+``image_timeout``, when the time limit fired; ``InternalError``, code ``mm_internal_error``, for a bug).
 """
 
 from __future__ import annotations
@@ -21,6 +22,16 @@ import redis
 from celery import current_app, shared_task
 
 from inference.config import SETTINGS
+from inference.protocol.errors import ErrorCode
+from inference.protocol.render import (
+    MM_QUEUE,
+    TASK_MM_PREPROCESS,
+    ImageFeatures,
+    ImagesRequest,
+    PreprocessedImages,
+    RenderFailure,
+    Wire,
+)
 from inference.tasks import reply_if_requested
 from celery.exceptions import SoftTimeLimitExceeded
 
@@ -30,7 +41,7 @@ from inference.renderer.multimodal import preprocess_images
 logger = logging.getLogger(__name__)
 
 MM_TIME_LIMIT_S = SETTINGS.mm_time_limit_s
-MM_QUEUE = "mm"
+__all__ = ["MM_QUEUE", "MM_TIME_LIMIT_S", "mm_preprocess_task", "mm_tasks_counter_key", "run_mm_preprocess"]
 _client: redis.Redis | None = None
 
 
@@ -48,28 +59,39 @@ def mm_tasks_counter_key(prefix: str) -> str:
     return f"{prefix}:mm:tasks_total"
 
 
-def run_mm_preprocess(payload: dict[str, Any]) -> dict[str, Any]:
-    """payload ``{"prefix", "model_dir", "items": [{"part", "url"}], "allowed_domains"?:
-    [str], "max_bytes"?: int, "cache_salt"?: str}`` → result dict (module docstring). Never raises for client
-    errors."""
+def preprocess(request: ImagesRequest) -> PreprocessedImages | RenderFailure:
+    """The images of ``request`` processed into the shared feature cache (``preprocess_images``), or the failure:
+    ``ImageError`` (a client error, its code), ``ImageTimeoutError`` (the soft time limit), ``InternalError`` (a
+    bug, logged). Never raises for a client error."""
     try:
-        _redis().incr(mm_tasks_counter_key(payload["prefix"]))
-        items = preprocess_images(_redis(), payload["prefix"], payload["model_dir"],
-                                  payload["items"], payload.get("allowed_domains"), payload.get("max_bytes"),
-                                  payload.get("cache_salt"))
-        return {"ok": True, "items": items}
+        _redis().incr(mm_tasks_counter_key(request.prefix))
+        items = preprocess_images(_redis(), request.prefix, request.model_dir,
+                                  [it.to_wire() for it in request.items], request.allowed_domains,
+                                  request.max_bytes, request.cache_salt)
+        return PreprocessedImages([ImageFeatures.from_wire(it) for it in items])
     except ImageError as exc:
-        return {"ok": False, "error": exc.to_dict()}
+        return RenderFailure("ImageError", exc.message, exc.param, exc.code)
     except SoftTimeLimitExceeded:
-        return {"ok": False, "error": {"type": "ImageTimeoutError", "param": "messages", "code": "image_timeout",
-                                       "message": f"image preprocessing took longer than {MM_TIME_LIMIT_S:g} s"}}
+        return RenderFailure.of("ImageTimeoutError", f"image preprocessing took longer than {MM_TIME_LIMIT_S:g} s",
+                                "messages")
     except Exception as exc:
         logger.exception("mm preprocessing failed unexpectedly")
-        return {"ok": False, "error": {"type": "InternalError", "message": f"{type(exc).__name__}: {exc}",
-                                       "param": None, "code": "mm_internal_error"}}
+        return RenderFailure("InternalError", f"{type(exc).__name__}: {exc}", None, ErrorCode.MM_INTERNAL_ERROR)
 
 
-@shared_task(name="inference.mm_preprocess", soft_time_limit=MM_TIME_LIMIT_S, time_limit=MM_TIME_LIMIT_S + 5)
+def run_mm_preprocess(payload: Any) -> Wire:
+    """The task body on the wire: an ``ImagesRequest`` argument → ``preprocess``'s answer (module docstring). A
+    malformed argument is an ``InternalError`` (only the api sends these)."""
+    try:
+        request = ImagesRequest.from_wire(payload)
+    except Exception as exc:
+        logger.exception("mm task argument unreadable")
+        return RenderFailure("InternalError", f"{type(exc).__name__}: {exc}", None,
+                             ErrorCode.MM_INTERNAL_ERROR).to_wire()
+    return preprocess(request).to_wire()
+
+
+@shared_task(name=TASK_MM_PREPROCESS, soft_time_limit=MM_TIME_LIMIT_S, time_limit=MM_TIME_LIMIT_S + 5)
 def mm_preprocess_task(payload: dict[str, Any]) -> dict[str, Any]:
     """Celery task: fetch/decode/process the images of one request (see ``run_mm_preprocess``)."""
     return reply_if_requested(payload, run_mm_preprocess(payload))

@@ -30,6 +30,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from inference.celery_publish import RedisTaskPublisher
+from inference.protocol.render import RENDER_QUEUE, RenderFailure, RenderTask, ResultT
 from inference.render_liveness import NO_WORKER_SEEN, RenderWorkersState, remaining_wait, workers_state
 
 if TYPE_CHECKING:
@@ -39,7 +40,11 @@ log = logging.getLogger(__name__)
 
 
 class RenderUnavailableError(RuntimeError):
-    """No render worker answered in time (maps to HTTP 503)."""
+    """No worker of ``queue`` (``render`` or ``mm``) answered in time (maps to HTTP 503)."""
+
+    def __init__(self, message: str, queue: str = RENDER_QUEUE):
+        super().__init__(message)
+        self.queue = queue
 
 
 _expires_cache: tuple[int, float, str] = (0, 0.0, "")
@@ -133,6 +138,14 @@ class RenderReplyWaiter:
                 log.exception("render reply listener error")
                 await asyncio.sleep(0.1)
 
+    async def request(self, app: Celery, request: RenderTask[ResultT], *, timeout: float,
+                      worker_return: float = 0.0) -> ResultT | RenderFailure:
+        """Send ``request`` (``inference.protocol.render``) to its task and queue and await the worker's typed
+        answer: its result or a ``RenderFailure``. Waits and raises as ``call``."""
+        reply = await self.call(app, request.task, request.to_wire(), queue=request.queue, timeout=timeout,
+                                worker_return=worker_return)
+        return request.parse_reply(reply)
+
     async def call(self, app: Celery, task_name: str, payload: dict[str, Any], *, queue: str, timeout: float,
                    worker_return: float = 0.0) -> Any:
         """Send ``task_name(payload)`` to ``queue`` and await the value the worker publishes back.
@@ -175,7 +188,7 @@ class RenderReplyWaiter:
 
         try:
             await publish()
-            deadline = _Deadline(self, fut, loop.time(), timeout, worker_return, publish)
+            deadline = _Deadline(self, fut, loop.time(), timeout, worker_return, publish, queue)
             try:
                 return await fut
             finally:
@@ -200,8 +213,8 @@ class _Deadline:
     ``asyncio.wait``, measured on the 2-core box."""
 
     def __init__(self, waiter: RenderReplyWaiter, fut: asyncio.Future[Any], sent: float, timeout: float,
-                 worker_return: float, publish: Callable[[bool], Awaitable[None]]):
-        self._waiter, self._fut, self._sent, self._publish = waiter, fut, sent, publish
+                 worker_return: float, publish: Callable[[bool], Awaitable[None]], queue: str = RENDER_QUEUE):
+        self._waiter, self._fut, self._sent, self._publish, self._queue = waiter, fut, sent, publish, queue
         self._republished = False
         self._timeout, self._worker_return = timeout, worker_return
         self._loop = fut.get_loop()
@@ -244,6 +257,8 @@ class _Deadline:
             if self._fut.done():
                 return
         if wait <= 0:
-            self._fut.set_exception(RenderUnavailableError(f"No render worker answered within {waited:.0f} s"))
+            what = "render" if self._queue == RENDER_QUEUE else self._queue
+            self._fut.set_exception(RenderUnavailableError(f"No {what} worker answered within {waited:.0f} s",
+                                                           self._queue))
         else:
             self._handle = self._loop.call_later(wait, self._fire)

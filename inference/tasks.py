@@ -2,12 +2,16 @@
 
 Django-free: they use ``celery.shared_task``; the app (``platform/config/celery.py``) routes
 ``inference.render_chat``, ``inference.tokenize_prompt`` and ``inference.detokenize`` to queue
-``render``. Results are JSON-serialisable dicts, never exceptions:
+``render``. Each task takes one request of ``inference.protocol.render`` on the wire (``ChatRenderRequest``,
+``TokenizeRenderRequest``, ``DetokenizeRenderRequest``) and answers its result or a ``RenderFailure``, on the wire,
+never an exception:
 
-* success: ``{"ok": True, ...}``
-* failure: ``{"ok": False, "error": {"type": <error class name>, "message": str, "param": str|None}}``;
-  ``type`` is a ``RenderError`` subclass name (client error -> HTTP 400), ``"TemplateTimeoutError"``
-  when the soft time limit fired, or ``"InternalError"`` for an unexpected bug (-> HTTP 500).
+* success: ``{"ok": True, ...}`` (``RenderedTokens``, ``RenderedText``)
+* failure: ``{"ok": False, "error": {"type": <error class name>, "message": str, "param": str|None, "code": str}}``;
+  ``type`` is a ``RenderError`` subclass name (a client error), ``"TemplateTimeoutError"`` or
+  ``"RenderOverloadedError"`` when the soft time limit fired, or ``"InternalError"`` for an unexpected bug;
+  ``code`` the public error code of the type (``inference.protocol.render.failure_code``), which the api maps to
+  its HTTP status (``gateway.pipeline.failures``).
 
 Time limits: ``soft_time_limit`` = ``RENDER_TIME_LIMIT_S`` (default 5 s) raises
 ``SoftTimeLimitExceeded`` inside the task (-> ``TemplateTimeoutError``); the hard ``time_limit``
@@ -22,7 +26,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable
+from collections.abc import Mapping
+from typing import Any, Callable, TypeVar
 
 import json
 
@@ -39,6 +44,16 @@ from celery.signals import worker_init
 from inference import render_limits
 
 from inference.config import SETTINGS
+from inference.protocol.render import (
+    ChatRenderRequest,
+    DetokenizeRenderRequest,
+    PayloadError,
+    RenderedText,
+    RenderedTokens,
+    RenderFailure,
+    TokenizeRenderRequest,
+    Wire,
+)
 from inference.renderer.chat_template import (
     detokenize,
     render_chat,
@@ -107,21 +122,14 @@ def _shared_segment_tier(sender: Any = None, **_kwargs: Any) -> None:
     segment_cache.enable_shared_tier(_segment_tier_redis)
 
 
-_RENDER_ARGS = (
-    "add_generation_prompt",
-    "continue_final_message",
-    "tools",
-    "documents",
-    "chat_template",
-    "chat_template_kwargs",
-    "add_special_tokens",
-    "allow_control_tokens",
-)
-
-
-def _error(exc: BaseException) -> dict[str, Any]:
+def failure_of(exc: BaseException) -> RenderFailure:
+    """The ``RenderFailure`` a task answers for ``exc``: a ``RenderError`` as its class, a malformed payload as a
+    ``RenderError`` naming the field, the soft time limit as ``TemplateTimeoutError`` (the template took the time)
+    or ``RenderOverloadedError`` (it went elsewhere), anything else as ``InternalError`` (logged)."""
     if isinstance(exc, RenderError):
-        return {"ok": False, "error": exc.to_dict()}
+        return RenderFailure.of(type(exc).__name__, exc.message, exc.param)
+    if isinstance(exc, PayloadError):
+        return RenderFailure.of("RenderError", exc.message, exc.param)
     if isinstance(exc, SoftTimeLimitExceeded):
         # The limit is for the client's template; if most of the time went elsewhere (a cold worker loading the
         # tokenizer, a CPU-starved machine), the request was fine and the server was slow: 503, not 400.
@@ -132,44 +140,51 @@ def _error(exc: BaseException) -> dict[str, Any]:
             err = RenderOverloadedError(
                 f"the render worker could not finish within {RENDER_TIME_LIMIT_S:g} s "
                 f"({template_seconds():.1f} s of it in the chat template): it is overloaded or was starting")
-        return {"ok": False, "error": err.to_dict()}
+        return failure_of(err)
     logger.exception("render task failed unexpectedly")
-    return {"ok": False, "error": {"type": "InternalError", "message": f"{type(exc).__name__}: {exc}", "param": None}}
+    return RenderFailure.of("InternalError", f"{type(exc).__name__}: {exc}")
 
 
-def _require(payload: Any, key: str) -> Any:
-    if not isinstance(payload, dict) or key not in payload:
-        raise RenderError(f"payload is missing {key!r}", param=key)
-    return payload[key]
+def _error(exc: BaseException) -> Wire:
+    return failure_of(exc).to_wire()
 
 
-def _structured(body: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """A task body that never raises: the template clock and the segment-cache tallies reset first, the segment
-    cache keyed with the payload's ``cache_salt`` (``segment_cache.salt_scope``; none: unscoped), then
-    ``body(payload)``'s result (with ``"segment_cache": {"hits": n, "misses": n, "shared_hits"?: n}`` when the
-    segment cache was used), or any failure (Ctrl-C and exit aside) as the error dict of ``_error``."""
+_Request = TypeVar("_Request", ChatRenderRequest, TokenizeRenderRequest, DetokenizeRenderRequest)
 
-    @functools.wraps(body)
-    def run(payload: dict[str, Any]) -> dict[str, Any]:
-        reset_template_seconds()
-        SEGMENT_STATS.reset()
-        # segments are cached per cache scope (the tenant's, as the engines' prefix caches are)
-        salt = payload.get("cache_salt") if isinstance(payload, dict) else None
-        segment_cache.salt_scope(salt if isinstance(salt, str) else None)
-        try:
-            result = body(payload)
-            stats = SEGMENT_STATS.snapshot()
-            if stats["hits"] or stats["misses"]:
-                result["segment_cache"] = stats  # added to the shared counters by the caller (count_segment_cache)
-            return result
-        except BaseException as exc:
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            return _error(exc)
-        finally:
-            segment_cache.salt_scope(None)  # nothing of this request's scope stays on the thread
 
-    return run
+def _structured(read: Callable[[object], _Request]) -> Callable[
+        [Callable[[_Request], RenderedTokens | RenderedText]], Callable[[Any], Wire]]:
+    """A typed task body (request → result) as the task's wire body (argument → reply), which never raises: the
+    template clock and the segment-cache tallies reset first, the argument read as a request (``read``: its
+    ``from_wire``), the segment cache keyed with its ``cache_salt`` (``segment_cache.salt_scope``; none: unscoped),
+    then the body's result on the wire (with its ``segment_cache`` tallies when the segment cache was used), or any
+    failure (Ctrl-C and exit aside) as the ``RenderFailure`` of ``failure_of``."""
+
+    def wrap(body: Callable[[_Request], RenderedTokens | RenderedText]) -> Callable[[Any], Wire]:
+        @functools.wraps(body)
+        def run(payload: Any) -> Wire:
+            reset_template_seconds()
+            SEGMENT_STATS.reset()
+            try:
+                request = read(payload)
+                # segments are cached per cache scope (the tenant's, as the engines' prefix caches are)
+                salt = request.cache_salt
+                segment_cache.salt_scope(salt if isinstance(salt, str) else None)
+                result = body(request)
+                stats = SEGMENT_STATS.snapshot()
+                if stats["hits"] or stats["misses"]:
+                    result.segment_cache = stats  # added to the shared counters by the caller (count_segment_cache)
+                return result.to_wire()
+            except BaseException as exc:
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                return _error(exc)
+            finally:
+                segment_cache.salt_scope(None)  # nothing of this request's scope stays on the thread
+
+        return run
+
+    return wrap
 
 
 def prompt_char_bound(tokenizer_dir: str, max_model_len: int) -> int:
@@ -194,71 +209,59 @@ def text_chars(messages: Any) -> int:
     return total
 
 
-def check_chars(payload: dict[str, Any], n_chars: int, param: str) -> None:
-    """The render worker's backstop of the gateway's character pre-check: with ``payload["max_model_len"]``
-    set, raise ``ContextLengthError`` (param ``param``) before tokenizing ``n_chars`` characters of text that
-    cannot fit the context, so no prompt of any size makes the worker allocate far beyond its own size."""
-    max_len = payload.get("max_model_len") if isinstance(payload, dict) else None
+def check_chars(request: ChatRenderRequest | TokenizeRenderRequest, n_chars: int, param: str) -> None:
+    """The render worker's backstop of the gateway's character pre-check: with ``request.max_model_len`` set,
+    raise ``ContextLengthError`` (param ``param``) before tokenizing ``n_chars`` characters of text that cannot fit
+    the context, so no prompt of any size makes the worker allocate far beyond its own size."""
+    max_len = request.max_model_len
     if not max_len:
         return
-    bound = prompt_char_bound(_require(payload, "tokenizer_dir"), int(max_len))
+    bound = prompt_char_bound(request.tokenizer_dir, int(max_len))
     if bound and n_chars > bound:
         raise ContextLengthError(
             f"The input has {n_chars} characters, more than can fit this model's maximum context length of "
             f"{max_len} tokens (at most {bound} characters). Please reduce the length of the input.", param=param)
 
 
-@_structured
-def run_render_chat(payload: dict[str, Any]) -> dict[str, Any]:
-    """The body of ``render_chat_task`` (callable in-process for the inline pool of DESIGN.md §4).
+@_structured(ChatRenderRequest.from_wire)
+def run_render_chat(request: ChatRenderRequest) -> RenderedTokens:
+    """The body of ``render_chat_task``, also the inline route's (``gateway.pipeline.rendering``): the task argument
+    is a ``ChatRenderRequest`` on the wire (``inference.protocol.render``), the reply a ``RenderedTokens`` or a
+    ``RenderFailure`` on the wire (``_structured``).
 
-    payload: ``{"tokenizer_dir": str, "messages": list, "add_generation_prompt"?: bool,
-    "continue_final_message"?: bool, "tools"?: list|None, "documents"?: list|None,
-    "chat_template"?: str|None, "chat_template_kwargs"?: dict|None, "add_special_tokens"?: bool,
-    "client_chat_template"?: bool, "allow_control_tokens"?: bool, "max_model_len"?: int, "cache_salt"?: str,
-    "return_prompt_text"?: bool}``; with
-    ``max_model_len``, text over ``prompt_char_bound`` raises ``ContextLengthError`` before rendering. ``client_chat_template`` is routing only:
-    set when ``chat_template`` came from the client, so the api never runs it in-process
-    (``gateway.render.runs_inline``; ignored here). ``allow_control_tokens`` (default False): control-token
-    strings in request text stay text.
-    Returns ``{"ok": True, "prompt_text": str, "prompt_token_ids": list[int]}`` (``prompt_text`` left out when
-    ``"return_prompt_text": False``: the gateway reads only the ids, and the text would add the whole prompt to the
-    reply's bytes) or an error dict.
+    With ``max_model_len``, text over ``prompt_char_bound`` raises ``ContextLengthError`` before rendering.
+    ``client_chat_template`` is routing only: set when ``chat_template`` came from the client, so the api never runs
+    it in-process (``gateway.pipeline.rendering.runs_inline``; ignored here). ``allow_control_tokens`` (default
+    False): control-token strings in request text stay text. ``prompt_text`` is left out of the answer when
+    ``return_prompt_text`` is False: the gateway reads only the ids, and the text would add the whole prompt to the
+    reply's bytes.
     """
-    check_chars(payload, text_chars(payload.get("messages")) if isinstance(payload, dict) else 0, "messages")
-    kwargs = {k: payload[k] for k in _RENDER_ARGS if isinstance(payload, dict) and k in payload}
-    out = render_chat(_require(payload, "tokenizer_dir"), _require(payload, "messages"), **kwargs)
-    if isinstance(payload, dict) and payload.get("return_prompt_text") is False:
-        return {"ok": True, "prompt_token_ids": out.prompt_token_ids}
-    return {"ok": True, "prompt_text": out.prompt_text, "prompt_token_ids": out.prompt_token_ids}
+    check_chars(request, text_chars(request.messages), "messages")
+    out = render_chat(request.tokenizer_dir, request.messages,
+                      add_generation_prompt=request.add_generation_prompt,
+                      continue_final_message=request.continue_final_message, tools=request.tools,
+                      documents=request.documents, chat_template=request.chat_template,
+                      chat_template_kwargs=request.chat_template_kwargs,
+                      add_special_tokens=request.add_special_tokens,
+                      allow_control_tokens=request.allow_control_tokens)
+    return RenderedTokens(out.prompt_token_ids, out.prompt_text if request.return_prompt_text is not False else None)
 
 
-@_structured
-def run_tokenize_prompt(payload: dict[str, Any]) -> dict[str, Any]:
-    """payload ``{"tokenizer_dir", "prompt", "add_special_tokens"?: bool (default True), "max_model_len"?: int,
-    "cache_salt"?: str}``
-    -> ``{"ok": True, "prompt_token_ids": [...]}`` or an error dict (``ContextLengthError`` before encoding
-    when the prompt has more characters than ``prompt_char_bound``)."""
-    prompt = payload.get("prompt") if isinstance(payload, dict) else None
-    check_chars(payload, len(prompt) if isinstance(prompt, str) else 0, "prompt")
-    ids = tokenize_prompt(
-        _require(payload, "tokenizer_dir"),
-        _require(payload, "prompt"),
-        add_special_tokens=bool(payload.get("add_special_tokens", True)),
-    )
-    return {"ok": True, "prompt_token_ids": ids}
+@_structured(TokenizeRenderRequest.from_wire)
+def run_tokenize_prompt(request: TokenizeRenderRequest) -> RenderedTokens:
+    """A ``TokenizeRenderRequest`` → ``RenderedTokens`` (on the wire, ``_structured``); ``ContextLengthError``
+    before encoding when the prompt has more characters than ``prompt_char_bound``."""
+    check_chars(request, len(request.prompt) if isinstance(request.prompt, str) else 0, "prompt")
+    return RenderedTokens(tokenize_prompt(request.tokenizer_dir, request.prompt,
+                                          add_special_tokens=request.add_special_tokens))
 
 
-@_structured
-def run_detokenize(payload: dict[str, Any]) -> dict[str, Any]:
-    """payload ``{"tokenizer_dir", "tokens": [int], "skip_special_tokens"?: bool (default False)}``
-    -> ``{"ok": True, "prompt": str}`` (vLLM's /detokenize field name) or an error dict."""
-    text = detokenize(
-        _require(payload, "tokenizer_dir"),
-        _require(payload, "tokens"),
-        skip_special_tokens=bool(payload.get("skip_special_tokens", False)),
-    )
-    return {"ok": True, "prompt": text}
+@_structured(DetokenizeRenderRequest.from_wire)
+def run_detokenize(request: DetokenizeRenderRequest) -> RenderedText:
+    """A ``DetokenizeRenderRequest`` → ``RenderedText`` (on the wire ``{"ok": True, "prompt": str}``, vLLM's
+    /detokenize field name)."""
+    return RenderedText(detokenize(request.tokenizer_dir, request.tokens,
+                                   skip_special_tokens=request.skip_special_tokens))
 
 
 _reply_client: redis.Redis | None = None
@@ -299,7 +302,7 @@ def reply_if_requested(payload: Any, result: dict[str, Any]) -> dict[str, Any]:
         prefix = _link_prefix(channel)
         pipe = _reply_redis().pipeline(transaction=False)
         pipe.incr(render_tasks_counter_key(prefix))  # shared count of rendered tasks (metrics, tests)
-        count_segment_cache(pipe, prefix, result)
+        count_segment_cache(pipe, prefix, result.get("segment_cache"))
         # the shared-tier entries first: Redis runs one connection's commands in order, so whichever worker renders
         # this conversation's next turn (after the reply below) finds them
         writes = segment_cache.take_shared_writes()
@@ -342,10 +345,9 @@ def segment_cache_counter_key(prefix: str) -> str:
     return f"{prefix}:metrics:segment_cache"
 
 
-def count_segment_cache(pipe: Any, prefix: str, result: dict[str, Any]) -> None:
-    """Queue on Redis pipeline ``pipe`` (sync or asyncio) the increments of a task ``result``'s
-    ``segment_cache`` tallies (``hits``, ``misses`` and, when any, ``shared_hits``); nothing when it has none."""
-    stats = result.get("segment_cache")
+def count_segment_cache(pipe: Any, prefix: str, stats: Mapping[str, int] | None) -> None:
+    """Queue on Redis pipeline ``pipe`` (sync or asyncio) the increments of a task's segment cache tallies
+    (``RenderedTokens.segment_cache``: ``hits``, ``misses`` and, when any, ``shared_hits``); nothing for none."""
     if stats:
         key = segment_cache_counter_key(prefix)
         pipe.hincrby(key, "hits", int(stats.get("hits", 0)))
@@ -387,7 +389,7 @@ def _lost_twice(payload: Any) -> dict[str, Any]:
         err = TemplateTimeoutError(f"{what}; it is not tried again", param="chat_template")
     else:
         err = RenderOverloadedError(f"{what}; it is not tried again")
-    return {"ok": False, "error": err.to_dict()}
+    return _error(err)
 
 
 def run_task(task: Any, payload: Any, body: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:

@@ -41,6 +41,7 @@ class ErrorCode(StrEnum):
     TEMPLATE_LIMIT = "template_limit"
     INVALID_PROMPT = "invalid_prompt"
     INVALID_IMAGE = "invalid_image"
+    IMAGE_TIMEOUT = "image_timeout"
     IMAGES_NOT_SUPPORTED = "images_not_supported"
     RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
     CONCURRENCY_LIMIT_EXCEEDED = "concurrency_limit_exceeded"

@@ -37,7 +37,7 @@ class ChatCompletionsConsumer(GatewayConsumer):
                                      constrained=inputs.asks_for_constraint(req))
             tokenizer, rendered, processed = await flow.render_chat_input(
                 ctx, model, req, external_id=pre.external_id, client_id=link().client_id, arrival_time=arrival)
-            inputs.attach_media(processed, rendered)
+            inputs.attach_media(processed, rendered.mm_cache_keys)
             run = await admit_and_start(scope, model, tokenizer, processed, stop=req.stop,
                                         include_stop_str_in_output=bool(req.include_stop_str_in_output),
                                         skip_special_tokens=req.skip_special_tokens is not False,

@@ -49,8 +49,7 @@ async def tokenize_ids(model: ModelSnapshot, req: TokenizeChatRequest | Tokenize
         rendering.check_prompt_chars(model, tokenizer, rendering.message_chars(req.messages), "messages")
         result = await render_chat_media(model, rendering.chat_render_payload(model, req), cache_salt=cache_salt,
                                          tenant_id=tenant_id)
-        ids: list[int] = result["prompt_token_ids"]
-        return ids
+        return result.prompt_token_ids
     rendering.check_prompt_chars(model, tokenizer, len(req.prompt), "prompt")
     return await rendering.tokenize_prompt(model, req.prompt, req.add_special_tokens is not False, cache_salt)
 

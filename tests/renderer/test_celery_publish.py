@@ -17,6 +17,14 @@ import redis
 from celery import Celery
 
 from inference.celery_publish import RedisTaskPublisher, redis_broker
+from inference.protocol.render import (
+    ChatRenderRequest,
+    DetokenizeRenderRequest,
+    RenderedText,
+    RenderedTokens,
+    RenderFailure,
+    TokenizeRenderRequest,
+)
 from inference.render_client import RenderReplyWaiter, expires_at
 from tests.renderer.tokdirs import tok_dir
 from tests.support.redis import TEST_REDIS_URL, fresh_prefix
@@ -124,6 +132,22 @@ def test_a_prefork_worker_answers_a_direct_message(client):
                             raise
 
             assert asyncio.run(render()) == {"ok": True, "prompt_token_ids": [9707]}
+
+            async def typed() -> list:
+                waiter = RenderReplyWaiter(TEST_REDIS_URL, prefix)
+                return [await waiter.request(app, req, timeout=60) for req in (
+                    TokenizeRenderRequest(tok_dir("qwen3"), "Hello"),
+                    DetokenizeRenderRequest(tok_dir("qwen3"), [9707]),
+                    DetokenizeRenderRequest(tok_dir("qwen3"), [10**9]),
+                    ChatRenderRequest(tok_dir("qwen3"), [{"role": "user", "content": "Hi " * 1000}], max_model_len=1))]
+
+            # the typed requests over the same hop: each answer read back as its result or a typed failure
+            tokens, text, bad_id, too_long = asyncio.run(typed())
+            assert tokens == RenderedTokens([9707]) and text == RenderedText("Hello")
+            assert isinstance(bad_id, RenderFailure) and (bad_id.type, bad_id.param, bad_id.code) == (
+                "TokenIdError", "tokens", "invalid_prompt")
+            assert isinstance(too_long, RenderFailure) and (too_long.type, too_long.param, too_long.code) == (
+                "ContextLengthError", "messages", "context_length_exceeded")
         finally:
             proc.terminate()
             try:

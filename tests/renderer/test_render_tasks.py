@@ -53,10 +53,11 @@ def test_run_render_chat_ok_and_errors():
     assert err["ok"] is False and err["error"]["type"] == "NoChatTemplateError" and err["error"]["param"] == "messages"
 
     err = run_render_chat({"tokenizer_dir": d, "messages": BASIC, "chat_template": "{{ raise_exception('nope') }}"})
-    assert err["error"] == {"type": "TemplateRenderError", "message": "nope", "param": "messages"}
+    assert err["error"] == {"type": "TemplateRenderError", "message": "nope", "param": "messages",
+                            "code": "invalid_prompt"}
 
     err = run_render_chat({"tokenizer_dir": d, "messages": BASIC, "chat_template": HANG})
-    assert err["error"]["type"] == "TemplateLimitError"
+    assert err["error"]["type"] == "TemplateLimitError" and err["error"]["code"] == "template_limit"
 
     err = run_render_chat({"messages": BASIC})
     assert err["ok"] is False and err["error"]["param"] == "tokenizer_dir"

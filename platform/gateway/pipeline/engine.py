@@ -12,11 +12,11 @@ from typing import Any, AsyncIterator
 import numpy as np
 
 from gateway.disconnect import raise_if_client_gone
-from gateway.errors import bad_request, engine_error
+from gateway.errors import engine_error
 from gateway.model_cache import ModelSnapshot
 from gateway.pipeline import admission
 from gateway.pipeline.clients import link
-from gateway.pipeline.failures import api_error_from
+from gateway.pipeline.failures import api_error_from, pooling_error
 from inference.admission import Reservation
 from inference.engine_client import EngineUnavailableError
 from inference.input_processor import ProcessedInput
@@ -136,10 +136,7 @@ async def run_pooling(model: ModelSnapshot, requests: list[EngineCoreRequest]) -
                 continue
             remaining.discard(out.request_id)
             if out.finish_reason != FINISH_STOP or out.pooled is None:
-                msg = out.error or "the engine did not return an embedding"
-                if "out of range" in msg or "max_model_len" in msg:
-                    raise bad_request(msg, "input")
-                raise engine_error(msg, retry_after=True)
+                raise pooling_error(out.error)
             vectors[index[out.request_id]] = np.frombuffer(out.pooled, dtype="<f4")
     finally:
         if remaining:

@@ -3,14 +3,12 @@ embeddings share between the preamble and the response."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from gateway.disconnect import raise_if_client_gone
 from gateway.http import GatewayConsumer
 from gateway.model_cache import ModelSnapshot
 from gateway.pipeline import admission, inputs, limits, rendering
 from gateway.pipeline.engine import GenerationRun
-from gateway.pipeline.media import render_chat_media
+from gateway.pipeline.media import RenderedChat, render_chat_media
 from gateway.pipeline.scope import RequestScope
 from inference.admission import engine_priority
 from inference.input_processor import ProcessedInput
@@ -60,20 +58,20 @@ async def admit_and_start(scope: RequestScope, model: ModelSnapshot, tokenizer: 
 
 
 async def render_chat_input(ctx: AuthContext, model: ModelSnapshot, req: ChatCompletionRequest, *, external_id: str,
-                            client_id: str, arrival_time: float) -> tuple[LoadedTokenizer, dict[str, Any],
+                            client_id: str, arrival_time: float) -> tuple[LoadedTokenizer, RenderedChat,
                                                                           ProcessedInput]:
     """Steps 5-6 of a chat request: validate its structured-output constraint (400), load the tokenizer, bound
     the prompt characters, render the messages (with their images) and process the result (with the request's
     output parsing, ``processed.chat_output``, and the ``tool_choice`` constraint). Returns
-    ``(tokenizer, rendered, processed)``; ``rendered`` is the
-    render task's dict (``prompt_token_ids``, media keys). Raises ``ApiError`` (400 naming the field, 503)."""
+    ``(tokenizer, rendered, processed)``; ``rendered`` holds the prompt's ids and its images' feature keys
+    (``inputs.attach_media``). Raises ``ApiError`` (400 naming the field, 503)."""
     structured = await inputs.structured_constraint(req, ctx)
     tokenizer = await rendering.load_tokenizer(model)
     rendering.check_prompt_chars(model, tokenizer, rendering.message_chars(req.messages), "messages")
     salt = inputs.cache_salt_for(ctx, req.cache_salt)
     rendered = await render_chat_media(model, rendering.chat_render_payload(model, req), cache_salt=salt,
                                        tenant_id=ctx.tenant_id)
-    prompt_ids = rendered["prompt_token_ids"]
+    prompt_ids = rendered.prompt_token_ids
     processed = inputs.process(
         req, model, tokenizer, external_id=external_id, prompt_token_ids=prompt_ids,
         prompt_param="messages", client_id=client_id, arrival_time=arrival_time,

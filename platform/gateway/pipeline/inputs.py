@@ -200,9 +200,10 @@ def chat_output_spec(req: Any, model: ModelSnapshot, tokenizer: LoadedTokenizer,
         tool_parser=resolve_parser_name(model.tool_call_parser, template, kind="tool"))
 
 
-def attach_media(processed: ProcessedInput, rendered: dict[str, Any]) -> None:
-    """Give every engine request of ``processed`` the image feature keys of ``rendered`` (no-op without)."""
-    keys = list(rendered.get("mm_cache_keys") or [])
+def attach_media(processed: ProcessedInput, mm_cache_keys: list[str]) -> None:
+    """Give every engine request of ``processed`` the image feature keys ``mm_cache_keys`` (a rendered chat's, in
+    order; no-op without)."""
+    keys = list(mm_cache_keys)
     if keys:
         for r in processed.requests:
             r.mm_cache_keys = keys

@@ -22,19 +22,21 @@ from __future__ import annotations
 import asyncio
 import secrets
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, cast
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator, cast
 
 from django.conf import settings
 
 from config.celery import app as celery_app
-from gateway.errors import ApiError, ErrorCode, ErrorType, bad_request, unavailable
+from gateway.errors import ApiError, ErrorCode, ErrorType, bad_request
 from registry.backends import IMAGES
 from gateway.model_cache import ModelSnapshot
 from gateway.pipeline.clients import redis
+from gateway.pipeline.failures import api_error_from
 from gateway.pipeline.rendering import call_render
 from inference.media.cache import feature_meta_decode, feature_meta_key
 from inference.media.image import ImageError
-from inference.mm_tasks import MM_QUEUE
+from inference.protocol.render import ChatRenderRequest, ImageFeatures, ImagesRequest, ImageWorkItem, RenderFailure
 from inference.render_client import RenderReplyWaiter, RenderUnavailableError
 from inference.renderer.multimodal import (
     MM_BLOB_TTL_S,
@@ -95,46 +97,37 @@ def allowed_domains_for(model_name: str) -> list[str]:
     return [str(v) for v in value] if isinstance(value, list) else []
 
 
-async def call_mm(model: ModelSnapshot, items: list[dict[str, Any]], cache_salt: str,
-                  tenant_id: int | None = None) -> list[dict[str, Any]]:
-    """Preprocess ``items`` (``{"part", "url"}`` or ``{"part", "key", "blob"}`` each) on the ``mm`` queue, keyed
-    under ``cache_salt``, in one of ``tenant_id``'s image-work slots (``mm_tenant_slot``); returns
-    ``[{"key", "num_tokens", "cached"}]``. Client errors → 400 naming the part; tenant over its slots → 429; no
-    worker in time → 503; worker bug → 500."""
-    payload = {"prefix": settings.LINK_PREFIX, "model_dir": model.model_dir,
-               "items": items, "allowed_domains": allowed_domains_for(model.served_model_name),
-               "cache_salt": cache_salt}
+async def call_mm(model: ModelSnapshot, items: list[ImageWorkItem], cache_salt: str,
+                  tenant_id: int | None = None) -> list[ImageFeatures]:
+    """Preprocess ``items`` on the ``mm`` queue (an ``ImagesRequest``), keyed under ``cache_salt``, in one of
+    ``tenant_id``'s image-work slots (``mm_tenant_slot``); returns their ``ImageFeatures`` in order. The worker's
+    ``RenderFailure`` and no answer are mapped by ``failures.api_error_from``: client errors → 400 naming the part;
+    no worker in time → 503; worker bug → 500. Tenant over its slots → 429."""
+    request = ImagesRequest(prefix=settings.LINK_PREFIX, model_dir=model.model_dir, items=items,
+                            allowed_domains=allowed_domains_for(model.served_model_name), cache_salt=cache_salt)
     waiter = RenderReplyWaiter.for_current_loop(settings.REDIS_URL, settings.LINK_PREFIX)
     try:
         async with mm_tenant_slot(tenant_id):
-            result = await waiter.call(celery_app, "inference.mm_preprocess", payload, queue=MM_QUEUE,
-                                       timeout=settings.MM_WAIT_TIMEOUT_S)
-    except RenderUnavailableError:
-        raise unavailable("no multimodal worker answered in time; retry shortly", 2,
-                          ErrorCode.MM_UNAVAILABLE) from None
-    if not result.get("ok"):
-        err = result.get("error") or {}
-        if err.get("type") == "InternalError":
-            raise ApiError(500, "Image preprocessing failed unexpectedly", ErrorType.SERVER, None,
-                           ErrorCode.MM_INTERNAL_ERROR)
-        raise bad_request(err.get("message") or "bad image", err.get("param"), err.get("code") or ErrorCode.INVALID_IMAGE)
-    mm_items: list[dict[str, Any]] = result["items"]
-    return mm_items
+            reply = await waiter.request(celery_app, request, timeout=settings.MM_WAIT_TIMEOUT_S)
+    except RenderUnavailableError as exc:
+        raise api_error_from(exc) from None
+    if isinstance(reply, RenderFailure):
+        raise api_error_from(reply) from None
+    return reply.items
 
 
 async def cached_images(model: ModelSnapshot, items: list[ImageItem], cache_salt: str,
-                        ) -> tuple[list[dict[str, Any] | None], list[dict[str, Any]]]:
+                        ) -> tuple[list[ImageFeatures | None], list[ImageWorkItem]]:
     """Look up the ``data:`` URL images of ``items`` in the shared feature cache, under the caller's
     ``cache_salt`` (``inputs.cache_salt_for``: another tenant's copy of an image is not a hit).
 
-    Returns ``(hits, work)``: per item ``{"key", "num_tokens", "cached": True}`` for a hit, else ``None``;
-    and, per item that is not a hit, the ``mm`` work item: ``{"part", "key", "blob"}`` for a ``data:``
-    image (its decoded bytes are stored under ``blob`` in Redis for ``MM_BLOB_TTL_S``, so the image does not
-    travel inside the Celery message as base64 JSON) or ``{"part", "url"}`` for an http(s) URL. Keys are
-    computed in a thread (base64 decode + SHA-256), the lookup is one ``HMGET`` of the small metadata hash.
-    Raises 400 for a malformed or oversized ``data:`` URL.
+    Returns ``(hits, work)``: per item its ``ImageFeatures`` (``cached``) for a hit, else ``None``; and, per item
+    that is not a hit, the ``mm`` work item: with ``key`` and ``blob`` for a ``data:`` image (its decoded bytes are
+    stored under ``blob`` in Redis for ``MM_BLOB_TTL_S``, so the image does not travel inside the Celery message as
+    base64 JSON), with ``url`` for an http(s) URL. Keys are computed in a thread (base64 decode + SHA-256), the
+    lookup is one ``HMGET`` of the small metadata hash. Raises 400 for a malformed or oversized ``data:`` URL.
     """
-    out: list[dict[str, Any] | None] = [None] * len(items)
+    out: list[ImageFeatures | None] = [None] * len(items)
     data_items = [(i, it) for i, it in enumerate(items) if it.url.startswith("data:")]
     decoded: dict[int, tuple[str, bytes]] = {}
     if data_items:
@@ -145,14 +138,14 @@ async def cached_images(model: ModelSnapshot, items: list[ImageItem], cache_salt
         try:
             found = await asyncio.to_thread(keys)
         except ImageError as exc:
-            raise bad_request(exc.message, exc.param, exc.code) from None
+            raise api_error_from(exc) from None
         metas = await redis().hmget(feature_meta_key(settings.LINK_PREFIX), [key for key, _data in found])
         for (i, _it), (key, data), raw in zip(data_items, found, metas):
             if raw is not None:
-                out[i] = {"key": key, "num_tokens": feature_meta_decode(cast(bytes, raw))["num_tokens"], "cached": True}
+                out[i] = ImageFeatures(key, int(feature_meta_decode(cast(bytes, raw))["num_tokens"]), cached=True)
             else:
                 decoded[i] = (key, data)
-    work: list[dict[str, Any]] = []
+    work: list[ImageWorkItem] = []
     if decoded:
         async with redis().pipeline(transaction=False) as pipe:
             for key, data in decoded.values():
@@ -162,21 +155,30 @@ async def cached_images(model: ModelSnapshot, items: list[ImageItem], cache_salt
         if out[i] is None:
             if i in decoded:
                 key = decoded[i][0]
-                work.append({"part": it.part, "key": key, "blob": mm_blob_key(settings.LINK_PREFIX, key)})
+                work.append(ImageWorkItem(it.part, key=key, blob=mm_blob_key(settings.LINK_PREFIX, key)))
             else:
-                work.append({"part": it.part, "url": it.url})
+                work.append(ImageWorkItem(it.part, url=it.url))
     return out, work
 
 
-async def render_chat_media(model: ModelSnapshot, payload: dict[str, Any], *, cache_salt: str,
-                            tenant_id: int | None = None) -> dict[str, Any]:
-    """``call_render("inference.render_chat", payload)``, plus images when the messages have any: returns
-    the render result with ``prompt_token_ids`` expanded and ``mm_cache_keys`` (one per image, in order), the
-    feature-cache keys and the render's segment-cache keys salted with ``cache_salt`` (``inputs.cache_salt_for``).
-    ``tenant_id``: whose image-work slot the ``mm`` task takes (``mm_tenant_slot``; None: unbounded)."""
-    payload = {**payload, "cache_salt": cache_salt}  # the render's segment cache is scoped as the prefix cache is
-    if not has_images(payload["messages"]):
-        return await call_render("inference.render_chat", payload)
+@dataclass
+class RenderedChat:
+    """A chat's prompt ready for input processing: its token ids, image placeholders expanded, and the feature-cache
+    keys of its images in order (``EngineCoreRequest.mm_cache_keys``; empty without images)."""
+
+    prompt_token_ids: list[int]
+    mm_cache_keys: list[str] = field(default_factory=list)
+
+
+async def render_chat_media(model: ModelSnapshot, request: ChatRenderRequest, *, cache_salt: str,
+                            tenant_id: int | None = None) -> RenderedChat:
+    """``call_render(request)``, plus images when the messages have any: the prompt's ids with the image
+    placeholders expanded and the images' feature-cache keys; the feature-cache keys and the render's segment-cache
+    keys salted with ``cache_salt`` (``inputs.cache_salt_for``). ``tenant_id``: whose image-work slot the ``mm`` task
+    takes (``mm_tenant_slot``; None: unbounded)."""
+    request = replace(request, cache_salt=cache_salt)  # the render's segment cache is scoped as the prefix cache is
+    if not has_images(request.messages):
+        return RenderedChat((await call_render(request)).prompt_token_ids)
     vc = vision_config(model.model_dir)
     if vc is None:
         raise bad_request(f"The model '{model.served_model_name}' does not accept images", "messages",
@@ -185,26 +187,23 @@ async def render_chat_media(model: ModelSnapshot, payload: dict[str, Any], *, ca
         raise bad_request(f"The model '{model.served_model_name}' is served by an engine backend that does not take "
                           "image inputs", "messages", ErrorCode.IMAGES_NOT_SUPPORTED)
     try:
-        messages, items = extract_images(payload["messages"])
+        messages, items = extract_images(request.messages)
     except ImageError as exc:
-        raise bad_request(exc.message, exc.param, exc.code) from None
+        raise api_error_from(exc) from None
     mm_items, work = await cached_images(model, items, cache_salt)
     missing = [i for i, hit in enumerate(mm_items) if hit is None]
 
-    async def preprocess_missing() -> list[dict[str, Any]]:
+    async def preprocess_missing() -> list[ImageFeatures]:
         return await call_mm(model, work, cache_salt, tenant_id) if work else []
 
-    rendered, fresh = await asyncio.gather(
-        call_render("inference.render_chat", {**payload, "messages": messages}), preprocess_missing())
+    rendered, fresh = await asyncio.gather(call_render(replace(request, messages=messages)), preprocess_missing())
     for i, item in zip(missing, fresh):
         mm_items[i] = item
     done = [it for it in mm_items if it is not None]
     if len(done) != len(mm_items):
         raise RuntimeError("the mm worker answered fewer items than it was given")
     try:
-        ids = expand_image_tokens(rendered["prompt_token_ids"], vc["image_token_id"],
-                                  [int(it["num_tokens"]) for it in done])
+        ids = expand_image_tokens(rendered.prompt_token_ids, vc["image_token_id"], [it.num_tokens for it in done])
     except ImageError as exc:
-        raise bad_request(exc.message, exc.param, exc.code) from None
-    return {**rendered, "prompt_token_ids": ids, "mm_cache_keys": [it["key"] for it in done],
-            "mm_num_tokens": [int(it["num_tokens"]) for it in done]}
+        raise api_error_from(exc) from None
+    return RenderedChat(ids, [it.key for it in done])

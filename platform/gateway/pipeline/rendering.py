@@ -1,5 +1,7 @@
 """Step 4 (DESIGN.md §2 step 5, §4): chat template rendering and tokenizing, on the Celery ``render`` queue or
-inline, plus the cheap checks that run before it.
+inline, plus the cheap checks that run before it. Requests and answers are typed (``inference.protocol.render``:
+``ChatRenderRequest`` / ``TokenizeRenderRequest`` / ``DetokenizeRenderRequest`` → ``RenderedTokens`` /
+``RenderedText`` or a ``RenderFailure``, mapped to its HTTP error by ``failures.api_error_from``).
 
 Rendering route, per api process (``settings.RENDER_ROUTE``):
 
@@ -11,7 +13,8 @@ Rendering route, per api process (``settings.RENDER_ROUTE``):
   ``chat_template`` (payload flag ``client_chat_template``) is never run here, whatever the route: it always goes
   to the Celery workers, whose time limit kills a render stuck where the sandbox's budgets do not reach.
 
-Both routes run the very same function on the same payload, so they give the same bytes and token ids.
+Both routes run the very same function on the same payload (the request's ``to_wire()``), and read its answer
+back the same way (``parse_reply``), so they give the same bytes and token ids.
 """
 
 from __future__ import annotations
@@ -19,32 +22,39 @@ from __future__ import annotations
 import asyncio
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 from django.conf import settings
 
 from redis.exceptions import RedisError
 
 from config.celery import app as celery_app
-from gateway.errors import ApiError, ErrorCode, ErrorType, bad_request, unavailable
+from gateway.errors import ErrorCode, bad_request
 from gateway.model_cache import ModelSnapshot
 from gateway.pipeline import clients
+from gateway.pipeline.failures import api_error_from
 from inference import tasks as render_tasks
 from inference.render_client import RenderReplyWaiter, RenderUnavailableError
 from inference.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeChatRequest
+from inference.protocol.render import (
+    TASK_DETOKENIZE,
+    TASK_RENDER_CHAT,
+    TASK_TOKENIZE_PROMPT,
+    ChatRenderRequest,
+    DetokenizeRenderRequest,
+    RenderFailure,
+    RenderTask,
+    ResultT,
+    TokenizeRenderRequest,
+)
 from inference.renderer.tokenizer_cache import LoadedTokenizer, cached_tokenizer, get_tokenizer
 
-RENDER_QUEUE = "render"
-
-_INLINE = {
-    "inference.render_chat": render_tasks.run_render_chat,
-    "inference.tokenize_prompt": render_tasks.run_tokenize_prompt,
-    "inference.detokenize": render_tasks.run_detokenize,
+# the wire body each render task runs (``inference.tasks``): what the inline route runs in-process
+_INLINE: dict[str, Callable[[Any], dict[str, Any]]] = {
+    TASK_RENDER_CHAT: render_tasks.run_render_chat,
+    TASK_TOKENIZE_PROMPT: render_tasks.run_tokenize_prompt,
+    TASK_DETOKENIZE: render_tasks.run_detokenize,
 }
-
-# renderer error type → public code (anything else: invalid_prompt)
-_RENDER_CODES = {"ContextLengthError": ErrorCode.CONTEXT_LENGTH_EXCEEDED, "TemplateTimeoutError": ErrorCode.TEMPLATE_TIMEOUT, "NoChatTemplateError": ErrorCode.NO_CHAT_TEMPLATE,
-                 "TemplateSecurityError": ErrorCode.TEMPLATE_SECURITY, "TemplateLimitError": ErrorCode.TEMPLATE_LIMIT}
 
 
 def render_route() -> str:
@@ -53,24 +63,23 @@ def render_route() -> str:
     return str(settings.RENDER_ROUTE)
 
 
-def is_client_template(task: str, payload: dict[str, Any]) -> bool:
-    """True when ``payload`` of ``task`` renders a client-supplied chat template (``client_chat_template``)."""
-    return task == "inference.render_chat" and bool(payload.get("client_chat_template"))
+def is_client_template(request: RenderTask[ResultT]) -> bool:
+    """True when ``request`` renders a client-supplied chat template (``client_chat_template``)."""
+    return isinstance(request, ChatRenderRequest) and request.client_chat_template
 
 
-def runs_inline(task: str, payload: dict[str, Any]) -> bool:
-    """True when ``task`` runs in this process: always with ``RENDER_ROUTE=inline``; otherwise for a small
+def runs_inline(request: RenderTask[ResultT]) -> bool:
+    """True when ``request`` runs in this process: always with ``RENDER_ROUTE=inline``; otherwise for a small
     template-free task (DESIGN.md §4 allows an in-process pool "for small requests ... where it is measurably
     faster"): tokenizing a prompt of at most ``RENDER_INLINE_MAX_CHARS`` characters (default 4096; 0 turns it
     off): no untrusted code runs, and the broker round trip (~6 ms of the 8 ms of a text ``/tokenize``) is
     skipped. Chat templates go to the workers; a client-supplied one is never run inline, on either route."""
-    if is_client_template(task, payload):
+    if is_client_template(request):
         return False
     if render_route() == "inline":
         return True
-    prompt = payload.get("prompt")
-    return (task == "inference.tokenize_prompt" and isinstance(prompt, str)
-            and len(prompt) <= settings.RENDER_INLINE_MAX_CHARS)
+    return (isinstance(request, TokenizeRenderRequest) and isinstance(request.prompt, str)
+            and len(request.prompt) <= settings.RENDER_INLINE_MAX_CHARS)
 
 
 _INLINE_POOL: ThreadPoolExecutor | None = None
@@ -85,73 +94,60 @@ def _inline_pool() -> ThreadPoolExecutor:
     return _INLINE_POOL
 
 
-async def call_inline(task: str, payload: dict[str, Any]) -> dict[str, Any]:
-    """Run the body of Celery task ``task`` in-process on a worker thread; returns exactly what the task would
-    return (``{"ok": True, ...}`` or ``{"ok": False, "error": {...}}``). Raises ``ValueError`` for a task
-    without an inline body and for a client-supplied chat template."""
-    fn = _INLINE.get(task)
+async def call_inline(request: RenderTask[ResultT]) -> ResultT | RenderFailure:
+    """Run the body of ``request``'s Celery task in-process on a worker thread, on the same wire payload a worker
+    gets; returns exactly what the task would answer (its result or a ``RenderFailure``). Raises ``ValueError`` for a
+    task without an inline body and for a client-supplied chat template."""
+    fn = _INLINE.get(request.task)
     if fn is None:
-        raise ValueError(f"no inline route for task {task!r}")
-    if is_client_template(task, payload):
+        raise ValueError(f"no inline route for task {request.task!r}")
+    if is_client_template(request):
         raise ValueError("a client-supplied chat template is never rendered in the api process")
-    return await asyncio.get_running_loop().run_in_executor(_inline_pool(), fn, payload)
+    reply = await asyncio.get_running_loop().run_in_executor(_inline_pool(), fn, request.to_wire())
+    return request.parse_reply(reply)
 
 
-async def call_render(task: str, payload: dict[str, Any]) -> dict[str, Any]:
-    """Run a renderer task (inline or on the ``render`` queue, ``runs_inline``) and return its ``ok`` result.
+async def call_render(request: RenderTask[ResultT]) -> ResultT:
+    """Run a render task (inline or on the ``render`` queue, ``runs_inline``) and return its result.
 
-    Structured task errors become HTTP 400 with the renderer's ``param``; no answer within
-    ``RENDER_WAIT_TIMEOUT_S`` while a render worker is alive, or no render worker back within
-    ``RENDER_WORKER_RETURN_S`` (``inference.render_liveness.remaining_wait``), or a worker that ran out of time
-    outside the template, becomes 503; a renderer defect 500.
+    A worker's ``RenderFailure`` becomes its HTTP error (``failures.api_error_from``: 400 with the renderer's
+    ``param`` and code; 503 for a worker that ran out of time outside the template; 500 for a renderer defect); no
+    answer within ``RENDER_WAIT_TIMEOUT_S`` while a render worker is alive, or no render worker back within
+    ``RENDER_WORKER_RETURN_S`` (``inference.render_liveness.remaining_wait``), becomes 503.
     """
-    if runs_inline(task, payload):
-        result = await call_inline(task, payload)
-        if result.get("segment_cache"):
-            _count_inline(result)
+    if runs_inline(request):
+        reply = await call_inline(request)
+        if not isinstance(reply, RenderFailure) and reply.segment_cache:
+            _count_inline(reply.segment_cache)
     else:
         waiter = RenderReplyWaiter.for_current_loop(settings.REDIS_URL, settings.LINK_PREFIX)
         try:
-            result = await waiter.call(celery_app, task, payload, queue=RENDER_QUEUE,
-                                       timeout=settings.RENDER_WAIT_TIMEOUT_S,
-                                       worker_return=settings.RENDER_WORKER_RETURN_S)
+            reply = await waiter.request(celery_app, request, timeout=settings.RENDER_WAIT_TIMEOUT_S,
+                                         worker_return=settings.RENDER_WORKER_RETURN_S)
         except RenderUnavailableError as exc:
-            raise unavailable(f"{exc}: the render workers are busy or down, or the input could not be rendered "
-                              f"within the render time limit", 2, ErrorCode.RENDER_UNAVAILABLE) from None
-    if not result.get("ok"):
-        raise render_error(result.get("error") or {})
-    return result
+            raise api_error_from(exc) from None
+    if isinstance(reply, RenderFailure):
+        raise api_error_from(reply) from None
+    return reply
 
 
 _COUNTING: set[asyncio.Task[None]] = set()
 
 
-def _count_inline(result: dict[str, Any]) -> None:
+def _count_inline(stats: dict[str, int]) -> None:
     """Add an inline task's segment-cache tallies to the shared Redis counters (``inference.tasks.
     count_segment_cache``; the workers count theirs in their reply) in the background: a metric never delays or
     fails the request."""
     async def count() -> None:
         try:
             pipe = clients.redis().pipeline(transaction=False)
-            render_tasks.count_segment_cache(pipe, settings.LINK_PREFIX, result)
+            render_tasks.count_segment_cache(pipe, settings.LINK_PREFIX, stats)
             await pipe.execute()
         except (RedisError, OSError):
             pass
     task = asyncio.get_running_loop().create_task(count())
     _COUNTING.add(task)
     task.add_done_callback(_COUNTING.discard)
-
-
-def render_error(err: dict[str, Any]) -> ApiError:
-    """A renderer task's ``error`` object as the client's error."""
-    etype = err.get("type", "RenderError")
-    if etype == "InternalError":
-        return ApiError(500, "The renderer failed unexpectedly", ErrorType.SERVER, None,
-                        ErrorCode.RENDER_INTERNAL_ERROR)
-    message = err.get("message") or "The request could not be rendered"
-    if etype == "RenderOverloadedError":
-        return unavailable(message, 2, ErrorCode.RENDER_UNAVAILABLE)
-    return bad_request(message, err.get("param"), _RENDER_CODES.get(etype, ErrorCode.INVALID_PROMPT))
 
 
 async def load_tokenizer(model: ModelSnapshot) -> LoadedTokenizer:
@@ -201,38 +197,37 @@ def chat_template_for(model: ModelSnapshot, req: ChatCompletionRequest | Tokeniz
     return model.chat_template or None
 
 
-def chat_render_payload(model: ModelSnapshot, req: ChatCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
-    """The ``inference.render_chat`` task payload of a chat request (``ChatCompletionRequest`` or a chat
-    ``/tokenize`` body) on ``model``: the same payload on every route that renders a chat."""
+def chat_render_payload(model: ModelSnapshot, req: ChatCompletionRequest | TokenizeChatRequest) -> ChatRenderRequest:
+    """The ``inference.render_chat`` request of a chat request (``ChatCompletionRequest`` or a chat ``/tokenize``
+    body) on ``model``: the same request on every route that renders a chat (its ``cache_salt`` is set by
+    ``media.render_chat_media``)."""
     add_generation_prompt = bool(req.add_generation_prompt)
     if req.continue_final_message:
         add_generation_prompt = False
-    return {
-        "tokenizer_dir": model.tokenizer_dir,
-        "messages": [m.model_dump(exclude_unset=True) for m in req.messages],
-        "add_generation_prompt": add_generation_prompt,
-        "continue_final_message": bool(req.continue_final_message),
-        "tools": [t.model_dump(exclude_unset=True) for t in req.tools] if req.tools else None,
-        "documents": req.documents,
-        "chat_template": chat_template_for(model, req),
-        "client_chat_template": req.chat_template is not None,  # never rendered inline (runs_inline)
-        "chat_template_kwargs": req.chat_template_kwargs or None,
-        "add_special_tokens": bool(req.add_special_tokens),
+    return ChatRenderRequest(
+        tokenizer_dir=model.tokenizer_dir,
+        messages=[m.model_dump(exclude_unset=True) for m in req.messages],
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=bool(req.continue_final_message),
+        tools=[t.model_dump(exclude_unset=True) for t in req.tools] if req.tools else None,
+        documents=req.documents,
+        chat_template=chat_template_for(model, req),
+        client_chat_template=req.chat_template is not None,  # never rendered inline (runs_inline)
+        chat_template_kwargs=req.chat_template_kwargs or None,
+        add_special_tokens=bool(req.add_special_tokens),
         # control-token strings in request text stay text unless the operator opted this model out
-        "allow_control_tokens": bool(model.allow_control_tokens_in_content),
-        "max_model_len": int(model.max_model_len),  # the worker's character backstop (inference.tasks)
-        "return_prompt_text": False,  # the api uses only the ids: the rendered text would double the reply
-    }
+        allow_control_tokens=bool(model.allow_control_tokens_in_content),
+        max_model_len=int(model.max_model_len),  # the worker's character backstop (inference.tasks)
+        return_prompt_text=False,  # the api uses only the ids: the rendered text would double the reply
+    )
 
 
 async def tokenize_prompt(model: ModelSnapshot, prompt: str, add_special_tokens: bool, cache_salt: str) -> list[int]:
     """Token ids of a completion-style text ``prompt``; ``cache_salt`` (``inputs.cache_salt_for``) scopes the segment
     cache's keys."""
-    result = await call_render("inference.tokenize_prompt", {
-        "tokenizer_dir": model.tokenizer_dir, "prompt": prompt, "add_special_tokens": add_special_tokens,
-        "max_model_len": int(model.max_model_len), "cache_salt": cache_salt})
-    ids: list[int] = result["prompt_token_ids"]
-    return ids
+    result = await call_render(TokenizeRenderRequest(model.tokenizer_dir, prompt, add_special_tokens,
+                                                     int(model.max_model_len), cache_salt))
+    return result.prompt_token_ids
 
 
 # text prompts of one batch tokenized at once: a batch of many prompts enters the FCFS render queue a few
@@ -269,7 +264,5 @@ async def prompt_ids_for(model: ModelSnapshot, req: CompletionRequest,
 
 async def detokenize(model: ModelSnapshot, tokens: list[int], skip_special_tokens: bool) -> str:
     """Text of ``tokens`` (``/detokenize``)."""
-    result = await call_render("inference.detokenize", {
-        "tokenizer_dir": model.tokenizer_dir, "tokens": tokens, "skip_special_tokens": skip_special_tokens})
-    text: str = result["prompt"]
-    return text
+    result = await call_render(DetokenizeRenderRequest(model.tokenizer_dir, tokens, skip_special_tokens))
+    return result.text
