@@ -76,6 +76,12 @@ ROUTING_PREFIX, ROUTING_SHARED = "prefix", "shared"
 # the reader's XREAD blocks this long (ms); the link's pool waits longer for any reply (redis_timeouts.py)
 READ_BLOCK_MS = 1000
 
+def resend_id(caller_id: str, attempt: int) -> str:
+    """The internal id of the ``attempt``-th re-send (1 .. ``MAX_RESENDS``) of the request its caller knows as
+    ``caller_id`` (``EngineLink._resend``)."""
+    return f"{caller_id}~r{attempt}"
+
+
 class EngineUnavailableError(RuntimeError):
     """No live engine replica serves the model (maps to HTTP 503)."""
 
@@ -292,7 +298,7 @@ class EngineLink:
         if self._tracked.get(request_id) is not t or t.request is None:  # finished or aborted meanwhile
             return False
         caller_id = t.alias or request_id
-        req = dataclasses.replace(t.request, request_id=f"{caller_id}~r{t.resends + 1}")
+        req = dataclasses.replace(t.request, request_id=resend_id(caller_id, t.resends + 1))
         del self._tracked[request_id]
         if t.target is not None:
             self._unload(t, finished=True)
@@ -323,6 +329,22 @@ class EngineLink:
             self._untrack(rid)
         if request_ids:
             await self._send_abort(model, request_ids)
+
+    async def abort_in_engines(self, model: str, request_ids: list[str]) -> None:
+        """Ask every replica of ``model`` to abort ``request_ids``, sent by this or another api process, and leave
+        them tracked: each one's replica ends it with an ``abort`` output, which reaches its caller (the generate
+        route's ``/abort_requests`` may run in another api process than the request). An id this process re-sent
+        goes under its new id; an id it does not track goes with the ids a re-send would have given it
+        (``resend_id``): only the process that sent it knows whether it was re-sent, and an abort of an id no
+        replica has is harmless (kept ``EARLY_ABORT_S`` by the replicas, so a re-send after it is dropped too)."""
+        ids: list[str] = []
+        for rid in request_ids:
+            if rid in self._resent or rid in self._tracked:
+                ids.append(self._resent.get(rid, rid))
+            else:
+                ids.extend([rid, *(resend_id(rid, n) for n in range(1, MAX_RESENDS + 1))])
+        if ids:
+            await self._send_abort(model, ids)
 
     def _abort_later(self, model: str, request_ids: list[str]) -> None:
         """Abort ``request_ids`` from a task of its own (the caller may be a cancelled task); a failure is logged.

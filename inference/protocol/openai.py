@@ -801,6 +801,12 @@ class GenerateSamplingParams(_Base):
                                          "sampling_params.n")
         return self
 
+    @property
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """``(value, field name)`` of the output cap, as chat and completions requests give it (``max_tokens``; None:
+        the room left beside the prompt)."""
+        return self.max_tokens, "max_tokens"
+
 
 class GenerateRequest(_Base):
     """``POST /inference/v1/generate`` body (vLLM's ``GenerateRequest``, text-only subset)."""

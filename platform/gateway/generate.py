@@ -29,7 +29,6 @@ even for ids that are unknown or already finished, as vLLM does.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from typing import Any
 
@@ -37,49 +36,21 @@ import msgpack
 from django.conf import settings
 
 from gateway.http import GatewayConsumer
+from gateway.logprobs import generate_logprobs
 from gateway.pipeline import inputs, limits, preamble, rendering, responses
 from gateway.pipeline.clients import link, redis
 from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.flow import admit_and_start, hold_before_render
 from gateway.pipeline.scope import record_refusal, request_scope
 from inference.input_processor import GenerationDefaults, ProcessedInput, generation_defaults, new_internal_id
-from inference.protocol.engine import control_stream
 from inference.output_processor import ChoiceDelta, ChoiceState
-from inference.protocol.openai import AbortRequestsRequest, GenerateRequest, GenerateSamplingParams
+from inference.protocol.openai import AbortRequestsRequest, GenerateRequest
 
 ABORT_MAP_TTL_S = 3600
 
 
 def _abort_key(tenant_id: int, request_id: str) -> str:
     return f"{settings.LINK_PREFIX}:gen:{tenant_id}:{request_id}"
-
-
-class _ParamsView:
-    """``GenerateSamplingParams`` seen through the attribute names ``process_inputs`` reads."""
-
-    def __init__(self, sp: GenerateSamplingParams) -> None:
-        self._sp = sp
-        self.model_fields_set: set[str] = {"max_tokens"} if sp.max_tokens is not None else set()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sp, name)
-
-    @property
-    def requested_max_tokens(self) -> tuple[int | None, str]:
-        return self._sp.max_tokens, "max_tokens"
-
-
-def _logprobs(entries: list[Any], token_ids: list[int]) -> dict[str, Any]:
-    def fin(v: float | None) -> float:
-        return -9999.0 if v is None or not math.isfinite(v) else max(float(v), -9999.0)
-
-    content = []
-    for tid, entry in zip(token_ids, entries):
-        if entry is None:
-            continue
-        content.append({"token_id": tid, "logprob": fin(entry[0]),
-                        "top_logprobs": [{"token_id": int(i), "logprob": fin(lp)} for i, lp in (entry[1] or [])]})
-    return {"content": content}
 
 
 class GenerateConsumer(GatewayConsumer):
@@ -102,14 +73,13 @@ class GenerateConsumer(GatewayConsumer):
                 model = await preamble.resolve_model(ctx, req.model, generate=True)
                 await hold_before_render(self, scope, ctx, model, n=n, size=len(req.token_ids), exact=True,
                                          max_tokens=sp.max_tokens,
-                                         constrained=inputs.asks_for_constraint(_ParamsView(sp)))
-                structured = await inputs.structured_constraint(_ParamsView(sp), ctx,
-                                                              param_prefix="sampling_params.")
+                                         constrained=inputs.asks_for_constraint(sp))
+                structured = await inputs.structured_constraint(sp, ctx, param_prefix="sampling_params.")
                 tokenizer = await rendering.load_tokenizer(model)
                 defaults = GenerationDefaults(eos_token_ids=tuple(sp.eos_token_ids) if sp.eos_token_ids is not None
                                               else generation_defaults(model.model_dir).eos_token_ids)
                 processed = inputs.process(
-                    _ParamsView(sp), model, tokenizer, external_id=external_id,
+                    sp, model, tokenizer, external_id=external_id,
                     prompt_token_ids=list(req.token_ids), prompt_param="token_ids", client_id=link().client_id,
                     arrival_time=arrival, logprobs=sp.logprobs, cache_salt=inputs.cache_salt_for(ctx),
                     defaults=defaults, param_prefix="sampling_params.", structured=structured)
@@ -147,7 +117,7 @@ class GenerateConsumer(GatewayConsumer):
             await responses.complete(run)
             await self.send_json(200, envelope([{
                 "index": c.index, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason, "logprobs": _logprobs(c.logprobs, c.token_ids) if want_lp else None}
+                "stop_reason": c.stop_reason, "logprobs": generate_logprobs(c.token_ids, c.logprobs) if want_lp else None}
                 for c in run.choices], responses.run_usage(run)))
             return
         cursor = responses.LogprobCursor(run)
@@ -157,7 +127,7 @@ class GenerateConsumer(GatewayConsumer):
             if not ids and d.finish_reason is None:
                 return None
             return {"index": d.index, "token_ids": ids, "finish_reason": d.finish_reason,
-                    "stop_reason": d.stop_reason, "logprobs": _logprobs(lps, ids) if want_lp else None}
+                    "stop_reason": d.stop_reason, "logprobs": generate_logprobs(ids, lps) if want_lp else None}
 
         await responses.stream(self, run, envelope, choice_of,
                                include_usage=bool(req.stream_options and req.stream_options.include_usage))
@@ -176,7 +146,6 @@ class AbortRequestsConsumer(GatewayConsumer):
                 for raw in await r.smembers(_abort_key(ctx.tenant_id, rid)):
                     model, internal = msgpack.unpackb(raw)
                     by_model.setdefault(model, []).append(internal)
-            for model, ids in by_model.items():
-                await r.xadd(control_stream(settings.LINK_PREFIX, model), {"a": msgpack.packb(ids)},
-                             maxlen=10000, approximate=True)
+            for model, ids in by_model.items():  # the request's own handler gets the engine's abort output
+                await link().abort_in_engines(model, ids)
             await self.send_json(200, {})

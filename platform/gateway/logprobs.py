@@ -20,6 +20,19 @@ def _finite(value: float | None) -> float:
     return FLOOR if value is None or not math.isfinite(value) else max(float(value), FLOOR)
 
 
+def generate_logprobs(token_ids: list[int], entries: list[Any]) -> dict[str, Any]:
+    """``/inference/v1/generate``'s ``logprobs``: ``{"content": [{"token_id", "logprob", "top_logprobs":
+    [{"token_id", "logprob"}, ...]}, ...]}``, one per token with an entry (ids only: the route is tokens in, tokens
+    out)."""
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        if entry is None:
+            continue
+        content.append({"token_id": tid, "logprob": _finite(entry[0]),
+                        "top_logprobs": [{"token_id": int(i), "logprob": _finite(lp)} for i, lp in (entry[1] or [])]})
+    return {"content": content}
+
+
 def token_text(tokenizer: LoadedTokenizer, token_id: int) -> str:
     """The text of one token id, leading space kept (may be U+FFFD for a partial UTF-8 byte)."""
     return tokenizer.decode([token_id], skip_special_tokens=False)

@@ -8,8 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from dataclasses import replace
-
-from typing import Any
+from typing import Protocol
 
 from tenancy.selectors import AuthContext
 from django.conf import settings
@@ -26,13 +25,53 @@ from inference.input_processor import (
     process_inputs,
 )
 from inference.chat_output import ChatOutputSpec, resolve_parser_name
-from inference.protocol.openai import RequestValidationError
+from inference.protocol.openai import ChatCompletionRequest, RequestValidationError, StructuredOutputs
 from inference.renderer.tokenizer_cache import LoadedTokenizer
 from inference import structured_sandbox
 from inference.tool_parsers.forced import tool_choice_constraint
 from inference.structured import Constraint, constraint_of, spec_key
 from inference.structured_caps import StructuredSpecError, check_size
 from registry.backends import STRUCTURED_AFTER_REASONING
+
+
+class SamplingRequest(Protocol):
+    """What input processing reads of a validated request (``inference.input_processor.process_inputs``) and what
+    the constraint checks read: a ``ChatCompletionRequest``, a ``CompletionRequest`` or ``/inference/v1/generate``'s
+    ``GenerateSamplingParams``. A chat request's ``response_format``, ``tools`` and ``tool_choice`` are read when
+    present (``inference.structured.constraint_of``, ``tool_choice_constraint``)."""
+
+    @property
+    def n(self) -> int | None: ...
+    @property
+    def temperature(self) -> float | None: ...
+    @property
+    def top_p(self) -> float | None: ...
+    @property
+    def top_k(self) -> int | None: ...
+    @property
+    def min_p(self) -> float | None: ...
+    @property
+    def seed(self) -> int | None: ...
+    @property
+    def min_tokens(self) -> int | None: ...
+    @property
+    def stop_token_ids(self) -> list[int] | None: ...
+    @property
+    def ignore_eos(self) -> bool | None: ...
+    @property
+    def presence_penalty(self) -> float | None: ...
+    @property
+    def frequency_penalty(self) -> float | None: ...
+    @property
+    def repetition_penalty(self) -> float | None: ...
+    @property
+    def logit_bias(self) -> dict[str, float] | None: ...
+    @property
+    def structured_outputs(self) -> StructuredOutputs | None: ...
+    @property
+    def model_fields_set(self) -> set[str]: ...
+    @property
+    def requested_max_tokens(self) -> tuple[int | None, str]: ...
 
 
 def cache_salt_for(ctx: AuthContext, request_salt: str | None = None) -> str:
@@ -61,7 +100,7 @@ def eos_ids_of(tokenizer: LoadedTokenizer) -> list[int]:
     return [eos] if isinstance(eos, int) else []
 
 
-async def structured_constraint(req: Any, ctx: AuthContext, param_prefix: str = "") -> Constraint | None:
+async def structured_constraint(req: SamplingRequest, ctx: AuthContext, param_prefix: str = "") -> Constraint | None:
     """The request's output constraint (``response_format`` / ``structured_outputs``, or the schema a ``tool_choice``
     required/named forces), compiled into its engine form in this process's grammar sandbox
     (``inference.structured_sandbox``: worker processes, a CPU-time budget per compile, a few compiles per tenant at
@@ -92,7 +131,7 @@ async def structured_constraint(req: Any, ctx: AuthContext, param_prefix: str = 
     return replace(constraint, spec=result.value())
 
 
-def _requested(req: Any, scope: str) -> tuple[Constraint | None, str]:
+def _requested(req: SamplingRequest, scope: str) -> tuple[Constraint | None, str]:
     """In a thread: the request's constraint as the client sent it (``constraint_of``, else the ``tool_choice``
     one) and its cache key for ``scope``; over the byte cap → ``RequestValidationError`` naming the field."""
     constraint = constraint_of(req) or tool_choice_constraint(req)
@@ -123,26 +162,26 @@ def record_compile(result: structured_sandbox.CompileResult) -> None:
 _counting: set[asyncio.Task[None]] = set()
 
 
-def asks_for_constraint(req: Any) -> bool:
+def asks_for_constraint(req: SamplingRequest) -> bool:
     """True when ``req`` asks for an output constraint of any kind (``response_format`` json, ``structured_outputs``,
     a forced ``tool_choice``): a field check, no parsing."""
     return not constraint_of_fields_absent(req) or forces_tool_call(req)
 
 
-def forces_tool_call(req: Any) -> bool:
+def forces_tool_call(req: SamplingRequest) -> bool:
     """True when a chat request's ``tool_choice`` is ``"required"`` or names a function (a constraint)."""
     choice = getattr(req, "tool_choice", None)
     return choice == "required" or isinstance(choice, dict)
 
 
-def constraint_of_fields_absent(req: Any) -> bool:
+def constraint_of_fields_absent(req: SamplingRequest) -> bool:
     """True when ``req`` asks for no constraint (no ``structured_outputs``; ``response_format`` absent or text):
     the common case skips the thread hop."""
     rf = getattr(req, "response_format", None)
     return getattr(req, "structured_outputs", None) is None and (rf is None or rf.type == "text")
 
 
-def process(req: Any, model: ModelSnapshot, tokenizer: LoadedTokenizer, *, external_id: str, prompt_token_ids: list[int],
+def process(req: SamplingRequest, model: ModelSnapshot, tokenizer: LoadedTokenizer, *, external_id: str, prompt_token_ids: list[int],
             prompt_param: str, client_id: str, arrival_time: float | None, logprobs: int | None, cache_salt: str,
             defaults: GenerationDefaults | None = None, param_prefix: str = "",
             prompt_logprobs: int | None = None, structured: Constraint | None = None,
@@ -189,7 +228,7 @@ def model_template_text(model: ModelSnapshot, tokenizer: LoadedTokenizer) -> str
     return "\n".join([tokenizer.chat_template or "", *tokenizer.chat_templates.values()])
 
 
-def chat_output_spec(req: Any, model: ModelSnapshot, tokenizer: LoadedTokenizer,
+def chat_output_spec(req: ChatCompletionRequest, model: ModelSnapshot, tokenizer: LoadedTokenizer,
                      prompt_token_ids: list[int]) -> ChatOutputSpec:
     """How the choices of chat request ``req`` are parsed on ``model`` (its registry ``reasoning_parser`` and
     ``tool_call_parser``, ``auto`` resolved from its template; ``inference.chat_output``)."""
