@@ -10,22 +10,15 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[2] / "platform")]
+sys.path[:0] = [str(Path(__file__).resolve().parents[2] / "platform"), str(Path(__file__).resolve().parents[2])]
 
 import redis.asyncio as redis_async  # noqa: E402
 
-from tenancy.limits import UNLIMITED, Limits, RateLimitExceeded, limits_acquire  # noqa: E402
+from tenancy.limits import Limits, RateLimitExceeded, limits_acquire  # noqa: E402
 
-
-@dataclass
-class Ctx:
-    key_id: int
-    tenant_id: int
-    key_limits: Limits
-    tenant_limits: Limits = UNLIMITED
+from tests.support.limits_context import Ctx  # noqa: E402
 
 
 async def main() -> None:

@@ -6,25 +6,18 @@ import asyncio
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from tenancy.limits import (
-    UNLIMITED, LimitGrant, Limits, RateLimitExceeded, budget_period_bounds, grant_headers, limits_acquire,
+    LimitGrant, Limits, RateLimitExceeded, budget_period_bounds, grant_headers, limits_acquire,
     limits_settle, limits_usage, openai_duration,
 )
+from tests.support.limits_context import Ctx
 
 WORKER = Path(__file__).with_name("burst_worker.py")
-
-
-@dataclass
-class Ctx:
-    key_id: int
-    tenant_id: int
-    key_limits: Limits = UNLIMITED
-    tenant_limits: Limits = UNLIMITED
 
 
 def _hdr(headers) -> dict[str, str]:
