@@ -59,13 +59,19 @@ from inference.protocol.openai import RequestValidationError
 
 @dataclass
 class EmbeddingRun:
-    """What ``UsageRecorder`` reads from a finished embeddings request (prompt tokens only)."""
+    """An embeddings request's engine work as its scope holds it (``gateway.pipeline.scope.Run``): the prompt
+    tokens its usage record counts (nothing else), its times; no finish reason of its own (the route sets the
+    record's) and nothing to close (``run_pooling`` aborts what it sent itself)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     num_cached_tokens: int = 0
     first_token_time: float | None = None
     finished_time: float | None = None
+    finish_reason: str | None = None
+
+    async def close(self) -> None:
+        """Nothing to give back (``run_pooling`` ends its requests on the engine itself)."""
 
 
 def truncation_of(req: EmbeddingRequest, max_len: int) -> int | None:
@@ -126,7 +132,7 @@ class EmbeddingsConsumer(GatewayConsumer):
                 raise bad_request(str(exc), getattr(exc, "param", "input")) from None
             total = run.prompt_tokens = sum(len(t) for t in token_ids)
             # n inputs × their mean length (rounded up) ≥ the real total
-            await admission.reserve(scope.reservation, len(token_ids), math.ceil(total / len(token_ids)))
+            await admission.reserve(scope.admitted, len(token_ids), math.ceil(total / len(token_ids)))
             requests = pooling_requests(external_id, token_ids, link().client_id, arrival)
             for request in requests:
                 request.priority = scope.priority  # the caller's tier (set by hold_before_render)

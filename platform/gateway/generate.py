@@ -41,7 +41,9 @@ from gateway.pipeline import inputs, limits, preamble, rendering, responses
 from gateway.pipeline.clients import link, redis
 from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.flow import admit_and_start, hold_before_render
+from gateway.pipeline.responses import JsonObject
 from gateway.pipeline.scope import record_refusal, request_scope
+from gateway.pipeline.usage import Usage
 from inference.input_processor import GenerationDefaults, ProcessedInput, generation_defaults, new_internal_id
 from inference.output_processor import ChoiceDelta, ChoiceState
 from inference.protocol.openai import AbortRequestsRequest, GenerateRequest
@@ -106,8 +108,8 @@ class GenerateConsumer(GatewayConsumer):
     async def _respond(self, req: GenerateRequest, run: GenerationRun, external_id: str, created: int) -> None:
         want_lp = req.sampling_params.logprobs is not None
 
-        def envelope(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
-            body: dict[str, Any] = {"request_id": external_id, "model": run.model.served_model_name, "created": created,
+        def envelope(choices: list[JsonObject], usage: Usage | None = None) -> JsonObject:
+            body: JsonObject = {"request_id": external_id, "model": run.model.served_model_name, "created": created,
                     "choices": choices}
             if usage is not None:
                 body["usage"] = usage

@@ -123,7 +123,7 @@ async def test_release_order_and_idempotence(env, monkeypatch):
     calls = []
 
     class Run:
-        prompt_tokens, completion_tokens = 3, 2
+        prompt_tokens, completion_tokens, finish_reason = 3, 2, None
 
         async def close(self):
             calls.append("close")

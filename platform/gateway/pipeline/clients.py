@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from django.conf import settings
@@ -43,7 +43,7 @@ def admission() -> Admission:
     return Admission.for_current_process(settings.REDIS_URL, settings.LINK_PREFIX)
 
 
-def retry_later(call: Callable[[], Awaitable[Any]], what: str, within_s: float = RETRY_WITHIN_S) -> None:
+def retry_later(call: Callable[[], Awaitable[object]], what: str, within_s: float = RETRY_WITHIN_S) -> None:
     """Retry an idempotent Redis write that failed because Redis was unreachable (a restart), in the background:
     ``call()`` again after 0.25 s, doubling to 2 s, until it succeeds or ``within_s`` seconds have passed (then
     logged). For what must not be lost while this process lives: a request's admission release (its holder's lease

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import numpy as np
 
@@ -20,8 +20,9 @@ from gateway.pipeline.failures import api_error_from, pooling_error
 from inference.admission import Reservation
 from inference.engine_client import EngineUnavailableError
 from inference.input_processor import ProcessedInput
-from inference.output_processor import ChoiceDelta, OutputProcessor, RequestState
+from inference.output_processor import ChoiceDelta, ChoiceState, OutputProcessor, RequestState
 from inference.protocol.engine import FINISH_STOP, EngineCoreOutput, EngineCoreRequest
+from inference.renderer.tokenizer_cache import LoadedTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ class GenerationRun:
     sharing one output queue, their output state in a ``RequestState``. ``start()``, iterate ``deltas()``, and
     ``close()`` in a ``finally`` (idempotent)."""
 
-    def __init__(self, model: ModelSnapshot, processed: ProcessedInput, tokenizer: Any, *, stop: list[str] | None,
+    def __init__(self, model: ModelSnapshot, processed: ProcessedInput, tokenizer: LoadedTokenizer, *,
+                 stop: list[str] | None,
                  include_stop_str_in_output: bool, skip_special_tokens: bool, arrival_time: float,
                  reservation: Reservation | None = None):
         self.model = model
@@ -61,12 +63,40 @@ class GenerationRun:
         self.queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
         self._closed = False
 
-    choices = property(lambda self: self.state.choices, doc="The ``ChoiceState`` s, in choice order.")
-    prompt_tokens = property(lambda self: self.state.prompt_tokens)
-    completion_tokens = property(lambda self: self.state.completion_tokens)
-    num_cached_tokens = property(lambda self: self.state.num_cached_tokens)
-    first_token_time = property(lambda self: self.state.first_token_time)
-    finished_time = property(lambda self: self.state.finished_time)
+    @property
+    def choices(self) -> list[ChoiceState]:
+        """The ``ChoiceState`` s, in choice order."""
+        return self.state.choices
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens of the request (every prompt of a batch, counted once)."""
+        return self.state.prompt_tokens
+
+    @property
+    def completion_tokens(self) -> int:
+        """Output tokens of every choice so far."""
+        return self.state.completion_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the replicas' prefix caches served."""
+        return self.state.num_cached_tokens
+
+    @property
+    def first_token_time(self) -> float | None:
+        """Unix time of the request's first output token (``None``: none yet)."""
+        return self.state.first_token_time
+
+    @property
+    def finished_time(self) -> float | None:
+        """Unix time the request finished or was closed (``None``: running)."""
+        return self.state.finished_time
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The first choice's finish reason (its usage record's; ``None`` while it runs)."""
+        return self.state.choices[0].finish_reason if self.state.choices else None
 
     async def start(self) -> None:
         """Register the output queue and send every child to the engine (503 when no replica is alive). The

@@ -40,16 +40,18 @@ async def hold_before_render(consumer: GatewayConsumer, scope: RequestScope, ctx
 
 
 async def admit_and_start(scope: RequestScope, model: ModelSnapshot, tokenizer: LoadedTokenizer, processed: ProcessedInput, *,
-                          stop: list[str] | None, include_stop_str_in_output: bool, skip_special_tokens: bool,
+                          stop: str | list[str] | None, include_stop_str_in_output: bool, skip_special_tokens: bool,
                           arrival_time: float) -> GenerationRun:
     """Steps 3 (exact reserve: ``n`` × real prompt tokens, ``ProcessedInput.prompt_tokens_per_request``; 503) and 7 (engine hand-off; 503): returns the
     started run, recorded on ``scope``. The engine requests get ``scope.priority`` (tier, then arrival). A request
-    whose client is already gone (a cancellation lost on the way, ``gateway/disconnect.py``) stops here."""
+    whose client is already gone (a cancellation lost on the way, ``gateway/disconnect.py``) stops here. ``stop``: the
+    request's stop strings as its schema types them (validated into a list; one string is one stop)."""
     raise_if_client_gone()
-    await admission.reserve(scope.reservation, len(processed.requests), processed.prompt_tokens_per_request)
+    await admission.reserve(scope.admitted, len(processed.requests), processed.prompt_tokens_per_request)
     for request in processed.requests:
         request.priority = scope.priority
-    run = scope.run = GenerationRun(model, processed, tokenizer, stop=stop,
+    stops = [stop] if isinstance(stop, str) else stop
+    run = scope.run = GenerationRun(model, processed, tokenizer, stop=stops,
                                     include_stop_str_in_output=include_stop_str_in_output,
                                     skip_special_tokens=skip_special_tokens, arrival_time=arrival_time,
                                     reservation=scope.reservation)

@@ -7,7 +7,9 @@ import asyncio
 import functools
 import secrets
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable, Generic, TypeVar, cast
+
+from pydantic import BaseModel
 
 from gateway import auth
 from gateway.errors import ApiError, ErrorCode, bad_request, not_found
@@ -18,6 +20,12 @@ from gateway.pipeline.failures import api_error_from
 from inference.protocol.openai import MAX_REQUEST_ID_LEN, RequestValidationError, validate_request
 from tenancy.limits import LimitGrant
 from tenancy.selectors import AuthContext
+
+
+Req = TypeVar("Req")
+"""A validated request body: a pydantic schema's instance, or what a validation function returns."""
+JsonBody = dict[str, object]
+"""A parsed JSON request body (``json_body``), before validation."""
 
 
 def clean_request_id(value: str) -> str:
@@ -51,7 +59,7 @@ def client_request_id(header_value: bytes | None, body_value: str | None) -> str
     return secrets.token_hex(8)
 
 
-async def validated_body(body: bytes, validate: Callable[[dict[str, Any]], Any]) -> Any:
+async def validated_body(body: bytes, validate: Callable[[JsonBody], Req]) -> Req:
     """``validate(await json_body(body))``: the validation too runs in a worker thread when the body is over
     ``OFF_LOOP_PARSE_BYTES``, as its parsing does (validating a large body, e.g. 2,048 messages or a long
     token-id list, takes milliseconds: not on the event loop). Raises what they raise
@@ -69,13 +77,19 @@ async def authenticate(consumer: GatewayConsumer, scope: str = "inference") -> A
     return ctx
 
 
-async def parse(body: bytes, validate: Callable[[dict[str, Any]], Any] | type) -> Any:
+def validator(schema: type[Req] | Callable[[JsonBody], Req]) -> Callable[[JsonBody], Req]:
+    """``schema`` as a function of the JSON body: a pydantic schema class validates with ``validate_request``
+    (``RequestValidationError`` naming the field); a function is used as it is."""
+    if isinstance(schema, type) and issubclass(schema, BaseModel):
+        return cast(Callable[[JsonBody], Req], functools.partial(validate_request, schema))
+    return cast(Callable[[JsonBody], Req], schema)
+
+
+async def parse(body: bytes, validate: type[Req] | Callable[[JsonBody], Req]) -> Req:
     """``body`` parsed and validated by ``validate`` (a pydantic schema class or a function of the JSON dict);
     ``ApiError`` 400 naming the field."""
-    if isinstance(validate, type):
-        validate = functools.partial(validate_request, validate)
     try:
-        return await validated_body(body, validate)
+        return await validated_body(body, validator(validate))
     except RequestValidationError as exc:
         raise api_error_from(exc) from None
 
@@ -86,27 +100,27 @@ def echo_request_id(consumer: GatewayConsumer, request_id: str) -> None:
 
 
 @dataclass
-class Preamble:
-    """An authenticated, validated request: ``ctx`` (``AuthContext``), ``req`` (the validated body),
+class Preamble(Generic[Req]):
+    """An authenticated, validated request: ``ctx`` (``AuthContext``), ``req`` (the validated body, ``Req``),
     ``base_id`` (the client's id, echoed), ``external_id`` (``id_prefix + base_id``, shown in responses) and
     ``grant``, the key's request and concurrency limits taken before the body was parsed (the caller releases
     it: ``request_scope(grant=...)`` or ``limits.held(grant=...)``)."""
 
     ctx: AuthContext
-    req: Any
+    req: Req
     base_id: str
     external_id: str
     grant: LimitGrant
 
 
-def _body_request_id(req: Any) -> str | None:
-    value: str | None = getattr(req, "request_id", None)
-    return value
+def _body_request_id(req: object) -> str | None:
+    value = getattr(req, "request_id", None)
+    return value if isinstance(value, str) else None
 
 
-async def preamble(consumer: GatewayConsumer, body: bytes, schema: Callable[[dict[str, Any]], Any] | type,
-                   id_prefix: str, body_id: Callable[[Any], str | None] = _body_request_id,
-                   on_refused: Callable[[AuthContext, ApiError, str], None] | None = None) -> Preamble:
+async def preamble(consumer: GatewayConsumer, body: bytes, schema: type[Req] | Callable[[JsonBody], Req],
+                   id_prefix: str, body_id: Callable[[Req], str | None] = _body_request_id,
+                   on_refused: Callable[[AuthContext, ApiError, str], None] | None = None) -> Preamble[Req]:
     """DESIGN.md §2 steps 1-2 for the inference endpoints: authenticate (401; 403 without the ``inference``
     scope), take the key's request (RPM) and concurrency limits before any work (``limits.acquire`` of 0
     tokens; 429: the body is never parsed), parse and validate ``body`` with ``schema`` (400 naming the

@@ -3,20 +3,22 @@ after it, an engine failure is an in-band error event (``GatewayConsumer.send_ss
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 from gateway.http import GatewayConsumer
 from gateway.pipeline.engine import GenerationRun
-from gateway.pipeline.usage import usage_dict
+from gateway.pipeline.usage import Usage, usage_dict
 from inference.output_processor import ChoiceDelta, ChoiceState
 
+JsonObject = dict[str, object]
+"""An OpenAI JSON object the gateway writes (a response body, a chunk, a choice): built here, sent as JSON."""
 # choice_of(delta, state) -> one chunk's choice, several (one chunk each, in order), or None (nothing to send)
-ChoiceOf = Callable[[ChoiceDelta, ChoiceState], "dict[str, Any] | list[dict[str, Any]] | None"]
+ChoiceOf = Callable[[ChoiceDelta, ChoiceState], "JsonObject | list[JsonObject] | None"]
 # envelope(choices, usage) -> one response object or chunk
-Envelope = Callable[[list[dict[str, Any]], "dict[str, Any] | None"], dict[str, Any]]
+Envelope = Callable[[list[JsonObject], "Usage | None"], JsonObject]
 
 
-def run_usage(run: GenerationRun, reasoning_tokens: int | None = None) -> dict[str, Any]:
+def run_usage(run: GenerationRun, reasoning_tokens: int | None = None) -> Usage:
     """The OpenAI ``usage`` object of a finished run (``reasoning_tokens``: see ``usage_dict``)."""
     return usage_dict(run.prompt_tokens, run.completion_tokens, run.num_cached_tokens, reasoning_tokens)
 
@@ -29,8 +31,8 @@ async def complete(run: GenerationRun) -> None:
 
 
 async def stream(consumer: GatewayConsumer, run: GenerationRun, envelope: Envelope, choice_of: ChoiceOf, *,
-                 include_usage: bool, first_events: Iterable[dict[str, Any]] = (),
-                 usage_of: Callable[[GenerationRun], dict[str, Any]] = run_usage) -> None:
+                 include_usage: bool, first_events: Iterable[JsonObject] = (),
+                 usage_of: Callable[[GenerationRun], Usage] = run_usage) -> None:
     """Stream ``run`` as SSE: 200 + headers, ``first_events``, then one chunk ``envelope([choice], None)`` per
     choice that ``choice_of(delta, state)`` gives for a delta (a list: one chunk each; ``None``: nothing to send
     yet), the usage chunk ``envelope([], usage_of(run))`` when ``include_usage``, and ``[DONE]``. An engine
@@ -51,15 +53,14 @@ async def stream(consumer: GatewayConsumer, run: GenerationRun, envelope: Envelo
     await consumer.end_sse()
 
 
-def chunk_envelope(obj: str, external_id: str, created: int, run: GenerationRun,
-                   include_usage: bool) -> Callable[[list[dict[str, Any]], Any], dict[str, Any]]:
+def chunk_envelope(obj: str, external_id: str, created: int, run: GenerationRun, include_usage: bool) -> Envelope:
     """The ``envelope(choices, usage)`` of ``stream`` for OpenAI's streamed objects (``obj``:
     ``"chat.completion.chunk"`` or ``"text_completion"``): ``{"id", "object", "created", "model", "choices"}``,
     plus ``usage`` (``None`` but on the last chunk) when the client asked for ``stream_options.include_usage``."""
 
-    def envelope(choices: list[dict[str, Any]], usage: Any) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": external_id, "object": obj, "created": created, "model": run.model.served_model_name,
-                "choices": choices}
+    def envelope(choices: list[JsonObject], usage: Usage | None) -> JsonObject:
+        body: JsonObject = {"id": external_id, "object": obj, "created": created, "model": run.model.served_model_name,
+                            "choices": choices}
         if include_usage:
             body["usage"] = usage
         return body
@@ -73,7 +74,8 @@ class LogprobCursor:
     def __init__(self, run: GenerationRun):
         self._seen = {c.index: 0 for c in run.choices}
 
-    def take(self, state: ChoiceState) -> tuple[list[int], list[Any]]:
-        """The ids and logprobs of ``state`` not sent yet; marks them sent."""
+    def take(self, state: ChoiceState) -> tuple[list[int], list[object]]:
+        """The ids and logprob entries of ``state`` not sent yet (the engine's, passed on to ``gateway.logprobs``);
+        marks them sent."""
         start, self._seen[state.index] = self._seen[state.index], len(state.token_ids)
         return state.token_ids[start:], state.logprobs[start:]

@@ -8,29 +8,49 @@ import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Coroutine
+from typing import AsyncIterator, Callable, Coroutine, Protocol
 
+from tenancy.limits import LimitGrant
 from tenancy.selectors import AuthContext
 
 from gateway.errors import ApiError, ErrorCode
 from gateway.pipeline import admission, limits
-from gateway.pipeline.usage import UsageRecorder
+from gateway.pipeline.usage import RunUsage, UsageRecorder
+from inference.admission import Reservation
+
+
+class Run(RunUsage, Protocol):
+    """A request's engine work as its scope holds it (``gateway.pipeline.engine.GenerationRun``, the embeddings
+    route's ``EmbeddingRun``): the token counts and times of ``RunUsage``, the finish reason its usage record gets
+    (the first choice's; ``None`` while unfinished or when the route sets it itself), and ``close()``, which ends
+    what is unfinished on the engine (idempotent)."""
+
+    @property
+    def finish_reason(self) -> str | None: ...
+
+    async def close(self) -> None: ...
 
 
 @dataclass
 class RequestScope:
     """The request's held resources: set each attribute as soon as it is taken.
 
-    ``reservation``: admission (``inference.admission.Reservation``); ``grant``: key limits
-    (``tenancy.limits.LimitGrant``); ``run``: the engine work (a ``GenerationRun``, or an object with the token
-    counts of ``UsageRecorder.run`` and optionally an async ``close()``); ``priority``: the engine priority of
+    ``reservation``: admission; ``grant``: key limits; ``run``: the engine work; ``priority``: the engine priority of
     its requests (``inference.admission.engine_priority``: the key's tier, then the request's own ``priority``)."""
 
     recorder: UsageRecorder
     priority: int = 0
-    reservation: Any = None
-    grant: Any = None
-    run: Any = None
+    reservation: Reservation | None = None
+    grant: LimitGrant | None = None
+    run: Run | None = None
+
+    @property
+    def admitted(self) -> Reservation:
+        """The admission reservation (taken by ``flow.hold_before_render``); ``RuntimeError`` before it was taken,
+        a step called out of order."""
+        if self.reservation is None:
+            raise RuntimeError("no admission reservation yet: hold_before_render comes first")
+        return self.reservation
 
     @property
     def holds_nothing(self) -> bool:
@@ -52,11 +72,9 @@ class RequestScope:
             self.recorder.run = run
         await self.recorder.emit()
         if run is not None:
-            close = getattr(run, "close", None)
-            if close is not None:
-                await close()
+            await run.close()
         await admission.release(self.reservation)
-        used = (run.prompt_tokens + run.completion_tokens) if billed else 0
+        used = (run.prompt_tokens + run.completion_tokens) if run is not None and billed else 0
         await limits.settle(self.grant, used)
 
     @property
@@ -73,7 +91,7 @@ _background_tasks: set[asyncio.Task[None]] = set()
 _ENGINE_FAILURES = frozenset({ErrorCode.ENGINE_ERROR, ErrorCode.ENGINE_UNAVAILABLE})
 
 
-def _background(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+def _background(coro: Coroutine[object, object, None]) -> asyncio.Task[None]:
     """Run ``coro`` on the loop on a task of its own (a reference is kept until it ends); the task."""
     task = asyncio.get_running_loop().create_task(coro)
     _background_tasks.add(task)
@@ -97,7 +115,7 @@ def record_refusal(endpoint: str) -> Callable[[AuthContext, ApiError, str], None
 
 @asynccontextmanager
 async def request_scope(endpoint: str, request_id: str, arrival: float, ctx: AuthContext, model_name: str | None,
-                        n: int, grant: Any = None) -> AsyncIterator[RequestScope]:
+                        n: int, grant: LimitGrant | None = None) -> AsyncIterator[RequestScope]:
     """Run one request's work inside; on exit (success, ``ApiError``, client disconnect) release what it holds
     (``RequestScope.release``), once.
 
@@ -110,9 +128,8 @@ async def request_scope(endpoint: str, request_id: str, arrival: float, ctx: Aut
     scope = RequestScope(UsageRecorder(endpoint, request_id, arrival, ctx, model_name, n=n), grant=grant)
     try:
         yield scope
-        choices = getattr(scope.run, "choices", None)
-        if choices and scope.recorder.finish_reason is None:
-            scope.recorder.finish_reason = choices[0].finish_reason
+        if scope.run is not None and scope.recorder.finish_reason is None:
+            scope.recorder.finish_reason = scope.run.finish_reason
     except ApiError as err:
         scope.recorder.status_code = err.status
         if err.code in _ENGINE_FAILURES:  # an outage, not a capacity refusal: the usage rollups count an error

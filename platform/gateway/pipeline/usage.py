@@ -7,23 +7,50 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import NotRequired, Protocol, TypedDict
 
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
 from gateway.pipeline.clients import redis, retry_later
 from inference.protocol.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
+from tenancy.selectors import AuthContext
 from usage.events import usage_event_emit
 
 log = logging.getLogger(__name__)
 
 
+class Usage(TypedDict):
+    """OpenAI's ``usage`` object."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: NotRequired[dict[str, int]]
+    completion_tokens_details: NotRequired[dict[str, int]]
+
+
+class RunUsage(Protocol):
+    """What a usage record reads of a request's engine work (a ``GenerationRun``, an embeddings run): its token
+    counts and, as Unix times, its first token and its end (``None``: not yet)."""
+
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def completion_tokens(self) -> int: ...
+    @property
+    def num_cached_tokens(self) -> int: ...
+    @property
+    def first_token_time(self) -> float | None: ...
+    @property
+    def finished_time(self) -> float | None: ...
+
+
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
-               reasoning_tokens: int | None = None) -> dict[str, Any]:
+               reasoning_tokens: int | None = None) -> Usage:
     """OpenAI ``usage`` object (``prompt_tokens_details.cached_tokens`` only when some were cached;
     ``completion_tokens_details.reasoning_tokens`` only when a reasoning parser ran, as vLLM)."""
-    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-             "total_tokens": prompt_tokens + completion_tokens}
+    usage: Usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens:
         usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
     if reasoning_tokens is not None:
@@ -42,28 +69,28 @@ def public_finish_reason(reason: str | None) -> str | None:
 class UsageRecorder:
     """Collects one request's usage and emits it exactly once (``emit`` is idempotent).
 
-    ``run``: anything with ``prompt_tokens``, ``completion_tokens``, ``num_cached_tokens``, ``first_token_time``
-    and ``finished_time`` (a ``GenerationRun``, an embeddings run); ``None``: nothing ran (0 tokens).
+    ``ctx``: the caller (``None``: not authenticated, nothing is recorded); ``run``: the request's engine work
+    (``RunUsage``); ``None``: nothing ran (0 tokens).
     """
 
     endpoint: str
     request_id: str
     arrival_time: float
-    ctx: Any = None
+    ctx: AuthContext | None = None
     model: str | None = None
     status_code: int = 200
     finish_reason: str | None = None
-    run: Any = None
+    run: RunUsage | None = None
     n: int = 1
     _emitted: bool = False
 
-    def event(self, now: float) -> dict[str, Any]:
-        """The usage event (``usage.events`` schema)."""
+    def event(self, ctx: AuthContext, now: float) -> dict[str, object]:
+        """The usage event of ``ctx``'s request (``usage.events`` schema)."""
         run = self.run
         return {
             "request_id": self.request_id,
-            "tenant_id": self.ctx.tenant_id,
-            "api_key_id": self.ctx.key_id,
+            "tenant_id": ctx.tenant_id,
+            "api_key_id": ctx.key_id,
             "served_model_name": self.model or "",
             "endpoint": self.endpoint,
             "prompt_tokens": run.prompt_tokens if run else 0,
@@ -85,7 +112,7 @@ class UsageRecorder:
         if self._emitted or self.ctx is None:
             return
         self._emitted = True
-        event = self.event(time.time())
+        event = self.event(self.ctx, time.time())
         try:
             await asyncio.shield(usage_event_emit(redis(), event))
         except (RedisConnectionError, RedisTimeoutError, OSError):
