@@ -290,13 +290,13 @@ DUPLICATES_ALLOWED: dict[tuple[str, str], str] = {
 def _without_imports_and_signatures(source: str) -> str:
     """``source`` with every import statement and every function signature (``def`` line to the line before its
     body) turned into empty comment lines, the line numbers kept."""
-    blank: set[int] = set()
+    skipped: set[int] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            blank.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+            skipped.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            blank.update(range(node.lineno, node.body[0].lineno))
-    return "".join("#\n" if n in blank else line for n, line in enumerate(source.splitlines(keepends=True), 1))
+            skipped.update(range(node.lineno, node.body[0].lineno))
+    return "".join("#\n" if n in skipped else line for n, line in enumerate(source.splitlines(keepends=True), 1))
 
 
 def _duplicate_pairs() -> dict[tuple[str, str], list[str]]:
