@@ -16,7 +16,7 @@ call as two deltas: ``{index, id, type, function: {name, arguments: ""}}``, then
 {arguments}}``.
 
 It runs on the api's event loop for every delta of every choice: each ``push`` is O(len(text)) (the parsers are
-linear, ``inference.markers``; the message's texts are kept as lists of parts, joined once when read), and the
+linear, ``inference.markers``; the message's texts are ``TextBuffer`` s, joined once when read), and the
 leading whitespace held before calls is bounded by ``inference.markers.MAX_HELD_CHARS``: past it, it is released
 as content (then kept even when calls follow).
 """
@@ -27,7 +27,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference.markers import MAX_HELD_CHARS, joined_parts
+from inference.markers import MAX_HELD_CHARS, TextBuffer
 from inference.protocol.engine import FINISH_STOP
 from inference.reasoning import REASONING_PARSERS, ReasoningParser, default_reasoning_parser, get_reasoning_parser
 from inference.reasoning.base import TokenizerLike
@@ -118,22 +118,21 @@ class ChatOutputParser:
         self.named_tool = named_tool
         self.max_held_chars = MAX_HELD_CHARS if max_held_chars is None else max_held_chars
         self.calls: list[ToolCallOut] = []
-        self._reasoning_parts: list[str] = []
-        self._content_parts: list[str] = []
+        self._reasoning = TextBuffer()
+        self._content = TextBuffer()
         self._content_started = tools is None  # without tools, content flows as it comes
-        self._held_ws: list[str] = []
-        self._held_ws_len = 0
+        self._held_ws = TextBuffer()
         self.finished = False
 
     @property
     def reasoning_text(self) -> str:
         """The reasoning text so far (joined on read: O(its length); read it at the end, not per delta)."""
-        return joined_parts(self._reasoning_parts)
+        return self._reasoning.text()
 
     @property
     def content_text(self) -> str:
         """The content text so far (joined on read: O(its length); read it at the end, not per delta)."""
-        return joined_parts(self._content_parts)
+        return self._content.text()
 
     def push(self, text: str) -> ChatDelta:
         """Feed the choice's next text delta."""
@@ -151,15 +150,13 @@ class ChatOutputParser:
         return self._merge(rd.reasoning, self._answer(rd.content, final=True))
 
     def _merge(self, reasoning: str, delta: ChatDelta) -> ChatDelta:
-        if reasoning:
-            self._reasoning_parts.append(reasoning)
+        self._reasoning.append(reasoning)
         delta.reasoning = reasoning
         return delta
 
     def _answer(self, text: str, *, final: bool) -> ChatDelta:
         if self.tools is None:
-            if text:
-                self._content_parts.append(text)
+            self._content.append(text)
             return ChatDelta(content=text)
         td = self.tools.push(text) if text else None
         content = td.content if td else ""
@@ -182,18 +179,16 @@ class ChatOutputParser:
         held past ``max_held_chars`` is released (content starts there)."""
         if not self._content_started:
             if content and not content.isspace():
-                content, self._content_started = "".join(self._held_ws) + content, True
-                self._held_ws, self._held_ws_len = [], 0
+                content, self._content_started = self._held_ws.text() + content, True
+                self._held_ws = TextBuffer()
             else:
                 self._held_ws.append(content)
-                self._held_ws_len += len(content)
                 content = ""
-                over = self._held_ws_len > self.max_held_chars
+                over = len(self._held_ws) > self.max_held_chars
                 if over or (final and not calls):
-                    content, self._content_started = "".join(self._held_ws), over
-                    self._held_ws, self._held_ws_len = [], 0
-        if content:
-            self._content_parts.append(content)
+                    content, self._content_started = self._held_ws.text(), over
+                    self._held_ws = TextBuffer()
+        self._content.append(content)
         return content
 
     def finish_reason(self, engine_reason: str | None) -> str | None:

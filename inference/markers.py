@@ -8,7 +8,7 @@ The parsers run on the api's event loop, once per text delta of every choice, so
 a delta's work is proportional to the delta plus a bounded look-back (the longest marker), never a rescan of
 the text so far. What a parser holds back undecided is bounded by ``MAX_HELD_CHARS`` (the
 ``OUTPUT_PARSER_MAX_HELD_CHARS`` setting, ``inference.config``); each parser's docstring says what it does past
-the bound. A text that grows with the output is kept as a list of parts (``joined_parts``).
+the bound. A text that grows with the output is a ``TextBuffer``.
 """
 
 from __future__ import annotations
@@ -26,13 +26,45 @@ if MAX_HELD_CHARS < 1:
     raise ValueError(f"OUTPUT_PARSER_MAX_HELD_CHARS must be at least 1, got {MAX_HELD_CHARS}")
 
 
-def joined_parts(parts: list[str]) -> str:
-    """``"".join(parts)``, left in ``parts`` as its one element so that the next read costs nothing more. A growing
-    text kept as parts costs O(its length) to build, where ``self.text += delta`` copies the whole text at every
-    delta (O(length²): CPython extends a string in place only when it is a local variable)."""
-    if len(parts) > 1:
-        parts[:] = ["".join(parts)]
-    return parts[0] if parts else ""
+class TextBuffer:
+    """A text that grows by appends, in O(total length): ``self.text += delta`` on an attribute copies everything
+    so far at every delta (O(length²): CPython extends a string in place only when it is a local variable).
+
+    Pieces are joined ``BATCH`` at a time into chunks as they come, so a long text is a list of chunks of a few
+    hundred characters or more, not one string object (about 50 bytes of overhead) per delta; every character is
+    copied at most twice (into its chunk, then by ``text()``). ``text()`` joins once and keeps the result, so a
+    second read costs nothing until more is appended. ``len()`` is the length in characters.
+    """
+
+    BATCH = 256
+    __slots__ = ("_chunks", "_recent", "_len")
+
+    def __init__(self, text: str = "") -> None:
+        self._chunks: list[str] = [text] if text else []
+        self._recent: list[str] = []
+        self._len = len(text)
+
+    def append(self, piece: str) -> None:
+        """Add ``piece`` at the end (amortized O(len(piece)))."""
+        if not piece:
+            return
+        self._recent.append(piece)
+        self._len += len(piece)
+        if len(self._recent) >= self.BATCH:
+            self._chunks.append("".join(self._recent))
+            self._recent.clear()
+
+    def text(self) -> str:
+        """The whole text (O(its length) the first time after an append, then free)."""
+        if self._recent:
+            self._chunks.append("".join(self._recent))
+            self._recent.clear()
+        if len(self._chunks) > 1:
+            self._chunks[:] = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def __len__(self) -> int:
+        return self._len
 
 
 def partial_marker_len(text: str, marker: str, start: int = 0) -> int:

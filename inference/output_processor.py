@@ -15,8 +15,8 @@ Importable without Django and torch. Two pieces, used per request (per choice) i
   ``include_stop_str_in_output``).
 
 Both give the same total output whether tokens are pushed one by one or all at once. Both run on the api's event
-loop per engine output of every choice, so they are linear in the output: the texts they keep are lists of
-parts joined once when read (``output_text``, ``ChoiceState.text``), never copied per delta.
+loop per engine output of every choice, so they are linear in the output: the texts they keep
+(``output_text``, ``ChoiceState.text``) are ``TextBuffer`` s, joined once when read, never copied per delta.
 
 On top of them, the per-request output state (vLLM's ``vllm/v1/engine/output_processor.py`` shape):
 
@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from inference.markers import joined_parts
+from inference.markers import TextBuffer
 from inference.protocol.engine import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, EngineCoreOutput
 from inference.renderer.tokenizer_cache import LoadedTokenizer
 
@@ -68,12 +68,12 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self.output_token_ids: list[int] = []
-        self._text_parts: list[str] = []
+        self._text = TextBuffer()
 
     @property
     def output_text(self) -> str:
         """Everything returned so far (joined on read: O(its length), then cached until more text comes)."""
-        return joined_parts(self._text_parts)
+        return self._text.text()
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode_unchecked(ids, skip_special_tokens=self.skip_special_tokens)
@@ -104,8 +104,7 @@ class IncrementalDetokenizer:
         self.tokenizer.check_ids(ids)
         self.output_token_ids.extend(ids)
         out = "".join(self._step(t) for t in ids)
-        if out:
-            self._text_parts.append(out)
+        self._text.append(out)
         return out
 
     def flush(self) -> str:
@@ -114,8 +113,7 @@ class IncrementalDetokenizer:
         new_text = self._decode(self._ids[self._prefix_offset :])
         out = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
         self._prefix_offset = self._read_offset = len(self._ids)
-        if out:
-            self._text_parts.append(out)
+        self._text.append(out)
         return out
 
 
@@ -262,13 +260,13 @@ class StopChecker:
 @dataclass
 class ChoiceState:
     """Output state of one choice (one engine child request). ``text`` (the choice's text after stop strings) is
-    kept in ``text_parts``; ``add_text`` appends, reading ``text`` joins them once."""
+    kept in ``text_buffer``; ``add_text`` appends, reading ``text`` joins it once."""
 
     index: int
     request_id: str
     detok: IncrementalDetokenizer
     stops: StopChecker
-    text_parts: list[str] = field(default_factory=list)
+    text_buffer: TextBuffer = field(default_factory=TextBuffer)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
     # the engine's prompt logprob entries (``EngineCoreOutput.prompt_logprobs``), when the request asked
@@ -288,12 +286,11 @@ class ChoiceState:
     @property
     def text(self) -> str:
         """The choice's text so far (joined on read: O(its length), then cached until more text comes)."""
-        return joined_parts(self.text_parts)
+        return self.text_buffer.text()
 
     def add_text(self, text: str) -> None:
-        """Append ``text`` to the choice's text (O(1): no copy of what came before)."""
-        if text:
-            self.text_parts.append(text)
+        """Append ``text`` to the choice's text (no copy of what came before)."""
+        self.text_buffer.append(text)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
-from inference.markers import MAX_HELD_CHARS, split_at_marker
+from inference.markers import MAX_HELD_CHARS, TextBuffer, split_at_marker
 from inference.reasoning.base import ReasoningDelta, ReasoningParser, TokenizerLike, register_reasoning_parser
 
 _START, _REASONING, _CONTENT = "start", "reasoning", "content"
@@ -68,8 +68,7 @@ class ThinkTagReasoningParser(ReasoningParser):
         # _START: the text after the leading whitespace (a proper prefix of start_marker); _REASONING: a possible
         # start of end_marker
         self._pending = ""
-        self._ws: list[str] = []  # _START: the leading whitespace, in parts
-        self._ws_len = 0
+        self._ws = TextBuffer()  # _START: the leading whitespace
         self._had_reasoning = False  # the output entered the think block
 
     def _prompt_state(self) -> str:
@@ -124,17 +123,15 @@ class ThinkTagReasoningParser(ReasoningParser):
         if not self._pending:
             m = _NON_WS.search(text)
             ws = text if m is None else text[:m.start()]
-            if ws:
-                self._ws.append(ws)
-                self._ws_len += len(ws)
-            if self._ws_len > self.max_held_chars:
+            self._ws.append(ws)
+            if len(self._ws) > self.max_held_chars:
                 return self._fallback_start(text[len(ws):])
             if m is None:
                 return None
             text = text[len(ws):]
         body = self._pending + text
         if body.startswith(self.start_marker):
-            self._pending, self._ws, self._ws_len = "", [], 0
+            self._pending, self._ws = "", TextBuffer()
             self._mode, self._had_reasoning = _REASONING, True
             return body[len(self.start_marker):]
         if self.start_marker.startswith(body):
@@ -145,8 +142,8 @@ class ThinkTagReasoningParser(ReasoningParser):
 
     def _fallback_start(self, rest: str) -> str:
         """No start marker: the fallback mode; returns the held whitespace and ``rest``, to read in it."""
-        held = "".join(self._ws) + rest
-        self._ws, self._ws_len = [], 0
+        held = self._ws.text() + rest
+        self._ws = TextBuffer()
         self._mode = self._fallback
         self._had_reasoning = self._mode == _REASONING
         return held

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from inference.markers import TextBuffer
 from inference.protocol.openai import RequestValidationError
 from inference.structured import Constraint
 from inference.tool_parsers.base import ParsedToolCall, ToolParseDelta, ToolParser, call_from_obj
@@ -59,17 +60,17 @@ def tool_choice_schema(tools: list[Any], tool_choice: Any, parallel_tool_calls: 
 class _WholeOutputParser(ToolParser):
     """A forced choice's parser: the output is one JSON value, read whole at the end (``calls_of``); a value that
     does not parse, or is not what the choice forces (cut short by ``max_tokens``), is content as written. The
-    text is kept as a list of parts, joined once at ``flush`` (O(output) in all, not a copy per delta)."""
+    text is kept in a ``TextBuffer``, joined once at ``flush`` (O(output) in all, not a copy per delta)."""
 
     def __init__(self) -> None:
-        self._parts: list[str] = []
+        self._text = TextBuffer()
 
     def push(self, text: str) -> ToolParseDelta:
-        self._parts.append(text)
+        self._text.append(text)
         return ToolParseDelta()
 
     def flush(self) -> ToolParseDelta:
-        text, self._parts = "".join(self._parts), []
+        text, self._text = self._text.text(), TextBuffer()
         try:
             value = json.loads(text)
         except ValueError:

@@ -14,14 +14,14 @@ bound, the parser releases the block as content and streams the rest of it, up t
 ``</tool_call>``, as content as it comes (then reads calls again). So it holds at most ``max_held_chars`` plus
 the two markers' lengths, and the result still does not depend on the chunking.
 
-Cost: each ``push`` is O(len(text)) plus a look-back of one marker length (the block's body is kept as a list
-of parts and searched only where the delta may complete ``</tool_call>``); a closed block is joined and parsed
-once.
+Cost: each ``push`` is O(len(text)) plus a look-back of one marker length (the block's body is kept in a
+``TextBuffer`` and searched only where the delta may complete ``</tool_call>``); a closed block is joined and
+parsed once.
 """
 
 from __future__ import annotations
 
-from inference.markers import MAX_HELD_CHARS, partial_marker_len
+from inference.markers import MAX_HELD_CHARS, TextBuffer, partial_marker_len
 from inference.tool_parsers.base import (ParsedToolCall, ToolParseDelta, ToolParser, call_from_json,
                                          register_tool_parser)
 
@@ -44,8 +44,7 @@ class HermesToolParser(ToolParser):
         self.max_held_chars = MAX_HELD_CHARS if max_held_chars is None else max_held_chars
         self._mode = _OUT
         self._pending = ""  # _OUT: a possible start of the open marker (shorter than it)
-        self._body: list[str] = []  # _IN: the open block's body so far, in parts
-        self._body_len = 0
+        self._body = TextBuffer()  # _IN: the open block's body so far
         self._tail = ""  # _IN, _RELEASED: the block's last characters, fewer than the close marker (look-back)
 
     def push(self, text: str) -> ToolParseDelta:
@@ -90,21 +89,22 @@ class HermesToolParser(ToolParser):
                 content.append(seg)
             else:
                 self._body.append(seg)
-                self._body_len += len(seg)
-                if self._body_len >= self.max_held_chars + len(close):
+                if len(self._body) >= self.max_held_chars + len(close):
                     # any close marker now starts past the bound: the block is content
-                    content.append(self.open_marker)
-                    content.extend(self._body)
-                    self._body, self._body_len, self._mode = [], 0, _RELEASED
+                    content.extend((self.open_marker, self._body.text()))
+                    self._body, self._mode = TextBuffer(), _RELEASED
             return len(text)
         after = pos + rel + len(close)
         if self._mode == _RELEASED:
             content.append(text[pos:after])
         else:
-            body_len = self._body_len + rel
-            body = "".join(self._body + [text[pos:pos + rel]]) if rel >= 0 else "".join(self._body)[:body_len]
+            if rel >= 0:
+                self._body.append(text[pos:pos + rel])
+                body = self._body.text()
+            else:  # the marker started in the tail
+                body = self._body.text()[:len(self._body) + rel]
             self._block(body, True, content, calls)
-        self._body, self._body_len, self._tail, self._mode = [], 0, "", _OUT
+        self._body, self._tail, self._mode = TextBuffer(), "", _OUT
         return after
 
     def _block(self, body: str, closed: bool, content: list[str], calls: list[ParsedToolCall]) -> None:
@@ -119,6 +119,6 @@ class HermesToolParser(ToolParser):
         content: list[str] = [self._pending]
         calls: list[ParsedToolCall] = []
         if self._mode == _IN:
-            self._block("".join(self._body), False, content, calls)
-        self._pending, self._body, self._body_len, self._tail, self._mode = "", [], 0, "", _OUT
+            self._block(self._body.text(), False, content, calls)
+        self._pending, self._body, self._tail, self._mode = "", TextBuffer(), "", _OUT
         return ToolParseDelta("".join(content), calls)

@@ -16,7 +16,7 @@ the answer, into content, as an object that is not a call does (so an object lon
 The result does not depend on the chunking.
 
 Cost: each ``push`` is O(len(text)): the scanner jumps between the characters that matter (quotes, escapes,
-brackets) with regular expressions, the held text is a list of parts, and a closed object is joined and parsed
+brackets) with regular expressions, the held text is a ``TextBuffer``, and a closed object is joined and parsed
 once.
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import re
 
-from inference.markers import MAX_HELD_CHARS
+from inference.markers import MAX_HELD_CHARS, TextBuffer
 from inference.tool_parsers.base import ParsedToolCall, ToolParseDelta, ToolParser, call_from_obj, register_tool_parser
 
 PYTHON_TAG = "<|python_tag|>"
@@ -54,8 +54,7 @@ class Llama3JsonToolParser(ToolParser):
     def __init__(self, *, max_held_chars: int | None = None) -> None:
         self.max_held_chars = MAX_HELD_CHARS if max_held_chars is None else max_held_chars
         self._mode = _START
-        self._held: list[str] = []  # received text not yet emitted or consumed (the start, an object, a separator)
-        self._held_len = 0
+        self._held = TextBuffer()  # received text not yet emitted or consumed (the start, an object, a separator)
         self._tag_part = ""  # _START: the non-whitespace text so far, a proper prefix of the tag
         self._tag_seen = False
         self._depth = 0
@@ -64,13 +63,9 @@ class Llama3JsonToolParser(ToolParser):
         self._seen_sep = False
         self._obj_start = 0  # where the current object starts in the held text
 
-    def _hold(self, text: str) -> None:
-        self._held.append(text)
-        self._held_len += len(text)
-
     def _to_text(self, content: list[str]) -> None:
-        content.extend(self._held)
-        self._held, self._held_len, self._mode = [], 0, _TEXT
+        content.append(self._held.text())
+        self._held, self._mode = TextBuffer(), _TEXT
 
     def push(self, text: str) -> ToolParseDelta:
         content: list[str] = []
@@ -80,7 +75,7 @@ class Llama3JsonToolParser(ToolParser):
             if self._mode == _TEXT:
                 content.append(text[pos:])
                 break
-            room = self.max_held_chars - self._held_len
+            room = self.max_held_chars - len(self._held)
             if room <= 0:
                 self._to_text(content)  # the held text would grow past the bound
                 continue
@@ -100,16 +95,16 @@ class Llama3JsonToolParser(ToolParser):
             if not self._tag_part:
                 ws_end = _ws_end(text, pos, end)
                 if ws_end > pos:
-                    self._hold(text[pos:ws_end])
+                    self._held.append(text[pos:ws_end])
                     pos = ws_end
                     continue
                 if text[pos] == "{":
-                    self._obj_start = self._held_len
-                    self._hold("{")
+                    self._obj_start = len(self._held)
+                    self._held.append("{")
                     self._mode, self._depth = _OBJECT, 1
                     return pos + 1
             part = self._tag_part + text[pos]
-            self._hold(text[pos])
+            self._held.append(text[pos])
             pos += 1
             if part == PYTHON_TAG and not self._tag_seen:
                 self._tag_part, self._tag_seen = "", True
@@ -125,17 +120,17 @@ class Llama3JsonToolParser(ToolParser):
         while pos < end:
             ws_end = _ws_end(text, pos, end)
             if ws_end > pos:
-                self._hold(text[pos:ws_end])
+                self._held.append(text[pos:ws_end])
                 pos = ws_end
                 continue
             ch = text[pos]
             if ch == ";" and not self._seen_sep:
                 self._seen_sep = True
-                self._hold(ch)
+                self._held.append(ch)
                 pos += 1
                 continue
             if ch == "{":
-                self._held, self._held_len, self._obj_start = ["{"], 1, 0
+                self._held, self._obj_start = TextBuffer("{"), 0
                 self._mode, self._depth = _OBJECT, 1
                 return pos + 1
             self._to_text(content)
@@ -174,29 +169,28 @@ class Llama3JsonToolParser(ToolParser):
             else:
                 self._depth -= 1
                 if self._depth == 0:
-                    self._hold(text[start:pos])
+                    self._held.append(text[start:pos])
                     self._close_object(content, calls)
                     return pos
-        self._hold(text[start:pos])
+        self._held.append(text[start:pos])
         return pos
 
     def _close_object(self, content: list[str], calls: list[ParsedToolCall]) -> None:
-        raw = "".join(self._held)
+        raw = self._held.text()
         try:
             obj = json.loads(raw[self._obj_start:])
         except (ValueError, RecursionError):
             obj = None
         call = call_from_obj(obj, args_keys=("parameters", "arguments"), args_required=True)
         if call is None:
-            self._held = [raw]
             self._to_text(content)
             return
         calls.append(call)
-        self._held, self._held_len, self._mode, self._seen_sep = [], 0, _BETWEEN, False
+        self._held, self._mode, self._seen_sep = TextBuffer(), _BETWEEN, False
 
     def flush(self) -> ToolParseDelta:
         content: list[str] = []
         if self._mode == _BETWEEN:
-            self._held, self._held_len = [], 0  # whitespace and a ';' after the last call: markup
+            self._held = TextBuffer()  # whitespace and a ';' after the last call: markup
         self._to_text(content)
         return ToolParseDelta("".join(content))
