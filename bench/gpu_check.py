@@ -2,7 +2,7 @@
 
 1. Builds a random-weights model of a real size locally (Qwen3-0.6B's config, no hub; ``--small``: the demo
    model's 2-layer config) with the Qwen3 tokenizer files from ``.cache/tokenizers/qwen3`` when present.
-2. Our engine, in this process (``EngineCore.step`` on a ``ModelRunner``, no Redis needed): for 1, 16 and 64
+2. Our engine, in this process (``Scheduler.step`` on a ``ModelRunner``, no Redis needed): for 1, 16 and 64
    concurrent streams (``--concurrency``), all sent at once, ``--new-tokens`` tokens each (greedy, EOS ignored):
    output tokens/s (first send to last token) and TTFT p50 (send to first token).
 3. vLLM's own OpenAI server from ``.peer/vllm`` (``bin/python -m vllm.entrypoints.openai.api_server``) on the same
@@ -65,29 +65,30 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 def ours(model_dir: Path, args, conc: int, seed: int) -> tuple[float, float]:
     """(output tokens/s, TTFT p50 s) of our engine for ``conc`` streams sent at once."""
-    from inference.engine.core import EngineCore
+    from inference.engine.core import replica_stats
+    from inference.engine.scheduler import Scheduler
     from inference.protocol.engine import EngineCoreRequest, SamplingParams
 
     runner = RUNNERS[0]
     runner.reset()
-    core = EngineCore("m", runner, "redis://127.0.0.1:1/0", max_num_seqs=max(conc, 1),
-                      max_num_batched_tokens=max(args.max_num_batched_tokens, conc))
+    core = Scheduler(runner, "bench", replica_stats("bench", "m", runner.device.type, max(conc, 1)),
+                     max_num_seqs=max(conc, 1), max_num_batched_tokens=max(args.max_num_batched_tokens, conc))
     t0 = time.perf_counter()
     for i, p in enumerate(prompts(conc, args.prompt_len, seed)):
         sp = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
-        core._accept_one(EngineCoreRequest(request_id=f"r{i}", external_req_id=f"r{i}", prompt_token_ids=p,
-                                           sampling_params=sp, client_id="c", arrival_time=time.time()))
+        core.accept([EngineCoreRequest(request_id=f"r{i}", external_req_id=f"r{i}", prompt_token_ids=p,
+                                       sampling_params=sp, client_id="c", arrival_time=time.time())])
     first: dict[str, float] = {}
     ntok = 0
-    while core.waiting or core.running or core.prefilling:
-        core.step()
+    while core.num_held:
+        parts = list(core.step())
         t = time.perf_counter() - t0
-        for outs in core._pending.values():
-            for o in outs:
-                ntok += len(o.new_token_ids)
-                if o.new_token_ids:
-                    first.setdefault(o.request_id, t)
-        core._pending = {}
+        for part in parts:
+            for outs in part.values():
+                for o in outs:
+                    ntok += len(o.new_token_ids)
+                    if o.new_token_ids:
+                        first.setdefault(o.request_id, t)
     return ntok / (time.perf_counter() - t0), statistics.median(first.values())
 
 

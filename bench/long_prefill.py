@@ -1,7 +1,7 @@
 """Benchmark: a long prompt joining 16 running decodes, with chunked prefill off ("before") and on ("after").
 
-The engine's scheduler and runner (``EngineCore.step``, ``ModelRunner``) run in this process on the demo model,
-without the Redis link (a step only computes and queues its outputs), so every step can be timed. Per mode:
+The engine's scheduler and runner (``Scheduler.step``, ``ModelRunner``) run in this process on the demo model,
+without the Redis link (a step only computes and returns its outputs), so every step can be timed. Per mode:
 
 1. 16 short prompts (20-35 tokens, greedy, ``ignore_eos``) decode; once all have their first token, ``--warm``
    steps are timed: the inter-token gap of the 16 before the join (median over streams and steps);
@@ -31,8 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from inference.engine.core import EngineCore
+from inference.engine.core import replica_stats
 from inference.engine.runner import ModelRunner, Sequence, make_rng
+from inference.engine.scheduler import Scheduler
 from inference.protocol.engine import EngineCoreRequest, SamplingParams
 
 
@@ -42,22 +43,29 @@ def request(rid: str, prompt: list[int], max_tokens: int) -> EngineCoreRequest:
                              client_id="bench", arrival_time=time.time())
 
 
-def step(core: EngineCore) -> tuple[float, set[str]]:
+def scheduler(runner: ModelRunner, args, max_num_seqs: int, chunked: bool) -> Scheduler:
+    return Scheduler(runner, "bench", replica_stats("bench", "m", runner.device.type, max_num_seqs),
+                     max_num_seqs=max_num_seqs, max_num_batched_tokens=args.budget, enable_chunked_prefill=chunked)
+
+
+def new_tokens(parts) -> list[str]:
+    """The request id of every new token in a step's output parts."""
+    return [o.request_id for part in parts for outs in part.values() for o in outs for _ in o.new_token_ids]
+
+
+def step(core: Scheduler) -> tuple[float, set[str]]:
     """One engine step: (its end time, request ids that got a token in it)."""
-    core.step()
+    parts = list(core.step())
     t = time.perf_counter()
-    got = {o.request_id for outs in core._pending.values() for o in outs if o.new_token_ids}
-    core._pending = {}
-    return t, got
+    return t, set(new_tokens(parts))
 
 
 def run_mode(runner: ModelRunner, args, chunked: bool, rng: random.Random) -> dict[str, float]:
     runner.reset()
-    core = EngineCore("m", runner, args.redis_url, max_num_seqs=max(32, args.streams + 1),
-                      max_num_batched_tokens=args.budget, enable_chunked_prefill=chunked)
+    core = scheduler(runner, args, max(32, args.streams + 1), chunked)
     shorts = [f"s{i}" for i in range(args.streams)]
     for rid in shorts:
-        core._accept_one(request(rid, [rng.randrange(150000) for _ in range(20 + rng.randrange(16))], 10_000))
+        core.accept([request(rid, [rng.randrange(150000) for _ in range(20 + rng.randrange(16))], 10_000)])
     last: dict[str, float] = {}
     while len(last) < len(shorts):
         t, got = step(core)
@@ -67,7 +75,7 @@ def run_mode(runner: ModelRunner, args, chunked: bool, rng: random.Random) -> di
         t, got = step(core)
         gaps += [t - last[r] for r in got if r in last]
         last.update({r: t for r in got})
-    core._accept_one(request("long", [rng.randrange(150000) for _ in range(args.long)], 1))
+    core.accept([request("long", [rng.randrange(150000) for _ in range(args.long)], 1)])
     stall, t_join, steps, join_gaps = 0.0, time.perf_counter(), 0, []
     while True:
         t, got = step(core)
@@ -79,19 +87,15 @@ def run_mode(runner: ModelRunner, args, chunked: bool, rng: random.Random) -> di
         if "long" in got:
             break
     t_long = time.perf_counter() - t_join
-    core._abort(set(shorts))
-    core._pending = {}
+    core.abort(set(shorts))
     # throughput at ``streams`` concurrent streams
     runner.reset()
-    core = EngineCore("m", runner, args.redis_url, max_num_seqs=max(32, args.streams),
-                      max_num_batched_tokens=args.budget, enable_chunked_prefill=chunked)
+    core = scheduler(runner, args, max(32, args.streams), chunked)
     for i in range(args.streams):
-        core._accept_one(request(f"t{i}", [rng.randrange(150000) for _ in range(20 + i)], args.new_tokens))
+        core.accept([request(f"t{i}", [rng.randrange(150000) for _ in range(20 + i)], args.new_tokens)])
     t0, ntok = time.perf_counter(), 0
-    while core.waiting or core.running or core.prefilling:
-        core.step()
-        ntok += sum(len(o.new_token_ids) for outs in core._pending.values() for o in outs)
-        core._pending = {}
+    while core.num_held:
+        ntok += len(new_tokens(core.step()))
     tps = ntok / (time.perf_counter() - t0)
     return {"gap": statistics.median(gaps), "stall": stall, "stall_p50": statistics.median(join_gaps),
             "ttft_long": t_long, "steps": steps, "tps": tps}
@@ -119,8 +123,6 @@ def chunk_time(runner: ModelRunner, args, rng: random.Random) -> list[float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-dir", default=str(ROOT / ".cache/models/tiny-qwen3"))
-    ap.add_argument("--redis-url", default=os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/3"),
-                    help="only for the core's constructor: no traffic")
     ap.add_argument("--long", type=int, default=4000)
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")

@@ -171,13 +171,13 @@ PROJECT_PACKAGES = set(PACKAGES)
 # (file, function, imported module): the documented exceptions, each with a comment at the import saying why.
 FUNCTION_IMPORTS_ALLOWED = {
     # torch and the model code load after the engine's arguments parse
-    ("inference/engine/__main__.py", "main", ".core"),
-    ("inference/engine/__main__.py", "main", ".runner"),
-    ("inference/engine/__main__.py", "main", ".pooling"),
-    ("inference/engine/__main__.py", "main", ".vl_runner"),
+    ("inference/engine/__main__.py", "_scheduler", ".runner"),
+    ("inference/engine/__main__.py", "_scheduler", ".pooling"),
+    ("inference/engine/__main__.py", "_scheduler", ".scheduler"),
+    ("inference/engine/__main__.py", "_scheduler", ".vl_runner"),
     # vLLM reads its environment (VLLM_CPU_KVCACHE_SPACE, ...) when imported: loaded after main() sets it
-    ("inference/engine/vllm_backend/__main__.py", "main", "..core"),
-    ("inference/engine/vllm_backend/__main__.py", "main", ".core"),
+    ("inference/engine/vllm_backend/__main__.py", "main", ".runner"),
+    ("inference/engine/vllm_backend/__main__.py", "main", ".scheduler"),
     # models cannot be imported before the app registry is ready; Celery is optional for management commands
     ("platform/admission/apps.py", "ready", ".models"),
     ("platform/admission/apps.py", "ready", ".services"),

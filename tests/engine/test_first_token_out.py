@@ -1,8 +1,9 @@
-"""A newcomer's first token goes out before the running batch's decode forward (``EngineCore.step``).
+"""A newcomer's first token goes out before the running batch's decode forward (``Scheduler.step``).
 
-A step prefills first, hands the first tokens out (the loop's flush), then decodes the sequences that were running
-when it began; the running sequences' tokens still go out at the step's end. Without that order a request arriving
-while others decode waited one decode forward of all of them for its first token (issue 19's 16-stream TTFT).
+A step prefills first, hands the first tokens out (its first part of outputs, which the core loop flushes before it
+resumes the step), then decodes the sequences that were running when it began; the running sequences' tokens still go
+out at the step's end. Without that order a request arriving while others decode waited one decode forward of all of
+them for its first token (issue 19's 16-stream TTFT).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import time
 
 import pytest
 
-from inference.engine.core import EngineCore
 from inference.engine.runner import ModelRunner
 from inference.protocol.engine import EngineCoreRequest, SamplingParams
+from tests.engine.in_process import native_scheduler, tokens_of
 
 
 @pytest.fixture(scope="module")
@@ -28,39 +29,23 @@ def _req(rid: str, prompt: list[int], max_tokens: int) -> EngineCoreRequest:
                              client_id="c", arrival_time=0.0)
 
 
-def _taken(core: EngineCore) -> dict[str, int]:
-    """New tokens per request queued since the last call (and forget them)."""
-    got: dict[str, int] = {}
-    for outs in core._pending.values():
-        for o in outs:
-            if o.new_token_ids:
-                got[o.request_id] = got.get(o.request_id, 0) + len(o.new_token_ids)
-    core._pending = {}
-    return got
-
-
-def test_step_hands_out_first_tokens_before_decoding_the_running_batch(runner, redis_url):
+def test_step_hands_out_first_tokens_before_decoding_the_running_batch(runner):
     runner.reset()
-    core = EngineCore("m", runner, redis_url, max_num_seqs=8, max_num_batched_tokens=256)
+    sched = native_scheduler(runner, max_num_seqs=8, max_num_batched_tokens=256)
     rng = random.Random(5)
-    calls: list[dict[str, int]] = []
-    for i in range(3):
-        core._accept_one(_req(f"run{i}", [rng.randrange(150000) for _ in range(20 + i)], 50))
-    _taken(core)  # acceptance outputs
+    sched.accept([_req(f"run{i}", [rng.randrange(150000) for _ in range(20 + i)], 50) for i in range(3)])
 
-    # nothing runs yet: the prefill's first tokens and the step's end are the same moment, no hand-out between
-    core.step(first_tokens_out=lambda: calls.append(_taken(core)))
-    assert calls == [] and _taken(core) == {"run0": 1, "run1": 1, "run2": 1}
+    # nothing runs yet: the prefill's first tokens and the step's end are the same moment, one part
+    assert [tokens_of(p) for p in sched.step()] == [{"run0": 1, "run1": 1, "run2": 1}]
 
-    core._accept_one(_req("new", [rng.randrange(150000) for _ in range(30)], 5))
-    _taken(core)
-    core.step(first_tokens_out=lambda: calls.append(_taken(core)))
-    # handed out once, holding the newcomer's first token and nothing of the running batch, not yet decoded
-    assert calls == [{"new": 1}]
+    sched.accept([_req("new", [rng.randrange(150000) for _ in range(30)], 5)])
+    steps = sched.step()
+    # handed out first, holding the newcomer's first token and nothing of the running batch, not yet decoded
+    assert tokens_of(next(steps)) == {"new": 1}
+    assert [s.num_computed for s in sched.running if s.request_id != "new"] == [20, 21, 22]
     # then the running batch decoded, at the step's end; the newcomer decodes from the next step on
-    assert _taken(core) == {"run0": 1, "run1": 1, "run2": 1}
-    core.step(first_tokens_out=lambda: calls.append(_taken(core)))
-    assert len(calls) == 1 and _taken(core) == {"run0": 1, "run1": 1, "run2": 1, "new": 1}
+    assert [tokens_of(p) for p in steps] == [{"run0": 1, "run1": 1, "run2": 1}]
+    assert [tokens_of(p) for p in sched.step()] == [{"run0": 1, "run1": 1, "run2": 1, "new": 1}]
 
 
 @pytest.mark.native_only("vLLM runs prefills and decodes in one forward")

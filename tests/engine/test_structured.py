@@ -8,7 +8,6 @@ import json
 import random
 import re
 import time
-import uuid
 
 import jsonschema
 import llguidance
@@ -18,8 +17,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from inference.engine.core import EngineCore
+from inference.engine.core import replica_stats
 from inference.engine.runner import ModelRunner
+from inference.engine.scheduler import Scheduler
 from inference.engine.structured import GrammarCompiler, GrammarMasker, SequenceGrammar
 from inference.protocol.engine import (
     FINISH_ERROR,
@@ -211,8 +211,8 @@ def test_mask_matches_the_reference_on_mixed_batches(compiler, width):
     assert seen["complete"] and seen["accepting"]  # both fix-ups were exercised
 
 
-class _CheckedCore(EngineCore):
-    """The engine's own step loop, checking at each sampling that the mask computed while the forward ran is the
+class _CheckedScheduler(Scheduler):
+    """The engine's own scheduler, checking at each sampling that the mask computed while the forward ran is the
     mask of the matchers' state at that moment."""
 
     checked = 0
@@ -230,34 +230,33 @@ class _CheckedCore(EngineCore):
         super()._apply(seqs, logits, ahead)
 
 
-def test_engine_step_masks_for_the_state_it_samples(model_dir, redis_url, tok):
+def test_engine_step_masks_for_the_state_it_samples(model_dir, tok):
     """In-process engine steps (prefill and decode, constrained rows among unconstrained ones, a constraint that
     starts after a token): the mask built ahead, during the forward, is the one of the state sampled from, and
     every output is valid."""
-    core = _CheckedCore("m", ModelRunner(str(model_dir), max_model_len=512), redis_url,
-                        link_prefix=f"t{uuid.uuid4().hex[:8]}", max_num_seqs=8)
+    runner = ModelRunner(str(model_dir), max_model_len=512)
+    core = _CheckedScheduler(runner, "e", replica_stats("e", "m", "cpu", 8), max_num_seqs=8)
     spec = json.dumps(SCHEMA)
     kinds = [dict(structured_kind="json", structured_spec=spec), {},
              dict(structured_kind="regex", structured_spec="[a-c]{2,4}!"),
              dict(structured_kind="json", structured_spec=spec), {},
              dict(structured_kind="choice", structured_spec='["yes", "no"]', structured_after_token_ids=[151668],
                   logit_bias={151668: 100.0})]
+    outs = []
     for i, kw in enumerate(kinds):
         sp = SamplingParams(temperature=1.0, seed=i, max_tokens=100, eos_token_ids=EOS_IDS, **kw)
-        core._accept_one(EngineCoreRequest(request_id=f"r{i}", external_req_id=f"r{i}", prompt_token_ids=PROMPT,
-                                           sampling_params=sp, client_id="c", arrival_time=time.time()))
+        accepted = core.accept([EngineCoreRequest(request_id=f"r{i}", external_req_id=f"r{i}", prompt_token_ids=PROMPT,
+                                                  sampling_params=sp, client_id="c", arrival_time=time.time())])
+        outs += [o for o in accepted["c"] if o.finish_reason]  # a refusal
     try:
         for _ in range(400):
             if not core.running and not core.waiting:
                 break
-            core.step()
+            outs += [o for part in core.step() for o in part.get("c", []) if o.new_token_ids or o.finish_reason]
             if core.waiting and not core.running:
-                core._wait_for_grammars()
-        outs = [o for o in core._pending["c"] if o.new_token_ids or o.finish_reason]
+                core.wait_if_blocked()
     finally:
-        if core._masker is not None:
-            core._masker.shutdown()
-        core.grammars.shutdown()
+        core.shutdown()
     assert not core.running and not core.waiting
     ids = {f"r{i}": [t for o in outs if o.request_id == f"r{i}" for t in o.new_token_ids] for i in range(len(kinds))}
     fins = {o.request_id: o for o in outs if o.finish_reason}
@@ -267,7 +266,7 @@ def test_engine_step_masks_for_the_state_it_samples(model_dir, redis_url, tok):
         jsonschema.validate(json.loads(text_of(tok, ids[rid])), SCHEMA)
     assert re.fullmatch(r"[a-c]{2,4}!", text_of(tok, ids["r2"]))
     assert ids["r5"][0] == 151668 and text_of(tok, ids["r5"][1:]) in ("yes", "no")
-    assert _CheckedCore.checked > 20
+    assert _CheckedScheduler.checked > 20
 
 
 # ----------------------------------------------------------------------------- the engine process

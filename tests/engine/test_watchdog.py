@@ -4,8 +4,8 @@ never returns withdraws from the link and exits, instead of heart-beating on whi
 The wedge is a real one: vLLM's engine-core process is stopped (SIGSTOP), as a hung core or device would leave it,
 so the replica's ``LLMEngine.step`` waits on it for good while the replica's heartbeat thread runs on. The same
 replica first shows that a loop that idles longer than the bound, and one that serves a request, is not given up.
-The watchdog is the base ``EngineCore``'s, the same code on the native backend, whose shared test engine runs every
-engine test with a 30 s bound (``conftest.engine``)."""
+The watchdog is the replica link's (``ReplicaLink``), the same code on the native backend, whose shared test engine
+runs every engine test with a 30 s bound (``conftest.engine``)."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ def r():
 
 
 def beat(r, engine_id: str, pid: int, host: str = HOST) -> None:
-    """One heartbeat of replica ``engine_id`` (process ``pid`` on ``host``), as ``EngineCore`` writes it."""
+    """One heartbeat of replica ``engine_id`` (process ``pid`` on ``host``), as ``ReplicaLink`` writes it."""
     st = EngineStats(engine_id=engine_id, model=MODEL, pid=pid, device="cpu", max_num_seqs=8, host=host)
     r.set(replica_key(r.prefix, MODEL, engine_id), st.to_wire(), px=3000)
     r.zadd(replicas_index_key(r.prefix, MODEL), {engine_id: int(time.time() * 1000) + 3000})

@@ -18,6 +18,8 @@ import sys
 
 from inference.config import SETTINGS, set_engine_environ
 
+from ..core import EngineCore, install_signal_handlers, new_engine_id, replica_stats
+from ..replica_link import ReplicaLink
 from ..watchdog import EXIT_STEP_LOOP_WEDGED, STEP_WATCHDOG_S, watchdog_seconds
 
 
@@ -62,19 +64,22 @@ def main(argv: list[str] | None = None) -> int:
             env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(args.num_threads))
     set_engine_environ(env)
 
-    from ..core import install_signal_handlers
-    from .core import VllmEngineCore, VllmRunner
+    from .runner import VllmRunner
+    from .scheduler import VllmScheduler
 
     extra = {"gpu_memory_utilization": args.gpu_memory_utilization} if args.device == "cuda" else {}
     runner = VllmRunner(args.model_dir, tokenizer_dir=args.tokenizer_dir, device=args.device, dtype=args.dtype,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         enforce_eager=args.device == "cpu", **extra)
-    core = VllmEngineCore(args.model, runner, args.redis_url, link_prefix=args.link_prefix,
-                          engine_id=args.engine_id, max_num_seqs=args.max_num_seqs,
-                          step_watchdog_s=args.step_watchdog_s)
+    engine_id = args.engine_id or new_engine_id()
+    stats = replica_stats(engine_id, args.model, args.device, args.max_num_seqs)
+    # vLLM's prefix cache lives in its engine core: no block set to mirror for the router
+    link = ReplicaLink(args.model, args.redis_url, engine_id, link_prefix=args.link_prefix,
+                       step_watchdog_s=args.step_watchdog_s)
+    core = EngineCore(link, VllmScheduler(runner, engine_id, stats, max_num_seqs=args.max_num_seqs))
     install_signal_handlers(core)
     core.run()
-    # vLLM's engine-core process is stopped and every output is flushed; its client's background threads could
+    # vLLM's engine-core process is stopped (the scheduler's shutdown) and every output is flushed; its client's background threads could
     # still hold the interpreter at exit (seen: 15 s and more after SIGTERM), so the process leaves at once
     logging.shutdown()
     sys.stdout.flush()
