@@ -51,6 +51,7 @@ from inference.protocol.render import (
     RenderedText,
     RenderedTokens,
     RenderFailure,
+    RenderResult,
     TokenizeRenderRequest,
     Wire,
 )
@@ -153,14 +154,14 @@ _Request = TypeVar("_Request", ChatRenderRequest, TokenizeRenderRequest, Detoken
 
 
 def _structured(read: Callable[[object], _Request]) -> Callable[
-        [Callable[[_Request], RenderedTokens | RenderedText]], Callable[[Any], Wire]]:
+        [Callable[[_Request], RenderResult]], Callable[[Any], Wire]]:
     """A typed task body (request → result) as the task's wire body (argument → reply), which never raises: the
     template clock and the segment-cache tallies reset first, the argument read as a request (``read``: its
     ``from_wire``), the segment cache keyed with its ``cache_salt`` (``segment_cache.salt_scope``; none: unscoped),
     then the body's result on the wire (with its ``segment_cache`` tallies when the segment cache was used), or any
     failure (Ctrl-C and exit aside) as the ``RenderFailure`` of ``failure_of``."""
 
-    def wrap(body: Callable[[_Request], RenderedTokens | RenderedText]) -> Callable[[Any], Wire]:
+    def wrap(body: Callable[[_Request], RenderResult]) -> Callable[[Any], Wire]:
         @functools.wraps(body)
         def run(payload: Any) -> Wire:
             reset_template_seconds()

@@ -19,7 +19,7 @@ import binascii
 import io
 import re
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pybase64
 
@@ -43,10 +43,6 @@ class ImageError(ValueError):
         self.message = message
         self.param = param
         self.code = code
-
-    def to_dict(self) -> dict[str, Any]:
-        """``{"type": "ImageError", "message", "param", "code"}`` (Celery task results)."""
-        return {"type": "ImageError", "message": self.message, "param": self.param, "code": self.code}
 
 
 def parse_data_url(url: str, part: str, max_bytes: int) -> bytes:

@@ -315,10 +315,6 @@ class DetokenizeRenderRequest(RenderTask[RenderedText]):
         return RenderedText.from_wire(reply)
 
 
-RenderRequest = ChatRenderRequest | TokenizeRenderRequest | DetokenizeRenderRequest
-"""What the ``render`` queue takes."""
-
-
 @dataclass
 class ImageWorkItem:
     """One image of a chat for the ``mm`` worker: ``part`` names its message part (``messages[0].content[1]``);

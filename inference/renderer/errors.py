@@ -9,8 +9,6 @@ to 500 like vLLM does (``vllm/renderers/hf.py::_render_with_timeout`` raises ``T
 
 from __future__ import annotations
 
-from typing import Any
-
 
 class RenderError(ValueError):
     """Base class of every renderer error.
@@ -27,10 +25,6 @@ class RenderError(ValueError):
         super().__init__(message)
         self.message = message
         self.param = param if param is not None else self.default_param
-
-    def to_dict(self) -> dict[str, Any]:
-        """``{"type": <class name>, "message": str, "param": str | None}`` (the Celery task shape)."""
-        return {"type": type(self).__name__, "message": self.message, "param": self.param}
 
 
 class NoChatTemplateError(RenderError):
