@@ -12,8 +12,8 @@ loop. It owns:
   when the replica they were routed to died and no other took them over within ``RECLAIM_GRACE_S``, and refreshes
   this process's own liveness key so engines can drop requests of a dead api process.
 
-Routing (``ENGINE_ROUTING``, default ``prefix``): a generate request goes to the request stream of the replica
-``inference.router`` chooses from the prompt's prefix-cache block hashes and the replicas' load (this process's
+Routing (``ENGINE_ROUTING``, default ``prefix``; ``ReplicaRouter``, the link's ``router``): a generate request goes
+to the request stream of the replica ``inference.router`` chooses from the prompt's prefix-cache block hashes and the replicas' load (this process's
 own in-flight requests and the replicas' heartbeats and stream lengths); pooling (embeddings) requests, and
 every request with ``ENGINE_ROUTING=shared``, go to the model's shared stream, which any replica pulls from.
 
@@ -110,8 +110,111 @@ class _Load:
 
 
 @dataclass
+class ReplicaRouter:
+    """Which replica of a model gets a request, for one api process: the live replicas (their heartbeats, seen at
+    most ``REPLICA_CHECK_TTL_S`` ago), this process's own load on each (requests unfinished, prompt tokens without a
+    first token) and ``inference.router``'s choice over both. ``routing``: ``prefix`` (route generate requests by
+    prefix-cache hits and load) or ``shared`` (everything to the model's shared stream); ``request_cost_tokens``: the
+    router's weight of a request (None: from the replicas' measured throughputs)."""
+
+    redis: aioredis.Redis
+    prefix: str
+    routing: str = SETTINGS.engine_routing
+    request_cost_tokens: float | None = None
+    _replicas: dict[str, tuple[float, list[EngineStats]]] = field(default_factory=dict)  # model -> (seen at, live)
+    _load: dict[tuple[str, str], _Load] = field(default_factory=dict)  # (model, engine id) -> this process's load
+
+    async def live_replicas(self, model: str) -> list[EngineStats]:
+        """Heartbeats of the live replicas of ``model`` (empty list when none)."""
+        ids = await self.redis.zrangebyscore(replicas_index_key(self.prefix, model), int(time.time() * 1000), "+inf")
+        if not ids:
+            return []
+        values = await self.redis.mget(live_replica_keys(ids, self.prefix, model))
+        return [EngineStats.from_wire(cast(bytes, v)) for v in values if v]  # a bytes-mode pool
+
+    async def live(self, model: str) -> list[EngineStats]:
+        """The live replicas of ``model``, as seen at most ``REPLICA_CHECK_TTL_S`` ago (a replica the watchdog saw
+        die is dropped at once: ``forget``). Raises ``EngineUnavailableError`` when there is none."""
+        now = time.monotonic()
+        seen = self._replicas.get(model)
+        if seen is None or now - seen[0] > REPLICA_CHECK_TTL_S:
+            seen = (now, await self.live_replicas(model))
+            self._replicas[model] = seen
+        if not seen[1]:
+            self._replicas.pop(model, None)
+            raise EngineUnavailableError(f"No engine replica is serving model '{model}' right now")
+        return seen[1]
+
+    def forget(self, model: str) -> None:
+        """Ask Redis again for ``model``'s live replicas on the next ``live`` (one of them was seen dead)."""
+        self._replicas.pop(model, None)
+
+    async def target(self, model: str, requests: list[EngineCoreRequest],
+                     replicas: list[EngineStats]) -> tuple[str | None, int]:
+        """``(engine id, expected cached prompt tokens)`` of the replica ``requests`` (children of one prompt) go to:
+        the router's pick with ``prefix`` routing for generate requests, else ``(None, 0)``, the model's shared
+        stream."""
+        if self.routing == ROUTING_PREFIX and requests and not requests[0].pooling:
+            return await self._route(model, requests[0], replicas)
+        return None, 0
+
+    async def _route(self, model: str, req: EngineCoreRequest, replicas: list[EngineStats]) -> tuple[str, int]:
+        """``(engine id, expected cached prompt tokens)`` of the replica ``inference.router`` picks for ``req``.
+
+        One round trip: each replica's stream length and, for a prompt of at least one full block, which of the
+        prompt's block hashes its published set holds. A prompt with images is chosen by load alone (its block
+        hashes carry the images' keys at positions only the engine knows)."""
+        prompt = req.prompt_token_ids
+        hashes = [] if req.mm_cache_keys else block_hashes(prompt, block_size=BLOCK_SIZE, cache_salt=req.cache_salt)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for st in replicas:
+                pipe.xlen(replica_requests_stream(self.prefix, model, st.engine_id))
+                if hashes:
+                    pipe.smismember(replica_blocks_key(self.prefix, model, st.engine_id), hashes)
+            replies = await pipe.execute()
+        step = 2 if hashes else 1
+        views = []
+        for i, st in enumerate(replicas):
+            mine = self._load.get((model, st.engine_id)) or _Load()
+            queued = int(replies[i * step])
+            views.append(ReplicaView(
+                engine_id=st.engine_id,
+                hit_tokens=hit_tokens(replies[i * step + 1], BLOCK_SIZE) if hashes else 0,
+                queued_tokens=max(mine.tokens, st.num_waiting_tokens),
+                num_requests=max(mine.requests, st.num_running + st.num_waiting + queued)))
+        weight = self.request_cost_tokens
+        if weight is None:
+            weight = request_cost_tokens([(st.prefill_tokens_per_s, st.decode_tokens_per_s) for st in replicas])
+        best = choose_replica(len(prompt), views, request_cost_tokens=weight)
+        return best.engine_id, best.hit_tokens
+
+    def load(self, tracked: _Tracked, prompt_tokens: int, hit: int) -> None:
+        """Count ``tracked`` (sent to ``tracked.target`` with ``prompt_tokens`` of which ``hit`` are expected cached)
+        in its target's load until its first token (its tokens) and its end (the request)."""
+        tracked.pending_tokens = max(prompt_tokens - hit, 1)
+        load = self._load.setdefault((tracked.model, tracked.target or ""), _Load())
+        load.requests += 1
+        load.tokens += tracked.pending_tokens
+
+    def unload(self, tracked: _Tracked, *, finished: bool) -> None:
+        """Take ``tracked``'s queued prompt tokens (and, when ``finished``, the request) off its target's load."""
+        key = (tracked.model, tracked.target or "")
+        load = self._load.get(key)
+        if load is None:
+            return
+        load.tokens -= tracked.pending_tokens
+        tracked.pending_tokens = 0
+        if finished:
+            load.requests -= 1
+            tracked.target = None
+        if load.requests <= 0:
+            del self._load[key]
+
+
+@dataclass
 class EngineLink:
-    """Api-process side of the Redis engine link. Create with ``EngineLink.for_current_process``."""
+    """Api-process side of the Redis engine link. Create with ``EngineLink.for_current_process``. Which replica gets
+    a request is its ``router``'s job (``ReplicaRouter``; ``routing`` and ``request_cost_tokens`` are the router's)."""
 
     redis: aioredis.Redis
     prefix: str
@@ -119,17 +222,34 @@ class EngineLink:
     _tracked: dict[str, _Tracked] = field(default_factory=dict)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _loop: asyncio.AbstractEventLoop | None = None
-    routing: str = SETTINGS.engine_routing
-    # the router's weight of a request (inference/router.py); None: from the replicas' measured throughputs
-    request_cost_tokens: float | None = None
-    _replicas: dict[str, tuple[float, list[EngineStats]]] = field(default_factory=dict)  # model -> (seen at, live)
-    _load: dict[tuple[str, str], _Load] = field(default_factory=dict)  # (model, engine id) -> this process's load
+    router: ReplicaRouter = field(init=False)
     _dead_since: dict[tuple[str, str], float] = field(default_factory=dict)  # routed-to replicas seen dead
     _resent: dict[str, str] = field(default_factory=dict)  # the caller's request id -> the id it was re-sent as
     _aborting: set[asyncio.Task[None]] = field(default_factory=set)  # aborts after failed sends (``_abort_later``)
     _alive_set_at: float = -1e9
 
     _instances: ClassVar[dict[int, EngineLink]] = {}
+
+    def __post_init__(self) -> None:
+        self.router = ReplicaRouter(self.redis, self.prefix)
+
+    @property
+    def routing(self) -> str:
+        """``ROUTING_PREFIX`` or ``ROUTING_SHARED`` (``ReplicaRouter.routing``; settable)."""
+        return self.router.routing
+
+    @routing.setter
+    def routing(self, value: str) -> None:
+        self.router.routing = value
+
+    @property
+    def request_cost_tokens(self) -> float | None:
+        """The router's weight of a request (``ReplicaRouter.request_cost_tokens``; settable)."""
+        return self.router.request_cost_tokens
+
+    @request_cost_tokens.setter
+    def request_cost_tokens(self, value: float | None) -> None:
+        self.router.request_cost_tokens = value
 
     @classmethod
     def for_current_process(cls, redis_url: str, prefix: str) -> EngineLink:
@@ -164,57 +284,9 @@ class EngineLink:
         finally:
             await self.redis.aclose()
 
-    # ----------------------------------------------------------------- replicas
     async def live_replicas(self, model: str) -> list[EngineStats]:
-        """Heartbeats of the live replicas of ``model`` (empty list when none)."""
-        ids = await self.redis.zrangebyscore(replicas_index_key(self.prefix, model), int(time.time() * 1000), "+inf")
-        if not ids:
-            return []
-        values = await self.redis.mget(live_replica_keys(ids, self.prefix, model))
-        return [EngineStats.from_wire(cast(bytes, v)) for v in values if v]  # a bytes-mode pool
-
-    async def _live(self, model: str) -> list[EngineStats]:
-        """The live replicas of ``model``, as seen at most ``REPLICA_CHECK_TTL_S`` ago (a replica the watchdog saw
-        die is dropped at once). Raises ``EngineUnavailableError`` when there is none."""
-        now = time.monotonic()
-        seen = self._replicas.get(model)
-        if seen is None or now - seen[0] > REPLICA_CHECK_TTL_S:
-            seen = (now, await self.live_replicas(model))
-            self._replicas[model] = seen
-        if not seen[1]:
-            self._replicas.pop(model, None)
-            raise EngineUnavailableError(f"No engine replica is serving model '{model}' right now")
-        return seen[1]
-
-    async def _route(self, model: str, req: EngineCoreRequest, replicas: list[EngineStats]) -> tuple[str, int]:
-        """``(engine id, expected cached prompt tokens)`` of the replica ``inference.router`` picks for ``req``.
-
-        One round trip: each replica's stream length and, for a prompt of at least one full block, which of the
-        prompt's block hashes its published set holds. A prompt with images is chosen by load alone (its block
-        hashes carry the images' keys at positions only the engine knows)."""
-        prompt = req.prompt_token_ids
-        hashes = [] if req.mm_cache_keys else block_hashes(prompt, block_size=BLOCK_SIZE, cache_salt=req.cache_salt)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for st in replicas:
-                pipe.xlen(replica_requests_stream(self.prefix, model, st.engine_id))
-                if hashes:
-                    pipe.smismember(replica_blocks_key(self.prefix, model, st.engine_id), hashes)
-            replies = await pipe.execute()
-        step = 2 if hashes else 1
-        views = []
-        for i, st in enumerate(replicas):
-            mine = self._load.get((model, st.engine_id)) or _Load()
-            queued = int(replies[i * step])
-            views.append(ReplicaView(
-                engine_id=st.engine_id,
-                hit_tokens=hit_tokens(replies[i * step + 1], BLOCK_SIZE) if hashes else 0,
-                queued_tokens=max(mine.tokens, st.num_waiting_tokens),
-                num_requests=max(mine.requests, st.num_running + st.num_waiting + queued)))
-        weight = self.request_cost_tokens
-        if weight is None:
-            weight = request_cost_tokens([(st.prefill_tokens_per_s, st.decode_tokens_per_s) for st in replicas])
-        best = choose_replica(len(prompt), views, request_cost_tokens=weight)
-        return best.engine_id, best.hit_tokens
+        """Heartbeats of the live replicas of ``model`` (``ReplicaRouter.live_replicas``)."""
+        return await self.router.live_replicas(model)
 
     # ----------------------------------------------------------------- requests
     async def add_requests(self, model: str, requests: list[EngineCoreRequest],
@@ -227,7 +299,7 @@ class EngineLink:
         share one queue; they all go to the same replica. Raises ``EngineUnavailableError`` when no replica
         of ``model`` is alive.
         """
-        replicas = await self._live(model)
+        replicas = await self.router.live(model)
         if time.monotonic() - self._alive_set_at > API_ALIVE_TTL_S / 4:
             await self._ensure_alive_key()
         queues: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
@@ -245,16 +317,11 @@ class EngineLink:
                     replicas: list[EngineStats]) -> None:
         """Send ``requests`` (tracked as ``tracked``, in the same order) to one replica of ``model``, routed as
         ``add_requests`` says; on a failure to send, they are no longer tracked and the error is raised."""
-        target, hit = None, 0
-        if self.routing == ROUTING_PREFIX and requests and not requests[0].pooling:
-            target, hit = await self._route(model, requests[0], replicas)
+        target, hit = await self.router.target(model, requests, replicas)
         for req, t in zip(requests, tracked):
             t.target = target
             if target is not None:
-                t.pending_tokens = max(len(req.prompt_token_ids) - hit, 1)
-                load = self._load.setdefault((model, target), _Load())
-                load.requests += 1
-                load.tokens += t.pending_tokens
+                self.router.load(t, len(req.prompt_token_ids), hit)
         stream = requests_stream(self.prefix, model) if target is None else \
             replica_requests_stream(self.prefix, model, target)
         try:
@@ -292,7 +359,7 @@ class EngineLink:
         if t is None or t.request is None or t.resends >= MAX_RESENDS:
             return False
         try:
-            replicas = await self._live(t.model)
+            replicas = await self.router.live(t.model)
         except EngineUnavailableError:
             return False
         if self._tracked.get(request_id) is not t or t.request is None:  # finished or aborted meanwhile
@@ -301,7 +368,7 @@ class EngineLink:
         req = dataclasses.replace(t.request, request_id=resend_id(caller_id, t.resends + 1))
         del self._tracked[request_id]
         if t.target is not None:
-            self._unload(t, finished=True)
+            self.router.unload(t, finished=True)
         t.alias, t.request, t.engine_id, t.entries = caller_id, req, None, None
         t.resends += 1
         t.sent_at = time.monotonic()
@@ -375,27 +442,8 @@ class EngineLink:
             if tracked.alias is not None:
                 self._resent.pop(tracked.alias, None)
             if tracked.target is not None:
-                self._unload(tracked, finished=True)
+                self.router.unload(tracked, finished=True)
         return tracked
-
-    def _unload(self, tracked: _Tracked, *, finished: bool) -> None:
-        """Take ``tracked``'s queued prompt tokens (and, when ``finished``, the request) off its target's load."""
-        key = (tracked.model, tracked.target or "")
-        load = self._load.get(key)
-        if load is None:
-            return
-        load.tokens -= tracked.pending_tokens
-        tracked.pending_tokens = 0
-        if finished:
-            load.requests -= 1
-            tracked.target = None
-        if load.requests <= 0:
-            del self._load[key]
-
-    def load_of(self, model: str, engine_id: str) -> tuple[int, int]:
-        """This process's ``(unfinished requests, prompt tokens without a first token)`` on one replica."""
-        load = self._load.get((model, engine_id)) or _Load()
-        return load.requests, load.tokens
 
     @property
     def num_tracked(self) -> int:
@@ -422,7 +470,7 @@ class EngineLink:
         if out.finish_reason is not None:
             self._untrack(out.request_id)
         elif tracked.pending_tokens and out.new_token_ids:
-            self._unload(tracked, finished=False)
+            self.router.unload(tracked, finished=False)
 
     async def _reader(self) -> None:
         key = outputs_stream(self.prefix, self.client_id)
@@ -512,7 +560,7 @@ class EngineLink:
                 self._dead_since.pop((m, e), None)
                 continue
             self._dead_since.setdefault((m, e), now)
-            self._replicas.pop(m, None)  # out of the choice at once, not after REPLICA_CHECK_TTL_S
+            self.router.forget(m)  # out of the choice at once, not after REPLICA_CHECK_TTL_S
             for rid in by_engine.get((m, e), []):
                 if not await self._resend(rid):
                     self._fail(rid, f"The engine replica '{e}' serving model '{m}' stopped responding")
@@ -525,7 +573,7 @@ class EngineLink:
                 await self._fail_unread(m, rids, f"The engine replica serving model '{m}' stopped before starting "
                                                  "this request")
         for model, rids in unaccepted.items():
-            if not await self.live_replicas(model):
+            if not await self.router.live_replicas(model):
                 await self._fail_unread(model, [r for r in rids if r in self._tracked],
                                         f"No engine replica is serving model '{model}'")
         for key in [k for k in self._dead_since if k not in alive]:

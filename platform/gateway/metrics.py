@@ -97,8 +97,16 @@ def _cumulative(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str,
 
 
 async def collect_families(redis: Redis, prefix: str) -> list[Metric]:
-    """Metric families of every model admission knows, read from Redis (async, a few round trips)."""
+    """Metric families of every model admission knows, read from Redis (async, a few round trips): admission's
+    (``_admission_families``), the gateway's own counters (``_gateway_families``) and the engine replicas'
+    (``_replica_families``)."""
     models = sorted(m.decode() if isinstance(m, bytes) else m for m in await redis.smembers(adm.models_key(prefix)))
+    return [*await _admission_families(redis, prefix, models), *await _gateway_families(redis, prefix),
+            *await _replica_families(redis, prefix, models)]
+
+
+async def _admission_families(redis: Redis, prefix: str, models: list[str]) -> list[Metric]:
+    """Admission's counters, gauges and histograms per model (and per tenant), from its snapshots."""
     rejections = CounterMetricFamily("admission_rejections", "Requests refused by admission control (HTTP 503)",
                                      labels=["model", "reason"])
     q_reqs = GaugeMetricFamily("admission_queued_requests", "Admitted, unfinished requests (n counts n)",
@@ -145,6 +153,11 @@ async def collect_families(redis: Redis, prefix: str) -> list[Metric]:
             t_ref.add_metric([model, tenant], row["refused"])
             t_reqs.add_metric([model, tenant], row["queued_reqs"])
             t_toks.add_metric([model, tenant], row["queued_tokens"])
+    return [rejections, q_reqs, q_toks, lim_reqs, lim_toks, tps, ttft, *phases.values(), t_adm, t_ref, t_reqs, t_toks]
+
+
+async def _gateway_families(redis: Redis, prefix: str) -> list[Metric]:
+    """The api processes' shared counters: image hand-offs, key refusals, grammar compiles, the segment cache."""
     handoffs = CounterMetricFamily("gateway_handoffs", "Image requests handed to the multimodal api, by outcome",
                                    labels=["outcome"])
     counts = await redis.hgetall(handoff.handoff_key(prefix))
@@ -175,9 +188,8 @@ async def collect_families(redis: Redis, prefix: str) -> list[Metric]:
     seg_shared = CounterMetricFamily("render_segment_cache_shared_hits", "Of the segment cache's hits, those read "
                                      "from the render workers' shared tier in Redis")
     seg_shared.add_metric([], int(seg.get(b"shared_hits", seg.get("shared_hits", 0))))
-    return [rejections, q_reqs, q_toks, lim_reqs, lim_toks, tps, ttft, *phases.values(), t_adm, t_ref, t_reqs, t_toks, handoffs, refusals,
-            seg_hits, seg_misses, seg_shared, compiles, compile_cpu,
-            *await _replica_families(redis, prefix, models)]
+    return [handoffs, refusals, seg_hits, seg_misses, seg_shared, compiles, compile_cpu]
+
 
 async def _replica_families(redis: Redis, prefix: str, models: list[str]) -> list[Metric]:
     """Routing counts (``routing_key``) and the live replicas' heartbeat counters and gauges, per model."""
