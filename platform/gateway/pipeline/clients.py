@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Coroutine
 
 import redis.asyncio as aioredis
 from django.conf import settings
@@ -18,7 +18,7 @@ from inference.engine_client import EngineLink
 log = logging.getLogger(__name__)
 
 _pools: dict[int, tuple[asyncio.AbstractEventLoop, aioredis.Redis]] = {}
-_retries: set[asyncio.Task[None]] = set()
+_tasks: set[asyncio.Task[None]] = set()
 RETRY_WITHIN_S = 60.0  # how long a write that Redis refused is retried (a Redis restart takes seconds)
 
 
@@ -43,6 +43,16 @@ def admission() -> Admission:
     return Admission.for_current_process(settings.REDIS_URL, settings.LINK_PREFIX)
 
 
+def background(coro: Coroutine[object, object, None], name: str | None = None) -> asyncio.Task[None]:
+    """Run ``coro`` on the running loop on a task of its own, referenced here until it ends (the loop keeps only a
+    weak reference to a task: one nobody holds may be collected before it ran); returns the task. For the request
+    path's work that outlives a step or its request: retries, a usage event, a release, a count, an abort."""
+    task = asyncio.get_running_loop().create_task(coro, name=name)
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
+    return task
+
+
 def retry_later(call: Callable[[], Awaitable[object]], what: str, within_s: float = RETRY_WITHIN_S) -> None:
     """Retry an idempotent Redis write that failed because Redis was unreachable (a restart), in the background:
     ``call()`` again after 0.25 s, doubling to 2 s, until it succeeds or ``within_s`` seconds have passed (then
@@ -65,6 +75,4 @@ def retry_later(call: Callable[[], Awaitable[object]], what: str, within_s: floa
             except Exception:
                 log.exception("%s failed", what)
                 return
-    task = asyncio.get_running_loop().create_task(run(), name=f"retry {what}")
-    _retries.add(task)
-    task.add_done_callback(_retries.discard)
+    background(run(), f"retry {what}")

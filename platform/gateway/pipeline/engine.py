@@ -15,7 +15,7 @@ from gateway.disconnect import raise_if_client_gone
 from gateway.errors import engine_error
 from gateway.model_cache import ModelSnapshot
 from gateway.pipeline import admission
-from gateway.pipeline.clients import link
+from gateway.pipeline.clients import background, link
 from gateway.pipeline.failures import api_error_from, pooling_error
 from inference.admission import Reservation
 from inference.engine_client import EngineUnavailableError
@@ -114,7 +114,7 @@ class GenerationRun:
             raise_if_client_gone()  # a cancellation lost on the way here (gateway/disconnect.py)
             result = self.processor.process_outputs([await self.queue.get()])
             for rid in result.reqs_to_abort:
-                asyncio.get_running_loop().create_task(_abort(self.model.served_model_name, [rid]))
+                background(_abort(self.model.served_model_name, [rid]), f"abort {rid}")
             for index, latency in result.first_tokens:
                 await admission.release_prefill(self.reservation, index, latency)
             for delta in result.deltas:

@@ -14,7 +14,7 @@ from tenancy.selectors import AuthContext
 from django.conf import settings
 
 from gateway.errors import bad_request, unavailable
-from gateway.pipeline.clients import redis
+from gateway.pipeline.clients import background, redis
 from gateway.model_cache import ModelSnapshot
 from gateway.pipeline.failures import api_error_from
 from inference.input_processor import (
@@ -132,9 +132,11 @@ async def structured_constraint(req: SamplingRequest, ctx: AuthContext, param_pr
 
 
 def _requested(req: SamplingRequest, scope: str) -> tuple[Constraint | None, str]:
-    """In a thread: the request's constraint as the client sent it (``constraint_of``, else the ``tool_choice``
-    one) and its cache key for ``scope``; over the byte cap → ``RequestValidationError`` naming the field."""
-    constraint = constraint_of(req) or tool_choice_constraint(req)
+    """In a thread: the request's constraint as the client sent it (the ``tool_choice`` one, else
+    ``constraint_of``) and its cache key for ``scope``; over the byte cap → ``RequestValidationError`` naming the field."""
+    # first: it refuses a forced tool call beside another constraint
+    forced = tool_choice_constraint(req) if forces_tool_call(req) else None
+    constraint = forced or constraint_of(req)
     if constraint is None:
         return None, ""
     try:
@@ -154,12 +156,7 @@ def record_compile(result: structured_sandbox.CompileResult) -> None:
         pipe.hincrbyfloat(key, "cpu_s", result.cpu_s)
         await pipe.execute()
 
-    task = asyncio.get_running_loop().create_task(write(), name="count a grammar compile")
-    _counting.add(task)
-    task.add_done_callback(_counting.discard)
-
-
-_counting: set[asyncio.Task[None]] = set()
+    background(write(), "count a grammar compile")
 
 
 def asks_for_constraint(req: SamplingRequest) -> bool:

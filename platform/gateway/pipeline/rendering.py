@@ -131,9 +131,6 @@ async def call_render(request: RenderTask[ResultT]) -> ResultT:
     return reply
 
 
-_COUNTING: set[asyncio.Task[None]] = set()
-
-
 def _count_inline(stats: dict[str, int]) -> None:
     """Add an inline task's segment-cache tallies to the shared Redis counters (``inference.tasks.
     count_segment_cache``; the workers count theirs in their reply) in the background: a metric never delays or
@@ -145,9 +142,7 @@ def _count_inline(stats: dict[str, int]) -> None:
             await pipe.execute()
         except (RedisError, OSError):
             pass
-    task = asyncio.get_running_loop().create_task(count())
-    _COUNTING.add(task)
-    task.add_done_callback(_COUNTING.discard)
+    clients.background(count(), "count segment-cache tallies")
 
 
 async def load_tokenizer(model: ModelSnapshot) -> LoadedTokenizer:

@@ -8,13 +8,14 @@ import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Coroutine, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from tenancy.limits import LimitGrant
 from tenancy.selectors import AuthContext
 
 from gateway.errors import ApiError, ErrorCode
 from gateway.pipeline import admission, limits
+from gateway.pipeline.clients import background
 from gateway.pipeline.usage import RunUsage, UsageRecorder
 from inference.admission import Reservation
 
@@ -86,17 +87,8 @@ class RequestScope:
         return self.recorder.status_code >= 500 and run is not None and not run.completion_tokens
 
 
-_background_tasks: set[asyncio.Task[None]] = set()
 # 503s that are failures, not refusals for capacity: recorded with finish reason ``error``
 _ENGINE_FAILURES = frozenset({ErrorCode.ENGINE_ERROR, ErrorCode.ENGINE_UNAVAILABLE})
-
-
-def _background(coro: Coroutine[object, object, None]) -> asyncio.Task[None]:
-    """Run ``coro`` on the loop on a task of its own (a reference is kept until it ends); the task."""
-    task = asyncio.get_running_loop().create_task(coro)
-    _background_tasks.add(task)
-    task.add_done_callback(_background_tasks.discard)
-    return task
 
 
 def record_refusal(endpoint: str) -> Callable[[AuthContext, ApiError, str], None]:
@@ -108,7 +100,7 @@ def record_refusal(endpoint: str) -> Callable[[AuthContext, ApiError, str], None
     def record(ctx: AuthContext, err: ApiError, client_id: str) -> None:
         rid = f"refused-{client_id}-{secrets.token_hex(12)}" if client_id else f"refused-{secrets.token_hex(12)}"
         recorder = UsageRecorder(endpoint, rid, time.time(), ctx, None, status_code=err.status)
-        _background(recorder.emit())
+        background(recorder.emit())
 
     return record
 
@@ -141,9 +133,9 @@ async def request_scope(endpoint: str, request_id: str, arrival: float, ctx: Aut
         raise
     finally:
         if scope.holds_nothing:
-            _background(scope.recorder.emit())
+            background(scope.recorder.emit())
         else:
             # On a task of its own: the client may hang up while a 4xx (or the end of a response) is being
             # released, before the answer went out, and the handler's cancellation would then stop the release
             # halfway (usage sent, admission still held for as long as this process lives; D-285).
-            await asyncio.shield(_background(scope.release()))
+            await asyncio.shield(background(scope.release()))
