@@ -72,10 +72,9 @@ class _WholeOutputParser(ToolParser):
     def flush(self) -> ToolParseDelta:
         text, self._text = self._text.text(), TextBuffer()
         try:
-            value = json.loads(text)
-        except ValueError:
+            calls = self.calls_of(json.loads(text))
+        except (ValueError, RecursionError):  # not JSON, or nested past the decoder's depth (a recursive schema)
             return ToolParseDelta(content=text)
-        calls = self.calls_of(value)
         return ToolParseDelta(calls=calls) if calls is not None else ToolParseDelta(content=text)
 
     def calls_of(self, value: Any) -> list[ParsedToolCall] | None:  # pragma: no cover - abstract
