@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from inference.engine.core import replica_stats
-from inference.engine.runner import ModelRunner, Sequence, make_rng
+from inference.engine.runner import ModelRunner, make_rng
+from inference.engine.sequence import Sequence
 from inference.engine.scheduler import Scheduler
 from inference.protocol.engine import EngineCoreRequest, SamplingParams
 

@@ -32,7 +32,8 @@ from typing import TypedDict
 
 from inference.protocol.engine import FINISH_ABORT, FINISH_ERROR, EngineCoreOutput, EngineCoreRequest, EngineStats
 
-from .runner import RequestError, Sequence, make_rng, now
+from .runner import RequestError, make_rng, now
+from .sequence import Sequence
 
 log = logging.getLogger("inference.engine")
 

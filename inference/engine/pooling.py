@@ -33,7 +33,8 @@ import torch
 from inference.protocol.engine import FINISH_ERROR, FINISH_STOP, EngineCoreOutput, EngineStats
 
 from .base_scheduler import BaseScheduler, Outputs, ema
-from .runner import DTYPES, RequestError, Sequence, check_token_ids, now
+from .runner import DTYPES, RequestError, check_token_ids, now
+from .sequence import Sequence
 
 log = logging.getLogger("inference.engine")
 

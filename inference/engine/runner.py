@@ -1,6 +1,4 @@
-"""Model runner: the model, a bounded batch KV cache, batched forward passes and batched sampling.
-
-torch and transformers are imported here (and only under ``inference/engine/``).
+"""Model runner: the model, a bounded batch KV cache, batched forward passes; sampling is ``sampler.Sampler``'s.
 
 Batch KV cache (``kv_cache.SlotKVCache``): one preallocated K/V row ("slot") per running sequence, its token
 at position ``p`` in column ``p``; a sequence takes a slot when its prefill starts and gives it back when it
@@ -9,10 +7,6 @@ attention mask per row (each row sees its own columns up to its position). Promp
 left-padded group from position 0, each row scattered into its slot) or a chunk at a time (``prefill_chunk``:
 chunked prefill, a long prompt interleaved with the running decodes). Memory is bounded by
 ``max_num_seqs × max_model_len`` positions (``kv_cache.py``).
-
-Sampling is batched over rows (greedy ``argmax`` for temperature 0; one inverse-CDF draw per row
-otherwise) with per-request randomness from a ``random.Random(seed)`` owned by the request, so a
-seeded request's tokens do not depend on its batch companions (up to float rounding of the logits).
 """
 
 from __future__ import annotations
@@ -23,18 +17,17 @@ import math
 import os
 import random
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
-from inference.protocol.engine import EngineCoreRequest, SamplingParams
-
 from .kv_cache import SlotKVCache
 from .lm_head import CpuLMHead
-from .prefix_cache import DEFAULT_PREFIX_CACHE_MB, ImageSpan, PrefixCache, PrefixEntry, block_hashes
-from .structured import GrammarMask, SequenceGrammar
+from .prefix_cache import DEFAULT_PREFIX_CACHE_MB, ImageSpan, PrefixCache, block_hashes
+from .sampler import LogprobEntry, Sampler
+from .sequence import Sequence
+from .structured import GrammarMask
 
 log = logging.getLogger("inference.engine")
 
@@ -48,26 +41,6 @@ def _last_logits(out: Any) -> torch.Tensor:
     """float32 ``[B, vocab]`` logits of the last position of a causal LM's output (``logits`` ``[B, T, vocab]``)."""
     logits: torch.Tensor = out.logits
     return logits[:, -1, :].float()
-
-
-_LARGE_LOGIT = 1e30  # stands in for +inf after the penalties: finite even divided by the smallest temperature
-
-
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """``torch.argmax(logits, dim=-1)`` of ``[B, vocab]`` logits (same result, ties to the lowest id), on the CPU in
-    two passes when the vocabulary splits into blocks of 128, 64 or 32: the block holding each row's maximum (block
-    maxima by ``amax``, then the first block that holds it), then the maximum within that block. ``argmax`` over a
-    long row has no vectorised CPU kernel and ``amax`` has: [16, 151,680] float32 on 2 threads, 1.0-1.3 ms against
-    0.14 ms (D-295), ~8 % of a 16-sequence decode step of the demo model. Logits must hold no NaN (``sample``
-    replaces them first). Elsewhere (CUDA, other vocabularies) it is ``torch.argmax``."""
-    rows, vocab = logits.shape
-    block = next((b for b in (128, 64, 32) if vocab % b == 0), 0)
-    if logits.device.type != "cpu" or not block or not logits.is_contiguous():
-        return torch.argmax(logits, dim=-1)
-    blocks = logits.view(rows, vocab // block, block)
-    first = blocks.amax(dim=-1).argmax(dim=-1)  # argmax: the first block holding the row's maximum
-    inner = blocks[torch.arange(rows, device=logits.device), first].argmax(dim=-1)
-    return first * block + inner
 
 
 class RequestError(ValueError):
@@ -94,58 +67,6 @@ def left_padded(seqs: list[Sequence], device: torch.device | str) -> tuple[torch
         ids[i, width - lens[i]:] = torch.tensor(s.request.prompt_token_ids, dtype=torch.long)
         mask[i, width - lens[i]:] = 1
     return ids.to(device), mask.to(device)
-
-
-@dataclass
-class Sequence:
-    """Engine-side state of one request.
-
-    ``output_token_ids`` grows by one per step; ``num_computed`` is how many tokens are in the KV
-    cache (prompt + outputs except the newest one, which is the next step's input).
-    """
-
-    request: EngineCoreRequest
-    queued_ts: float
-    rng: random.Random
-    output_token_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    scheduled_ts: float | None = None
-    first_token_ts: float | None = None
-    finish_reason: str | None = None
-    stop_reason: int | None = None
-    error: str | None = None
-    bias_ids: torch.Tensor | None = None
-    bias_vals: torch.Tensor | None = None
-    prompt_ids_t: torch.Tensor | None = None
-    # prefix caching (prefix_cache.py): the prompt's block hashes, and the cached prefix its prefill reuses
-    block_hashes: list[bytes] | None = None
-    prefix_entry: PrefixEntry | None = None
-    num_cached_tokens: int = 0
-    # ``prompt_logprobs`` entries computed at prefill (``SamplingParams.prompt_logprobs``), sent with the first token
-    prompt_logprobs: list[Any] | None = None
-    # ``stop_token_ids`` / ``eos_token_ids`` as sets, built once: the stop check is a lookup per step
-    stop_ids: frozenset[int] = frozenset()
-    eos_ids: frozenset[int] = frozenset()
-    # structured outputs (``structured.py``): the request's grammar state, None when unconstrained
-    grammar: SequenceGrammar | None = None
-    # the batch KV cache row this sequence owns (``kv_cache.SlotKVCache``) from its prefill to its end
-    slot: int | None = None
-    # M-RoPE (VL runner): decode positions are ``num_computed + rope_delta``
-    rope_delta: int = 0
-    # the vLLM backend's ``SamplingParams`` for the request (``vllm_backend.scheduler``); None on the native engine
-    backend_params: Any = None
-
-    def __post_init__(self) -> None:
-        self.stop_ids = frozenset(self.request.sampling_params.stop_token_ids)
-        self.eos_ids = frozenset(self.request.sampling_params.eos_token_ids)
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def params(self) -> SamplingParams:
-        return self.request.sampling_params
 
 
 def effective_max_model_len(requested: int | None, text_cfg: Any) -> int:
@@ -247,6 +168,7 @@ class ModelRunner:
         # Ids beyond the tokenizer's vocabulary (embedding padding) can never be detokenized: mask them.
         tok_vocab = _tokenizer_vocab_size(self.model_dir)
         self.sample_vocab = min(self.vocab_size, tok_vocab) if tok_vocab else self.vocab_size
+        self.sampler = Sampler(self.device, self.sample_vocab)
         text_cfg = cfg.get_text_config()  # the config itself for a plain causal LM
         try:
             gen = GenerationConfig.from_pretrained(model_dir)
@@ -563,112 +485,11 @@ class ModelRunner:
         return logits.index_select(0, slot_t)
 
     # ------------------------------------------------------------------ sampling
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence], grammar: GrammarMask | None = None
-               ) -> tuple[list[int], list[list[Any] | None] | None]:
-        """Pick one token per row of ``logits`` ``[B, vocab]`` for ``seqs`` (same order).
-
-        Applies, as vLLM does: the structured-output mask of ``grammar`` (its rows' disallowed tokens to -inf),
-        logit_bias, min_tokens (EOS/stop masked; not on a row the grammar constrains: the grammar decides where
-        its output ends), repetition / presence / frequency penalties, temperature (0 = greedy), top_k, top_p,
-        min_p. A -inf logit stays -inf under every later step, so the mask may come first. Logprobs (when asked)
-        come from the model's distribution after the grammar mask and before anything else (vLLM's default
-        ``raw_logprobs``; vLLM applies the grammar bitmask to the logits before its sampler).
-        Returns (token ids, per-row logprob entries or None) where an entry is
-        ``[sampled_logprob, [[id, logprob], ...top-k]]`` or None for rows that did not ask.
-        """
-        b, v = logits.shape
-        if self.sample_vocab < v:
-            logits[:, self.sample_vocab:] = float("-inf")
-        for i, s in enumerate(seqs):  # the served tokenizer may decode fewer ids than the model has
-            limit = s.params.vocab_size
-            if 0 < limit < min(v, self.sample_vocab):
-                logits[i, limit:] = float("-inf")
-        if grammar is not None:
-            grammar.apply(logits)
-        constrained = set(grammar.row_list) if grammar is not None else set()
-        want_lp = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        raw_lp = torch.log_softmax(logits[want_lp], dim=-1) if want_lp else None
-
-        for i, s in enumerate(seqs):
-            sp = s.params
-            row = logits[i]
-            if s.bias_ids is not None and s.bias_vals is not None:  # set together (``prepare``)
-                row.index_add_(0, s.bias_ids, s.bias_vals)
-            if len(s.output_token_ids) < sp.min_tokens and i not in constrained:
-                blocked = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(sp.eos_token_ids))
-                blocked = [t for t in blocked if 0 <= t < v]
-                if blocked:
-                    row[blocked] = float("-inf")
-            if sp.repetition_penalty != 1.0:
-                seen = s.prompt_ids_t
-                assert seen is not None  # set by ``prepare`` when repetition_penalty != 1
-                if s.output_token_ids:
-                    seen = torch.cat([seen, torch.tensor(s.output_token_ids, device=self.device)])
-                seen = torch.unique(seen)
-                vals = row[seen]
-                row[seen] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
-            if (sp.presence_penalty or sp.frequency_penalty) and s.output_token_ids:
-                out_ids = torch.tensor(s.output_token_ids, device=self.device)
-                uniq, counts = torch.unique(out_ids, return_counts=True)
-                row[uniq] -= sp.frequency_penalty * counts.to(row.dtype) + sp.presence_penalty
-        # a penalty at the edge of its range (repetition_penalty 5e-324 is 0 in float32: x / 0 = inf) must not
-        # turn the row into NaN probabilities, whose inverse-CDF pick is past the vocabulary: +inf becomes a large
-        # finite logit (those tokens share the mass), NaN a disallowed one
-        torch.nan_to_num_(logits, nan=float("-inf"), posinf=_LARGE_LOGIT)
-
-        temps = [s.params.temperature for s in seqs]
-        chosen = greedy_argmax(logits)
-        sampled_rows = [i for i, t in enumerate(temps) if t > 0]
-        if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=self.device)
-            x = logits[rows] / torch.tensor([temps[i] for i in sampled_rows], device=self.device).unsqueeze(1)
-            sub = [seqs[i].params for i in sampled_rows]
-            ks = [p.top_k if p.top_k and p.top_k > 0 else 0 for p in sub]
-            if any(ks):
-                kmax = min(max(ks), v)
-                top = torch.topk(x, kmax, dim=-1).values
-                kk = torch.tensor([min(k, v) if k else kmax for k in ks], device=self.device) - 1
-                kth = top.gather(1, kk.unsqueeze(1))
-                limited = torch.tensor([bool(k) for k in ks], device=self.device).unsqueeze(1)
-                x = torch.where(limited & (x < kth), torch.full_like(x, float("-inf")), x)
-            probs = torch.softmax(x, dim=-1)
-            ps = [p.top_p for p in sub]
-            if any(p < 1.0 for p in ps):
-                sp_, si = torch.sort(probs, dim=-1, descending=True)
-                csum = torch.cumsum(sp_, dim=-1)
-                top_p = torch.tensor(ps, device=self.device, dtype=probs.dtype).unsqueeze(1)
-                drop = (csum - sp_) >= top_p  # keep the smallest prefix whose mass reaches top_p
-                sp_ = sp_.masked_fill(drop, 0.0)
-                probs = torch.zeros_like(probs).scatter_(1, si, sp_)
-            mps = [p.min_p for p in sub]
-            if any(m > 0 for m in mps):
-                thr = probs.max(dim=-1, keepdim=True).values * torch.tensor(
-                    mps, device=self.device, dtype=probs.dtype).unsqueeze(1)
-                probs = probs.masked_fill(probs < thr, 0.0)
-            cdf = torch.cumsum(probs, dim=-1)
-            u = torch.tensor([seqs[i].rng.random() for i in sampled_rows], device=self.device,
-                             dtype=cdf.dtype).unsqueeze(1)
-            pick = torch.searchsorted(cdf, (u * cdf[:, -1:]).contiguous(), right=True).squeeze(1)
-            pick = pick.clamp(max=v - 1)
-            chosen[rows] = pick
-        tokens = chosen.tolist()
-
-        entries: list[list[Any] | None] | None = None
-        if want_lp:
-            entries = [None] * b
-            kmax = max(seqs[i].params.logprobs or 0 for i in want_lp)  # not None: rows in want_lp asked
-            tok_t = torch.tensor([tokens[i] for i in want_lp], device=self.device)
-            assert raw_lp is not None  # computed when want_lp
-            sampled = raw_lp.gather(1, tok_t.unsqueeze(1)).squeeze(1).tolist()
-            if kmax > 0:
-                top_v, top_i = torch.topk(raw_lp, kmax, dim=-1)
-                tv, ti = top_v.tolist(), top_i.tolist()
-            for j, i in enumerate(want_lp):
-                k = seqs[i].params.logprobs
-                top_lps = [[ti[j][n], tv[j][n]] for n in range(k)] if k else []
-                entries[i] = [sampled[j], top_lps]
-        return tokens, entries
+               ) -> tuple[list[int], list[LogprobEntry | None] | None]:
+        """One token per row of ``logits`` ``[B, vocab]`` for ``seqs`` (same order), with their logprob entries
+        when asked: ``sampler.Sampler.sample`` over the ids the served tokenizer decodes."""
+        return self.sampler.sample(logits, seqs, grammar)
 
 
 def make_rng(seed: int | None) -> random.Random:

@@ -36,7 +36,8 @@ from inference.protocol.engine import (
 )
 
 from .base_scheduler import BaseScheduler, Outputs, ema
-from .runner import ModelRunner, RequestError, Sequence, now
+from .runner import ModelRunner, RequestError, now
+from .sequence import Sequence
 from .structured import GrammarCompiler, GrammarMask, GrammarMasker, SequenceGrammar
 
 if TYPE_CHECKING:

@@ -13,11 +13,11 @@ per-step token mask (issue 16; the request side and the grammar text: ``inferenc
   grammar is shared), so the ``n`` children of a request advance independently. With ``after_token_ids`` it is
   inactive (unconstrained output) until one of those ids was sampled.
 * ``GrammarMask``: the disallowed tokens of one step, a bool tensor ``[B, vocab]`` (llguidance's bitmask, bit i
-  of 32-bit word w = token 32 w + i, inverted and unpacked); the runner masks the logits with it before sampling
-  (``ModelRunner.sample``). Ids at or above the tokenizer's vocabulary (embedding padding) are never allowed; once
+  of 32-bit word w = token 32 w + i, inverted and unpacked); the sampler masks the logits with it before sampling
+  (``sampler.Sampler.sample``). Ids at or above the tokenizer's vocabulary (embedding padding) are never allowed; once
   a grammar is complete only EOS is.
 * ``GrammarMasker``: builds a step's mask; ``submit`` builds it in its own thread while the forward runs (the
-  engine's ``_mask_ahead``; vLLM overlaps its bitmask the same way).
+  native scheduler's ``_mask_ahead``; vLLM overlaps its bitmask the same way).
 """
 
 from __future__ import annotations

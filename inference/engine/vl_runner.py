@@ -30,7 +30,8 @@ from inference.media.cache import FeatureCache, ImageFeatures
 
 from .encoder_cache import EncodedImage, EncoderCache
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB, ImageSpan
-from .runner import ModelRunner, RequestError, Sequence, _last_logits, left_padded
+from .runner import ModelRunner, RequestError, _last_logits, left_padded
+from .sequence import Sequence
 
 def is_vision_language(model_dir: str) -> bool:
     """True when ``config.json`` describes a model with a vision tower (``vision_config``)."""

@@ -33,7 +33,7 @@ def test_cached_image_gives_the_same_logits_as_its_pixels(redis_url):
 
     import redis
 
-    from inference.engine.runner import Sequence
+    from inference.engine.sequence import Sequence
     from inference.engine.vl_runner import VLModelRunner
     from inference.media.cache import FeatureCache
     from inference.protocol.engine import EngineCoreRequest, SamplingParams

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference.engine.runner import greedy_argmax
+from inference.engine.sampler import greedy_argmax
 
 
 @pytest.mark.parametrize("vocab", [151_680, 4096, 32 * 37, 1000, 7])

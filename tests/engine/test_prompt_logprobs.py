@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from inference.engine import runner as runner_mod
-from inference.engine.runner import ModelRunner, Sequence
+from inference.engine.runner import ModelRunner
+from inference.engine.sequence import Sequence
 from inference.protocol.engine import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SamplingParams,
                                        pack_requests, unpack_entry)
 

@@ -10,7 +10,8 @@ import random
 
 import pytest
 
-from inference.engine.runner import ModelRunner, Sequence
+from inference.engine.runner import ModelRunner
+from inference.engine.sequence import Sequence
 from inference.protocol.engine import EngineCoreRequest, SamplingParams
 
 PROMPT = [785, 6722, 315, 9625, 374, 12095, 13]

@@ -31,7 +31,8 @@ from inference.protocol.engine import (
 )
 
 from ..base_scheduler import BaseScheduler, Outputs, ema
-from ..runner import RequestError, Sequence, check_token_ids, now
+from ..runner import RequestError, check_token_ids, now
+from ..sequence import Sequence
 from .params import (
     UnsupportedRequestError,
     logprob_entries,
