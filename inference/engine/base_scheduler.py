@@ -13,7 +13,9 @@ A scheduler holds the requests a replica accepted and turns them into outputs; i
   stream), so the ids of requests not held are remembered for ``EARLY_ABORT_S`` and applied when they arrive.
 * ``step()``: one engine iteration. It yields its outputs in parts, in the order they are to be published: the core
   publishes each part before asking for the next, so a scheduler whose step runs two forwards (the native one:
-  prefills, then the running batch's decode) hands the first tokens out between them.
+  prefills, then the running batch's decode) hands the first tokens out between them. Parts rather than a callback
+  the core passes in: the outputs stay return values (the scheduler holds nothing of the core or the link, not even
+  a function), and a test reads a step's parts with ``list(step())``. The caller must exhaust the iterator.
 * ``fail_all(message)``: every held request ends with ``error`` (the replica shuts down).
 
 The backends' schedulers (``scheduler.Scheduler``, ``pooling.PoolingScheduler``,

@@ -5,12 +5,10 @@ Its calls return the outputs they made (per api process); nothing is published, 
 
 from __future__ import annotations
 
+from inference.engine.base_scheduler import Outputs
 from inference.engine.core import replica_stats
 from inference.engine.runner import ModelRunner
 from inference.engine.scheduler import Scheduler
-from inference.protocol.engine import EngineCoreOutput
-
-Outputs = dict[str, list[EngineCoreOutput]]
 
 
 def native_scheduler(runner: ModelRunner, *, max_num_seqs: int = 32, **kwargs) -> Scheduler:
