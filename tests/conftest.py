@@ -10,6 +10,9 @@ import pytest
 from tests.multimodal.conftest import VL_DIR, VL_MODEL, ensure_vl_model
 from tests.support.live import join_stops, running_platform, start_replica
 
+# the ``live`` marker, set by a rule, and its guard (``-m "not live"``: the fast loop)
+pytest_plugins = ("tests.support.live_marker",)
+
 
 @pytest.fixture(scope="session")
 def shared_live(tmp_path_factory):
