@@ -168,15 +168,8 @@ DEAD_CODE_ALLOWED: list[tuple[str, tuple[str, ...], str]] = [
     ("inference/engine/*", ("max_seq_length",), "a PoolingRecipe TypedDict key, read by subscript"),
     ("inference/engine/*", ("special_token_ids",), "read by llguidance's TokenizerWrapper"),
     ("inference/engine/*", ("tokenizer_ready", "dim"), "pending: inference/engine"),
-    ("inference/engine_client.py", ("load_of",), "pending: inference/engine_client.py"),
     ("inference/protocol/engine.py", ("started_at",), "pending: inference/protocol (EngineStats, sent, never read)"),
-    ("inference/protocol/render.py", ("RenderRequest", "RenderResult", "client_chat_template"),
-     "pending: inference/protocol (the typed render request)"),
-    ("platform/gateway/*", ("as_dict", "revision", "ERROR_TABLE", "pooling_error"), "pending: platform/gateway"),
-    ("inference/renderer/errors.py", ("to_dict",),
-     "pending: the typed render result (inference/protocol/render.py) replaces the task's error dict"),
-    ("inference/media/image.py", ("to_dict",),
-     "pending: the typed render result (inference/protocol/render.py) replaces the mm task's error dict"),
+    ("platform/gateway/*", ("as_dict", "revision", "ERROR_TABLE"), "pending: platform/gateway"),
 ]
 
 
@@ -280,8 +273,6 @@ DUPLICATE_MIN_LINES = 6
 # Pairs of files allowed to share such runs ((sorted paths), reason). "pending: AREA": in an area another change is
 # rewriting (issue 40), to be resolved there; an entry that matches nothing fails the test otherwise.
 DUPLICATES_ALLOWED: dict[tuple[str, str], str] = {
-    ("inference/engine/core.py", "inference/engine/vllm_backend/core.py"):
-        "pending: inference/engine (the split composes one replica link; the copied _accept_one goes)",
     ("tests/e2e/test_structured_e2e.py", "tests/engine/test_structured.py"):
         "pending: tests/engine (the JSON schema both send; move it to tests/support)",
 }
