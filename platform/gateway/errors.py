@@ -12,7 +12,6 @@ The one table from the exceptions the pipeline's lower layers raise to ``ApiErro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from inference.protocol.errors import INTERNAL_ERROR_MESSAGE, ErrorCode, ErrorType, error_body, error_dict
 
@@ -40,10 +39,6 @@ class ApiError(Exception):
     def body(self) -> bytes:
         """The JSON envelope as bytes."""
         return error_body(self.message, self.type, self.param, self.code)
-
-    def as_dict(self) -> dict[str, Any]:
-        """The envelope as a dict (``error_dict``)."""
-        return error_dict(self.message, self.type, self.param, self.code)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

@@ -49,7 +49,6 @@ class ModelSnapshot:
     device: str = ""
     max_num_seqs: int | None = None
     unsupported_features: tuple[str, ...] = ()
-    revision: str = ""
 
     @classmethod
     def from_dict(cls, snap: dict[str, Any]) -> ModelSnapshot:

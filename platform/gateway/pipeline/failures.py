@@ -12,32 +12,31 @@ from inference.protocol.render import MM_QUEUE, RenderFailure
 from inference.render_client import RenderUnavailableError
 from tenancy.limits import RateLimitExceeded
 
-ERROR_TABLE = """
-RequestValidationError  → 400 invalid_request_error, param named (input validation, input processing)
-AdmissionRefused        → 503 server_error server_overloaded + Retry-After (platform out of capacity)
-RateLimitExceeded       → 429 rate_limit_error, its code (rate_limit_exceeded / concurrency_limit_exceeded /
-                          insufficient_quota) + Retry-After and x-ratelimit-* (this key or tenant)
-EngineUnavailableError  → 503 server_error engine_unavailable + Retry-After: 2
-RenderFailure           → by the code the render or mm worker gave it (inference.protocol.render):
-                          render_internal_error / mm_internal_error → 500 server_error (a worker defect);
-                          render_unavailable → 503 server_error + Retry-After: 2 (the worker ran out of time
-                          outside the template); any other → 400 invalid_request_error, its param and code
-RenderUnavailableError  → 503 server_error render_unavailable (queue render) / mm_unavailable (queue mm)
-                          + Retry-After: 2 (no worker answered in time)
-ImageError              → 400 invalid_request_error, its param and code (an image the api itself refused)
-a pooling output's error → 400 invalid_request_error, param input, when the engine refused the input (matched by
-                          its text: the engine sends no code yet); else 503 engine_error + Retry-After: 1
-"""
-
 # render/mm failure codes that are a worker's defect (500), with the message the client sees
 _WORKER_DEFECTS: dict[str, str] = {ErrorCode.RENDER_INTERNAL_ERROR: "The renderer failed unexpectedly",
-                   ErrorCode.MM_INTERNAL_ERROR: "Image preprocessing failed unexpectedly"}
+                                   ErrorCode.MM_INTERNAL_ERROR: "Image preprocessing failed unexpectedly"}
 # what a pooling replica says when it refuses an input (inference/engine/pooling.py, runner.py RequestError)
 _POOLING_INPUT_REFUSALS = ("out of range", "max_model_len")
 
 
 def api_error_from(exc: BaseException, *, param_prefix: str = "") -> ApiError:
-    """``exc`` as the ``ApiError`` of ``ERROR_TABLE``; re-raises an exception the table does not know.
+    """``exc`` as its ``ApiError``, by this table; re-raises an exception the table does not know.
+
+    RequestValidationError  → 400 invalid_request_error, param named (input validation, input processing)
+    AdmissionRefused        → 503 server_error server_overloaded + Retry-After (platform out of capacity)
+    RateLimitExceeded       → 429 rate_limit_error, its code (rate_limit_exceeded / concurrency_limit_exceeded /
+                              insufficient_quota) + Retry-After and x-ratelimit-* (this key or tenant)
+    EngineUnavailableError  → 503 server_error engine_unavailable + Retry-After: 2
+    RenderFailure           → by the code the render or mm worker gave it (inference.protocol.render):
+                              render_internal_error / mm_internal_error → 500 server_error (a worker defect);
+                              render_unavailable → 503 server_error + Retry-After: 2 (the worker ran out of time
+                              outside the template); any other → 400 invalid_request_error, its param and code
+    RenderUnavailableError  → 503 server_error render_unavailable (queue render) / mm_unavailable (queue mm)
+                              + Retry-After: 2 (no worker answered in time)
+    ImageError              → 400 invalid_request_error, its param and code (an image the api itself refused)
+    a pooling output's error (``pooling_error``) → 400 invalid_request_error, param input, when the engine refused
+                              the input (matched by its text: the engine sends no code yet); else 503
+                              engine_error + Retry-After: 1
 
     ``param_prefix`` goes before a validation error's param other than ``token_ids`` (``sampling_params.`` on
     ``/inference/v1/generate``)."""
