@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -58,6 +58,7 @@ from inference.structured_caps import (
     check_grammar,
     check_regex,
     check_size,
+    check_value_size,
     is_lark,
     load_choices,
     load_schema,
@@ -69,7 +70,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ANY_OBJECT_SCHEMA", "Constraint", "LARK_HEADER", "MAX_CHOICES", "MAX_SCHEMA_DEPTH", "MAX_SPEC_BYTES",
            "NOUN", "StructuredSpecError", "check", "constraint_of", "engine_grammar", "normalize", "parser_limits",
-           "ref_cycle", "spec_key"]
+           "ref_cycle", "schema_constraint", "spec_key"]
 
 JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False}
 ANY_OBJECT_SCHEMA = '{"type": "object"}'
@@ -196,23 +197,36 @@ class Constraint:
         return RequestValidationError(f"Invalid value for '{self.param}': the {NOUN[self.kind]} {reason}", self.param)
 
 
+def schema_constraint(schema: Any, param: str) -> Constraint:
+    """A ``json`` constraint of the schema object ``schema`` (a parsed request field) from field ``param``:
+    serialised (``json.dumps``, key order kept: it is the order the output's keys take) once its size is known to
+    be within the cap (``check_value_size``: a many-megabytes object is refused without serialising it). Raises
+    ``RequestValidationError`` naming ``param``."""
+    constraint = Constraint("json", "", param)
+    try:
+        check_value_size(schema)
+    except StructuredSpecError as exc:
+        raise constraint.refusal(str(exc)) from None
+    return replace(constraint, spec=json.dumps(schema, ensure_ascii=False))
+
+
 def constraint_of(req: Any) -> Constraint | None:
     """The constraint a validated chat/completions request asks for (``response_format`` or
     ``structured_outputs``, which the schema allows one of), or ``None``. No library work: the gateway's grammar
-    sandbox checks it. Serialises a schema object (``json.dumps``, key order kept: it is the order the output's keys
-    take)."""
+    sandbox checks it. A schema object is serialised (``schema_constraint``). Raises ``RequestValidationError`` for
+    a schema object over the byte cap."""
     rf = getattr(req, "response_format", None)
     if rf is not None and rf.type == "json_object":
         return Constraint("json_object", "", "response_format")
     if rf is not None and rf.type == "json_schema":
-        return Constraint("json", json.dumps(rf.json_schema.json_schema, ensure_ascii=False),
-                          "response_format.json_schema.schema")
+        return schema_constraint(rf.json_schema.json_schema, "response_format.json_schema.schema")
     so = getattr(req, "structured_outputs", None)
     if so is None:
         return None
     if so.json_ is not None:
-        spec = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_, ensure_ascii=False)
-        return Constraint("json", spec, "structured_outputs.json")
+        if isinstance(so.json_, str):
+            return Constraint("json", so.json_, "structured_outputs.json")
+        return schema_constraint(so.json_, "structured_outputs.json")
     if so.regex is not None:
         return Constraint("regex", so.regex, "structured_outputs.regex")
     if so.choice is not None:

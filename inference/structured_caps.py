@@ -91,8 +91,37 @@ def is_lark(text: str) -> bool:
     return _LARK.search(text) is not None
 
 
+# a JSON schema embedded in a Lark grammar (llguidance's ``%json { ... }``), and what may open, close or quote in it
+_JSON_BLOCK = re.compile(r"%json\b\s*")
+_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[{}]')
+
+
+def json_blocks(text: str) -> list[str]:
+    """The JSON schemas embedded in Lark grammar ``text`` with ``%json { ... }``, as text (an unbalanced one runs to
+    the end: the library refuses it). Linear: the scan resumes after each block."""
+    blocks: list[str] = []
+    pos = 0
+    while (m := _JSON_BLOCK.search(text, pos)) is not None:
+        start = pos = m.end()
+        if not text.startswith("{", start):
+            continue
+        depth, end = 0, len(text)
+        for tok in _JSON_TOKENS.finditer(text, start):
+            if tok.group() == "{":
+                depth += 1
+            elif tok.group() == "}":
+                depth -= 1
+                if depth == 0:
+                    end = tok.end()
+                    break
+        blocks.append(text[start:end])
+        pos = end
+    return blocks
+
+
 def check_grammar(spec: str) -> None:
-    """Caps of a Lark or GBNF grammar: bytes, lines, rule definitions, nesting. Raises ``StructuredSpecError``."""
+    """Caps of a Lark or GBNF grammar: bytes, lines, rule definitions, nesting, and those of a JSON schema for each
+    schema it embeds (``%json { ... }``: ``load_schema``). Raises ``StructuredSpecError``."""
     check_size(spec)
     if not spec.strip():
         raise StructuredSpecError("must not be empty")
@@ -105,6 +134,11 @@ def check_grammar(spec: str) -> None:
     depth = max_nesting(spec, _OPAQUE)
     if depth > MAX_NESTING:
         raise StructuredSpecError(f"nests groups {depth} levels deep; at most {MAX_NESTING} are allowed")
+    for block in json_blocks(spec):
+        try:
+            load_schema(block)
+        except StructuredSpecError as exc:
+            raise StructuredSpecError(f"embeds a JSON schema (%json) that {exc}") from None
 
 
 def check_regex(spec: str) -> None:
@@ -115,6 +149,32 @@ def check_regex(spec: str) -> None:
     depth = max_nesting(spec, _REGEX_OPAQUE)
     if depth > MAX_NESTING:
         raise StructuredSpecError(f"nests groups {depth} levels deep; at most {MAX_NESTING} are allowed")
+
+
+def check_value_size(value: Any) -> None:
+    """Refuse a parsed JSON value (a schema object from a request body) whose serialisation would be over
+    ``STRUCTURED_MAX_SPEC_BYTES``, without serialising it: a walk that adds up a lower bound of its JSON text
+    (string lengths and quotes, one character per number, structure) and stops as soon as it passes the cap, so a
+    megabytes-large schema costs about the cap's worth of work, not its own size. Raises ``StructuredSpecError``."""
+    size = 0
+    stack: list[Any] = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            size += len(item) + 2
+        elif isinstance(item, dict):
+            size += 2 + 4 * len(item)  # braces; per entry a colon, a comma and two blanks, at least
+            for k, v in item.items():
+                size += len(k) + 2
+                stack.append(v)
+        elif isinstance(item, list):
+            size += 2 + len(item)
+            stack.extend(item)
+        else:
+            size += 1
+        if size > MAX_SPEC_BYTES:
+            raise StructuredSpecError(f"is more than {MAX_SPEC_BYTES} bytes long; at most {MAX_SPEC_BYTES} are "
+                                      "allowed")
 
 
 def load_choices(spec: str) -> list[str]:

@@ -81,6 +81,10 @@ def test_lark_sniffing_is_linear_on_blank_lines(text):
     ("json", json.dumps(ref_chain(600)), "$ref"),
     ("json", json.dumps({"$defs": {f"d{i}": {"type": "string"} for i in range(600)}, "type": "string"}), "$defs"),
     ("grammar", "x" * (caps.MAX_SPEC_BYTES + 1), "bytes"),
+    # a JSON schema embedded in Lark (%json) meets the schema caps too (the review passed a 1,800-$ref chain and a
+    # cycle through it)
+    ("grammar", "start: %json " + json.dumps(ref_chain(600)), "$ref"),
+    ("grammar", 'start: "x" item\nitem: %json {"$ref": "#"}', "refers to itself"),
 ])
 def test_over_a_cap_is_refused_in_linear_time(kind, spec, words):
     with pytest.raises(StructuredSpecError, match=re.escape(words)):
@@ -109,3 +113,16 @@ def test_the_engine_compiles_only_the_engine_form():
 
     ok, _messages = llguidance.LLMatcher.validate_grammar_with_warnings(engine_grammar("grammar", 'root ::= "a"'))
     assert ok  # is_error: the engine compiles GBNF as Lark and refuses it
+
+
+def test_a_huge_schema_object_is_refused_without_serialising_it():
+    """A 12 MB schema in a request body (49,000 properties) is refused by a walk that stops at the cap, not after
+    ``json.dumps`` of the whole (which stalled the api ~100 ms a request): in-run ratio against serialising it."""
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer", "description": "x" * 200}
+                                               for i in range(49_000)}}
+    with pytest.raises(StructuredSpecError, match="more than"):
+        caps.check_value_size(schema)
+    walk = min(cpu(caps.check_value_size, schema) for _ in range(3))
+    dump = min(cpu(json.dumps, schema) for _ in range(3))
+    assert walk * 20 < dump, (walk, dump)
+    caps.check_value_size({"type": "object", "properties": {"a": {"type": "string"}}})  # small ones pass
