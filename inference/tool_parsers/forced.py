@@ -17,7 +17,7 @@ from typing import Any
 
 from inference.markers import TextBuffer
 from inference.protocol.openai import RequestValidationError
-from inference.structured import Constraint
+from inference.structured import Constraint, schema_constraint
 from inference.tool_parsers.base import ParsedToolCall, ToolParseDelta, ToolParser, call_from_obj
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -26,6 +26,31 @@ EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 def _parameters(tool: Any) -> dict[str, Any]:
     params = tool.function.parameters
     return dict(params) if params else dict(EMPTY_PARAMETERS)
+
+
+def rebased(schema: Any, base: str) -> Any:
+    """A copy of ``schema`` whose local JSON-pointer ``$ref`` s (``#`` and ``#/...``) point into the document it is
+    embedded in at ``base`` (a JSON pointer, e.g. ``/items/anyOf/0/properties/parameters``): a tool's ``parameters``
+    that uses ``$defs`` keeps resolving once placed inside the ``"required"`` schema. Other refs (anchors, remote) are
+    left as they are. Iterative: the depth is bounded by the caps, not by the recursion limit."""
+    root: list[Any] = [None]
+    stack: list[tuple[Any, Any, Any]] = [(schema, root, 0)]
+    while stack:
+        value, parent, key = stack.pop()
+        if isinstance(value, dict):
+            copy: Any = dict.fromkeys(value)  # the keys in their order (it is the order the output's keys take)
+            for k, v in value.items():
+                if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+                    copy[k] = "#" + base + v[1:]
+                else:
+                    stack.append((v, copy, k))
+        elif isinstance(value, list):
+            copy = [None] * len(value)
+            stack.extend((v, copy, i) for i, v in enumerate(value))
+        else:
+            copy = value
+        parent[key] = copy
+    return root[0]
 
 
 def forced_tool_name(tool_choice: Any) -> str | None:
@@ -41,12 +66,14 @@ def forced_tool_name(tool_choice: Any) -> str | None:
 def tool_choice_schema(tools: list[Any], tool_choice: Any, parallel_tool_calls: bool) -> dict[str, Any] | None:
     """The JSON schema that forces ``tool_choice`` (module docstring), ``None`` for ``"auto"``/``"none"``/absent.
     Unlike vLLM's, a call object admits no keys beyond ``name`` and ``parameters`` (JSON Schema allows extra keys by
-    default: a model could then write an endless made-up key, which no client reads as a call).
+    default: a model could then write an endless made-up key, which no client reads as a call), and a tool's local
+    ``$ref`` s are rebased to where its ``parameters`` sit in the ``"required"`` schema (``rebased``; vLLM leaves them
+    pointing at the root, where its ``$defs`` are not).
     ``tools``: the request's validated ``ChatTool`` s (``check_tools`` already ensured a named tool exists)."""
     if tool_choice == "required":
         items = [{"properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                 "parameters": _parameters(t)},
-                  "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+                                 "parameters": rebased(_parameters(t), f"/items/anyOf/{i}/properties/parameters")},
+                  "required": ["name", "parameters"], "additionalProperties": False} for i, t in enumerate(tools)]
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
         if not parallel_tool_calls:
             schema["maxItems"] = 1
@@ -133,4 +160,4 @@ def tool_choice_constraint(req: Any) -> Constraint | None:
     name = forced_tool_name(req.tool_choice)
     param = "tools" if name is None else \
         f"tools[{next(i for i, t in enumerate(tools) if t.function.name == name)}].function.parameters"
-    return Constraint("json", json.dumps(schema, ensure_ascii=False), param)
+    return schema_constraint(schema, param)

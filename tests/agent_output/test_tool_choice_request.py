@@ -13,6 +13,7 @@ from inference.chat_output import ChatOutputSpec
 from inference.input_processor import GenerationDefaults, process_inputs
 from inference.protocol.openai import ChatCompletionRequest, RequestValidationError, validate_request
 from inference.renderer.tokenizer_cache import get_tokenizer
+from inference.structured import check
 from inference.tool_parsers.forced import tool_choice_constraint
 from tests.renderer.tokdirs import tok_dir
 
@@ -101,3 +102,22 @@ def test_history_arguments_must_be_a_json_object_string(bad):
     assert exc.value.param == "messages[1].tool_calls[1].function.arguments"
     msgs[1]["tool_calls"][1]["function"]["arguments"] = '{"city": "Paris"}'
     validate_request(ChatCompletionRequest, {"model": "m", "messages": msgs})
+
+
+def test_required_keeps_a_tools_defs_reachable():
+    """A tool whose parameters use ``$defs`` (pydantic writes them) under ``tool_choice: "required"``: its local
+    ``$ref`` s are rebased to where the parameters sit in the array schema (vLLM leaves them pointing at the root,
+    where no ``$defs`` are: "Pointer '/$defs/Addr' does not exist")."""
+    params = {"type": "object", "properties": {"addr": {"$ref": "#/$defs/Addr"}, "more": {"type": "array",
+                                                                                      "items": {"$ref": "#"}}},
+              "required": ["addr"], "$defs": {"Addr": {"type": "object", "properties": {
+                  "city": {"type": "string", "maxLength": 5}}, "required": ["city"]}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    sp = processed(req(tools=[WEATHER, tool], tool_choice="required"))
+    check("json", sp.structured_spec)
+    schema = json.loads(sp.structured_spec)
+    jsonschema.validate([{"name": "f", "parameters": {"addr": {"city": "Rome"}, "more": [{"addr": {"city": "Ur"}}]}}],
+                        schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "f", "parameters": {"addr": {"city": "Toronto"}}}], schema)
+    assert params["properties"]["addr"]["$ref"] == "#/$defs/Addr"  # the request's own schema is left as it was
