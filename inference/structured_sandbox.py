@@ -17,7 +17,10 @@ pathological input burns only its own budget:
   progress at all.
 * At most ``STRUCTURED_COMPILE_PER_TENANT`` compiles of one tenant run at once (more wait their turn; the slot is
   held until the compile ends even when its client went away), so one tenant's flood of schemas leaves the other
-  worker processes to everyone else.
+  worker processes to everyone else. A tenant whose compile was ended for its budget is a *suspect* for
+  ``SUSPECT_S``: all suspects together hold at most ``processes - 1`` workers, so two or more tenants flooding
+  costly schemas still leave one worker to everyone else (without it, two tenants held both workers and a third's
+  trivial schema waited 1.3 s at the median).
 * Results (the engine form, or the error) are kept in an LRU keyed by ``spec_key(kind, spec, cache scope)``: a
   repeated schema costs a lookup, and only callers of the same cache scope share an entry (a cache shared across
   tenants would tell one, by its timing, which schemas another sent).
@@ -53,6 +56,7 @@ MAX_BYTES = SETTINGS.structured_compile_max_bytes
 CACHE_SIZE = SETTINGS.structured_compile_cache_size
 WALL_FACTOR = 20  # wall-clock bound of one compile, in budgets (a worker starved of CPU still gets its budget)
 WALL_MIN_S = 10.0
+SUSPECT_S = 60.0  # how long a tenant whose compile was ended for its budget shares the suspects' workers
 _PR_SET_PDEATHSIG = 1
 
 
@@ -123,6 +127,15 @@ def _compile(kind: str, spec: str, budget_s: float) -> tuple[str | None, str | N
     return form, error, time.process_time() - start
 
 
+@dataclass
+class _Held:
+    """The slots one compile holds: its tenant's, and the suspects' one when its tenant is a suspect."""
+
+    tenant: str
+    semaphores: list[asyncio.Semaphore]
+    users: list[int]
+
+
 class GrammarSandbox:
     """Compiles constraints in worker processes (module docstring).
 
@@ -142,6 +155,8 @@ class GrammarSandbox:
         self._pool_lock = threading.Lock()
         self._cache: OrderedDict[str, CompileResult] = OrderedDict()
         self._tenants: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}  # tenant → (slots, [users])
+        self._suspects: dict[str, float] = {}  # tenant → monotonic time its suspicion ends
+        self._suspect_slots = asyncio.Semaphore(max(1, self.processes - 1))
 
     # ------------------------------------------------------------------ pool
     def _get_pool(self) -> ProcessPool:
@@ -197,48 +212,66 @@ class GrammarSandbox:
         if hit is not None:
             return CompileResult(hit.engine_form, hit.error, 0.0, hit.outcome, cached=True)
         loop = asyncio.get_running_loop()
-        slots, users = self._tenants.setdefault(tenant, (asyncio.Semaphore(self.per_tenant), [0]))
-        users[0] += 1
-        try:
-            await slots.acquire()
-        except BaseException:
-            self._leave(tenant, users)
-            raise
+        held = await self._take_slots(tenant)
         hit = self.cached(key)  # compiled by this tenant's previous request meanwhile
         if hit is not None:
-            slots.release()
-            self._leave(tenant, users)
+            self._give_back(held)
             return CompileResult(hit.engine_form, hit.error, 0.0, hit.outcome, cached=True)
         try:
             pool = self._get_pool()
             future = pool.schedule(_compile, args=(kind, spec, self.budget_s),
                                    timeout=max(WALL_MIN_S, WALL_FACTOR * self.budget_s))
         except BaseException:
-            slots.release()
-            self._leave(tenant, users)
+            self._give_back(held)
             raise
         done: asyncio.Future[CompileResult] = loop.create_future()
 
         def finished(f: Future[tuple[str | None, str | None, float]]) -> None:
-            loop.call_soon_threadsafe(self._finish, f, key, (tenant, slots, users), pool, done)
+            loop.call_soon_threadsafe(self._finish, f, key, held, pool, done)
 
         future.add_done_callback(finished)
         return await asyncio.shield(done)
 
-    def _leave(self, tenant: str, users: list[int]) -> None:
-        """One caller of ``tenant`` is done with its slots; the last one forgets them."""
-        users[0] -= 1
-        if users[0] == 0 and self._tenants.get(tenant, (None, None))[1] is users:
-            del self._tenants[tenant]
+    def suspect(self, tenant: str) -> bool:
+        """Whether ``tenant`` had a compile ended for its budget in the last ``SUSPECT_S`` seconds."""
+        until = self._suspects.get(tenant)
+        if until is not None and until <= time.monotonic():
+            del self._suspects[tenant]
+            return False
+        return until is not None
 
-    def _finish(self, future: Future[tuple[str | None, str | None, float]], key: str,
-                holder: tuple[str, asyncio.Semaphore, list[int]], pool: ProcessPool,
-                done: asyncio.Future[CompileResult]) -> None:
+    async def _take_slots(self, tenant: str) -> _Held:
+        """Wait for one of ``tenant``'s slots and, while it is a suspect, for one of the suspects' slots too (all
+        suspects together hold at most ``processes - 1`` workers: one is always left to the others)."""
+        slots, users = self._tenants.setdefault(tenant, (asyncio.Semaphore(self.per_tenant), [0]))
+        users[0] += 1
+        held = _Held(tenant, [], users)
+        try:
+            await slots.acquire()
+            held.semaphores.append(slots)
+            if self.suspect(tenant):
+                await self._suspect_slots.acquire()
+                held.semaphores.append(self._suspect_slots)
+        except BaseException:
+            self._give_back(held)
+            raise
+        return held
+
+    def _give_back(self, held: _Held) -> None:
+        """Release what ``_take_slots`` took; the tenant's last caller forgets its slots."""
+        for semaphore in held.semaphores:
+            semaphore.release()
+        held.semaphores.clear()
+        held.users[0] -= 1
+        if held.users[0] == 0 and self._tenants.get(held.tenant, (None, None))[1] is held.users:
+            del self._tenants[held.tenant]
+
+    def _finish(self, future: Future[tuple[str | None, str | None, float]], key: str, held: _Held,
+                pool: ProcessPool, done: asyncio.Future[CompileResult]) -> None:
         """On the loop, when a worker's compile ended: its result (cached unless the pool failed), the tenant's
-        slot given back, the waiting caller answered."""
-        tenant, slots, users = holder
-        slots.release()
-        self._leave(tenant, users)
+        slots given back (a compile ended for its budget makes its tenant a suspect for ``SUSPECT_S``), the waiting
+        caller answered."""
+        self._give_back(held)
         try:
             form, error, cpu_s = future.result()
             result = CompileResult(form, error, cpu_s, "ok" if error is None else "invalid")
@@ -247,6 +280,7 @@ class GrammarSandbox:
                 else "CPU time or memory"
             result = CompileResult(None, f"could not be compiled within its budget ({self.budget_s:g} s of "
                                          f"{reason}); simplify it", self.budget_s, "budget")
+            self._suspects[held.tenant] = time.monotonic() + SUSPECT_S
         except (BrokenProcessPool, FutureCancelled, OSError) as exc:
             self._reset_pool(pool)
             if not done.done():

@@ -124,3 +124,20 @@ def test_workers_die_with_the_api_process(tmp_path):
             time.sleep(0.1)
     finally:
         proc.kill()
+
+
+async def test_tenants_whose_compiles_hit_the_budget_share_one_worker_and_leave_the_other(box):
+    """Two tenants flooding costly schemas (the fresh-eyes review: a third tenant's trivial schema then waited 1.3 s
+    at the median behind them): once a tenant's compile was ended for its budget, all such tenants together hold at
+    most ``processes - 1`` workers, so a third tenant's compile always finds one."""
+    first = await asyncio.gather(compile_(box, "grammar", CHAIN + "\n# a0", tenant="A"),
+                                 compile_(box, "grammar", CHAIN + "\n# b0", tenant="B"))
+    assert [r.outcome for r in first] == ["budget", "budget"] and box.suspect("A") and box.suspect("B")
+    flood = [asyncio.create_task(compile_(box, "grammar", CHAIN + f"\n# {t}{i}", tenant=t))
+             for t in "AB" for i in range(1, 3)]
+    await asyncio.sleep(0.02)
+    assert box._suspect_slots.locked()  # one suspect compile runs; the other three wait for the suspects' worker
+    other = await compile_(box, "json", SCHEMA, scope="tenant:C", tenant="C")
+    assert other.outcome == "ok" and not all(t.done() for t in flood)
+    assert [r.outcome for r in await asyncio.gather(*flood)] == ["budget"] * 4
+    assert not box.suspect("C")
