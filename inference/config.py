@@ -50,6 +50,8 @@ variable                           type     default              meaning (unit; 
 ``STRUCTURED_MAX_CHOICES``         int      1024                 entries of ``structured_outputs.choice`` (``structured.py``)
 ``STRUCTURED_MAX_GRAMMAR_SIZE``    int      100000               llguidance grammar symbols (``structured.py``)
 ``STRUCTURED_MAX_LEXER_STATES``    int      50000                llguidance lexer states per grammar (``structured.py``)
+``STRUCTURED_INITIAL_LEXER_FUEL``  int      100000               llguidance's fuel for a grammar's first mask (the lexer's
+                                                                 precomputation) (``structured.py``)
 ``STRUCTURED_MAX_GRAMMAR_LINES``   int      4096                 lines of a ``structured_outputs.grammar`` (``structured_caps.py``)
 ``STRUCTURED_MAX_GRAMMAR_RULES``   int      512                  rule definitions of a grammar (``structured_caps.py``)
 ``STRUCTURED_MAX_NESTING``         int      64                   nested groups (parentheses) of a grammar or regular
@@ -150,6 +152,7 @@ class InferenceSettings:
     structured_max_choices: int = 1024
     structured_max_grammar_size: int = 100_000
     structured_max_lexer_states: int = 50_000
+    structured_initial_lexer_fuel: int = 100_000
     structured_max_grammar_lines: int = 4096
     structured_max_grammar_rules: int = 512
     structured_max_nesting: int = 64

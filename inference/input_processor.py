@@ -88,6 +88,7 @@ class ProcessedInput:
     """The result of input processing for one API request.
 
     ``requests`` holds one ``EngineCoreRequest`` per choice (``n`` children, seeds ``seed + i``);
+    ``constraint_param``: the field the request's output constraint came from (``response_format...``, ``tools``);
     ``max_tokens`` is the resolved output cap; ``external_id`` the id shown to the client; ``chat_output`` how a
     chat request's choices are parsed (``inference.chat_output.ChatOutputSpec``), set by the chat path.
     ``batch_prompts``: set for a batch of completions prompts (``merge_batch``): the prompts in order, the
@@ -100,6 +101,7 @@ class ProcessedInput:
     requests: list[EngineCoreRequest] = field(default_factory=list)
     chat_output: Any = None
     batch_prompts: list[list[int]] | None = None
+    constraint_param: str | None = None  # the request field of its output constraint (errors name it)
 
     @property
     def prompt_tokens_per_request(self) -> int:

@@ -275,6 +275,7 @@ class ChoiceState:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    error_code: str | None = None  # ``EngineCoreOutput.error_code`` of the failure
     # which of the request's prompts this choice continues (0 but in a batch of completions prompts)
     prompt_index: int = 0
     # the engine's timestamps of this child (Unix seconds on the replica's clock; ``EngineCoreOutput``): when the
@@ -415,10 +416,12 @@ class RequestState:
 
     def error_message(self) -> str | None:
         """The first engine error of any choice (``None`` when no choice failed)."""
-        for c in self.choices:
-            if c.finish_reason == FINISH_ERROR:
-                return c.error or "The engine failed while generating"
-        return None
+        failed = self.failed_choice()
+        return None if failed is None else failed.error or "The engine failed while generating"
+
+    def failed_choice(self) -> ChoiceState | None:
+        """The first choice the engine failed (``None`` when none did)."""
+        return next((c for c in self.choices if c.finish_reason == FINISH_ERROR), None)
 
 
 @dataclass
@@ -499,7 +502,7 @@ class OutputProcessor:
             emit += tail
             state.finish_reason = FINISH_STOP if late_match is not None else finish
             state.stop_reason = late_match if late_match is not None else out.stop_reason
-            state.error = out.error
+            state.error, state.error_code = out.error, out.error_code
         state.add_text(emit)
         if not emit and not new_ids and finish is None:
             return None, False

@@ -82,9 +82,16 @@ def parser_limits() -> llguidance.LLParserLimits:
     ``max_grammar_size`` (symbols) and ``max_lexer_states`` are lowered from the library's defaults
     (500,000 / 250,000) to ``STRUCTURED_MAX_GRAMMAR_SIZE`` / ``STRUCTURED_MAX_LEXER_STATES``: a schema under
     the byte cap needs far fewer, and a lexer state costs 1-2 kB of engine memory. ``verbose_errors`` off:
-    an error message is shown to the client, without the library's dump of parser state."""
+    an error message is shown to the client, without the library's dump of parser state.
+
+    ``initial_lexer_fuel`` is lowered from 1,000,000 to ``STRUCTURED_INITIAL_LEXER_FUEL`` (100,000): it bounds the
+    work of a grammar's first mask (the lexer's precomputation over the token trie), which the tokenizer-free check
+    cannot see; at the default a 20-byte regex ``(a{1000}){1000}`` cost the engine 0.7 s and 180 MB per request, at
+    100,000 it fails in ~40 ms; ordinary constraints (e-mail, date-time and UUID patterns, schemas, a JSON GBNF) need
+    under 25,000."""
     return llguidance.LLParserLimits(max_grammar_size=SETTINGS.structured_max_grammar_size,
                                      max_lexer_states=SETTINGS.structured_max_lexer_states,
+                                     initial_lexer_fuel=SETTINGS.structured_initial_lexer_fuel,
                                      verbose_errors=False)
 
 

@@ -162,13 +162,13 @@ def check_value_size(value: Any) -> None:
         item = stack.pop()
         if isinstance(item, str):
             size += len(item) + 2
-        elif isinstance(item, dict):
-            size += 2 + 4 * len(item)  # braces; per entry a colon, a comma and two blanks, at least
+        elif isinstance(item, dict):  # '{"k": v, "k2": v2}': braces and separators, 4 a key, 2 when empty
+            size += 4 * len(item) if item else 2
             for k, v in item.items():
                 size += len(k) + 2
                 stack.append(v)
-        elif isinstance(item, list):
-            size += 2 + len(item)
+        elif isinstance(item, list):  # '[a, b]': 2 an item, 2 when empty
+            size += 2 * len(item) if item else 2
             stack.extend(item)
         else:
             size += 1

@@ -219,9 +219,10 @@ class BaseScheduler(ABC):
     def _emit(self, client_id: str, out: EngineCoreOutput) -> None:
         self._out.setdefault(client_id, []).append(out)
 
-    def _finish_out(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+    def _finish_out(self, seq: Sequence, reason: str, error: str | None = None, error_code: str | None = None) -> None:
         self._emit(seq.request.client_id, EngineCoreOutput(
-            request_id=seq.request_id, finish_reason=reason, error=error, engine_id=self.engine_id))
+            request_id=seq.request_id, finish_reason=reason, error=error, engine_id=self.engine_id,
+            error_code=error_code))
 
     def _take(self) -> Outputs:
         """The outputs made since the last call (and forget them)."""

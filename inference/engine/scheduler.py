@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from inference.protocol.engine import (
     FINISH_ABORT,
+    ERROR_STRUCTURED_OUTPUT,
     FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
@@ -218,7 +219,9 @@ class Scheduler(BaseScheduler):
                     head.grammar.start()
                 except Exception as exc:  # noqa: BLE001 - a constraint that does not compile fails its request only
                     self.waiting.popleft()
-                    self._finish_out(head, FINISH_ERROR, f"structured output constraint {exc}")
+                    self._forget_grammar(head)
+                    self._finish_out(head, FINISH_ERROR, f"structured output constraint {exc}",
+                                     ERROR_STRUCTURED_OUTPUT)
                     continue
             n = len(head.request.prompt_token_ids)
             if n <= budget or (not group and not self.enable_chunked_prefill):
@@ -336,7 +339,12 @@ class Scheduler(BaseScheduler):
                     if constrained else None)
         tokens, lps = self.runner.sample(logits, seqs, mask)
         ts = now()
+        failed = mask.failed if mask is not None else {}
         for i, (seq, tok) in enumerate(zip(seqs, tokens)):
+            if i in failed:  # the library gave up on this row's grammar: its mask allowed nothing it could stand by
+                self._grammar_failed(seq, failed[i])
+                self._finish_out(seq, FINISH_ERROR, seq.error, seq.error_code)
+                continue
             seq.output_token_ids.append(tok)
             first = seq.first_token_ts is None
             if first:
@@ -349,7 +357,7 @@ class Scheduler(BaseScheduler):
                 new_logprobs=[lps[i]] if lps is not None and lps[i] is not None else None,
                 prompt_logprobs=seq.prompt_logprobs if first else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, error=seq.error,
-                num_cached_tokens=seq.num_cached_tokens if first else 0,
+                error_code=seq.error_code, num_cached_tokens=seq.num_cached_tokens if first else 0,
                 scheduled_ts=seq.scheduled_ts if first else None,
                 first_token_ts=ts if first else None, engine_id=self.engine_id))
 
@@ -373,9 +381,23 @@ class Scheduler(BaseScheduler):
         try:
             if grammar.advance(tok) and seq.finish_reason in (None, FINISH_LENGTH):
                 seq.finish_reason, seq.stop_reason = FINISH_STOP, None
-        except Exception as exc:  # one request's grammar must not stop the engine (logged)
-            log.exception("grammar of %s failed", seq.request_id)
-            seq.finish_reason, seq.error = FINISH_ERROR, f"structured output failed: {exc}"
+        except Exception as exc:  # noqa: BLE001 - one request's grammar must not stop the engine (logged)
+            log.warning("grammar of %s failed: %s", seq.request_id, exc)
+            self._grammar_failed(seq, str(exc))
+
+    def _grammar_failed(self, seq: Sequence, message: str) -> None:
+        """``seq``'s grammar failed while generating (a library limit, a refused token): the request finishes with
+        ``error`` and ``ERROR_STRUCTURED_OUTPUT``, and the compiled grammar leaves the cache (its shared lexer state
+        may hold what the failure built: ~180 MB for ``(a{1000}){1000}``, and a copy taken from it after the failure
+        allowed only EOS)."""
+        seq.finish_reason, seq.error = FINISH_ERROR, f"structured output failed: {message}"
+        seq.error_code = ERROR_STRUCTURED_OUTPUT
+        self._forget_grammar(seq)
+
+    def _forget_grammar(self, seq: Sequence) -> None:
+        sp = seq.params
+        if sp.structured_kind is not None:
+            self.grammars.evict(sp.structured_kind, sp.structured_spec, seq.request.cache_salt or "")
 
 
 def _settle(ahead: _MaskAhead | None) -> None:

@@ -33,6 +33,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | None = None
     error: str | None = None
+    error_code: str | None = None  # ``EngineCoreOutput.error_code`` when the engine knows the failure's kind
     bias_ids: torch.Tensor | None = None
     bias_vals: torch.Tensor | None = None
     prompt_ids_t: torch.Tensor | None = None

@@ -28,7 +28,7 @@ import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import llguidance
@@ -138,6 +138,12 @@ class GrammarCompiler:
             raise StructuredSpecError(f"does not compile: {matcher.get_error()}")
         return matcher
 
+    def evict(self, kind: str, spec: str, scope: str = "") -> None:
+        """Drop the compiled grammar of ``(kind, spec)`` for ``scope`` from the cache (after it failed while
+        generating: its shared lexer state may hold what the failure built); the next request compiles afresh."""
+        with self._lock:
+            self._cache.pop((kind, spec, scope), None)
+
     def shutdown(self) -> None:
         """Stop the pool (pending compiles are cancelled)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -213,6 +219,7 @@ class GrammarMask:
 
     bias: torch.Tensor
     row_list: list[int]
+    failed: dict[int, str] = field(default_factory=dict)  # row → the library's error: its grammar gave up
 
     @property
     def disallowed(self) -> torch.Tensor:
@@ -279,6 +286,9 @@ class GrammarMasker:
             words_i32 = bitmask.numpy()  # shares the tensor's memory
             llguidance.numpy.fill_next_token_bitmask_par(
                 self.executor, [(g.matcher, j) for j, (_i, g) in enumerate(rows) if g.matcher is not None], words_i32)
+            # a matcher the library gave up on (a limit: lexer fuel, too many expressions, items in a row) leaves a
+            # mask of EOS alone: sampled, that is an empty "stop" that breaks the constraint, so the row fails
+            failed = {i: g.matcher.get_error() for i, g in rows if g.matcher is not None and g.matcher.is_error()}
             packed = words_i32.view(np.uint32)
             if vocab % 32:
                 packed[:, words - 1] &= np.uint32((1 << (vocab % 32)) - 1)  # ids past the tokenizer: never
@@ -306,7 +316,7 @@ class GrammarMasker:
                 bias[i, bits:] = _NEG_INF_BITS
             for j, ids in late:
                 bias[row_list[j], ids] = 0
-        return GrammarMask(bias=bias_t.to(device), row_list=row_list)
+        return GrammarMask(bias=bias_t.to(device), row_list=row_list, failed=failed)
 
     def _bitmask_for(self, rows: int, words: int) -> torch.Tensor:
         """The reused bitmask's first ``rows`` rows (grown as needed), contiguous ``[rows, words]`` int32."""

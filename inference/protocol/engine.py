@@ -55,6 +55,9 @@ FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
 FINISH_ERROR = "error"
+# ``EngineCoreOutput.error_code`` of a request whose output constraint failed in the engine (a grammar the library
+# gave up on: its limits, a token it refused): the client's to change, not a retryable engine failure
+ERROR_STRUCTURED_OUTPUT = "structured_output_failed"
 
 
 def requests_stream(prefix: str, model: str) -> str:
@@ -286,7 +289,9 @@ class EngineCoreOutput:
       token only: one entry per prompt token, ``None`` for the first (nothing predicts it), then
       ``[logprob, [[token_id, logprob], ...top-k]]`` as in ``new_logprobs``.
     * ``num_cached_tokens``: prompt tokens served from the prefix cache (first output only).
-    * ``error``: message when ``finish_reason == "error"``.
+    * ``error``: message when ``finish_reason == "error"``; ``error_code``: what kind of failure, when the engine
+      knows (``ERROR_STRUCTURED_OUTPUT``: the request's output constraint failed, the client's to fix; ``None``: an
+      engine failure).
     * timestamps (Unix seconds): ``queued_ts`` when the engine read it, ``scheduled_ts`` when it was
       first scheduled, ``first_token_ts`` on the output that carries the first token.
     * ``engine_id``: the replica that runs it (lets the api process detect a dead replica).
@@ -307,6 +312,7 @@ class EngineCoreOutput:
     # Optional addition: the pooled vector of a ``pooling`` request, float32 little-endian bytes
     # (``dim × 4`` bytes; ``numpy.frombuffer(pooled, "<f4")``), on its (single, finished) output.
     pooled: bytes | None = None
+    error_code: str | None = None
 
 
 @dataclass
@@ -331,8 +337,20 @@ class EngineCoreOutputs:
         return cls(
             engine_id=raw["engine_id"],
             timestamp=raw["timestamp"],
-            outputs=[EngineCoreOutput(**o) for o in raw["outputs"]],
+            outputs=[_output_of(o) for o in raw["outputs"]],
         )
+
+
+_OUTPUT_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineCoreOutput))
+
+
+def _output_of(fields: dict[str, Any]) -> EngineCoreOutput:
+    """An ``EngineCoreOutput`` from its wire map; fields this version does not know (a newer engine's) are dropped,
+    so api processes and engines of neighbouring versions talk during a rolling upgrade."""
+    try:
+        return EngineCoreOutput(**fields)
+    except TypeError:
+        return EngineCoreOutput(**{k: v for k, v in fields.items() if k in _OUTPUT_FIELDS})
 
 
 @dataclass

@@ -50,6 +50,8 @@ class ErrorCode(StrEnum):
     SERVER_OVERLOADED = "server_overloaded"
     ENGINE_UNAVAILABLE = "engine_unavailable"
     ENGINE_ERROR = "engine_error"
+    STRUCTURED_OUTPUT_FAILED = "structured_output_failed"
+    STRUCTURED_OUTPUTS_UNAVAILABLE = "structured_outputs_unavailable"
     RENDER_UNAVAILABLE = "render_unavailable"
     RENDER_INTERNAL_ERROR = "render_internal_error"
     MM_UNAVAILABLE = "mm_unavailable"

@@ -126,3 +126,20 @@ def test_a_huge_schema_object_is_refused_without_serialising_it():
     dump = min(cpu(json.dumps, schema) for _ in range(3))
     assert walk * 20 < dump, (walk, dump)
     caps.check_value_size({"type": "object", "properties": {"a": {"type": "string"}}})  # small ones pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.one_of(st.text(max_size=30), st.integers(), st.booleans(), st.none(), st.floats(allow_nan=False)),
+                    lambda inner: st.one_of(st.lists(inner, max_size=5),
+                                            st.dictionaries(st.text(max_size=10), inner, max_size=5)),
+                    max_leaves=40))
+def test_the_size_walk_never_refuses_what_fits(value):
+    """The walk adds up a lower bound: it refuses only what ``json.dumps`` (as the gateway serialises) makes longer
+    than the cap, checked against the real length with a cap set to it."""
+    size = len(json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    saved = caps.MAX_SPEC_BYTES
+    try:
+        caps.MAX_SPEC_BYTES = size
+        caps.check_value_size(value)  # exactly at the cap: passes
+    finally:
+        caps.MAX_SPEC_BYTES = saved

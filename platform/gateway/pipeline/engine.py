@@ -12,7 +12,7 @@ from typing import AsyncIterator
 import numpy as np
 
 from gateway.disconnect import raise_if_client_gone
-from gateway.errors import engine_error
+from gateway.errors import ErrorCode, bad_request, engine_error
 from gateway.model_cache import ModelSnapshot
 from gateway.pipeline import admission
 from gateway.pipeline.clients import background, link
@@ -21,7 +21,7 @@ from inference.admission import Reservation
 from inference.engine_client import EngineUnavailableError
 from inference.input_processor import ProcessedInput
 from inference.output_processor import ChoiceDelta, ChoiceState, OutputProcessor, RequestState
-from inference.protocol.engine import FINISH_STOP, EngineCoreOutput, EngineCoreRequest
+from inference.protocol.engine import ERROR_STRUCTURED_OUTPUT, FINISH_STOP, EngineCoreOutput, EngineCoreRequest
 from inference.renderer.tokenizer_cache import LoadedTokenizer
 
 log = logging.getLogger(__name__)
@@ -125,10 +125,16 @@ class GenerationRun:
         return self.state.error_message()
 
     def raise_for_engine_error(self, *, retry_after: bool) -> None:
-        """``ApiError`` 503 ``engine_error`` when a choice failed on the engine."""
-        error = self.error_message()
-        if error:
-            raise engine_error(error, retry_after=retry_after)
+        """``ApiError`` when a choice failed on the engine: 400 ``structured_output_failed`` naming the constraint's
+        field when its output constraint failed there (a grammar the library gave up on: the client's to change, so
+        not a 503 the ``openai`` client would retry into an empty ``stop``), else 503 ``engine_error``."""
+        failed = self.state.failed_choice()
+        if failed is None:
+            return
+        message = failed.error or "The engine failed while generating"
+        if failed.error_code == ERROR_STRUCTURED_OUTPUT:
+            raise bad_request(message, self.processed.constraint_param, ErrorCode.STRUCTURED_OUTPUT_FAILED)
+        raise engine_error(message, retry_after=retry_after)
 
     async def close(self) -> None:
         """Abort children that have not finished (client gone, error, cancellation) and drop their output routes.

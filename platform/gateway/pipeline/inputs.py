@@ -13,7 +13,7 @@ from typing import Protocol
 from tenancy.selectors import AuthContext
 from django.conf import settings
 
-from gateway.errors import bad_request, unavailable
+from gateway.errors import ErrorCode, bad_request, unavailable
 from gateway.pipeline.clients import background, redis
 from gateway.model_cache import ModelSnapshot
 from gateway.pipeline.failures import api_error_from
@@ -123,7 +123,7 @@ async def structured_constraint(req: SamplingRequest, ctx: AuthContext, param_pr
                                                             tenant=str(ctx.tenant_id))
     except structured_sandbox.SandboxUnavailable as exc:
         raise unavailable(f"The output constraint cannot be checked right now ({exc}); retry shortly",
-                          code="structured_outputs_unavailable") from None
+                          code=ErrorCode.STRUCTURED_OUTPUTS_UNAVAILABLE) from None
     if not result.cached:
         record_compile(result)
     if result.error is not None:
@@ -214,6 +214,7 @@ def process(req: SamplingRequest, model: ModelSnapshot, tokenizer: LoadedTokeniz
     except RequestValidationError as exc:
         raise api_error_from(exc, param_prefix=param_prefix) from None
     processed.chat_output = chat_output
+    processed.constraint_param = constraint.param if constraint is not None else None
     return processed
 
 
