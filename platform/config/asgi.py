@@ -5,8 +5,8 @@ admission lease and reaper start with the process). HTTP requests under the gate
 Channels consumers; everything else (admin, REST control API, dashboards) goes to Django's ASGI handler.
 
 A configuration the platform refuses (config/startup_checks.py: an example secret, a TLS proxy without trusted proxy
-addresses) ends the process at import with one line on stderr and uvicorn's start-up failure status, so uvicorn's
-worker supervisor stops rather than restarting the worker forever.
+addresses, a trusted proxy list uvicorn would misread) ends the process at import with one line on stderr and
+uvicorn's start-up failure status, so uvicorn's worker supervisor stops rather than restarting the worker forever.
 """
 
 import faulthandler
@@ -32,7 +32,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 
 from django.conf import settings  # noqa: E402
 
-# behind a TLS proxy, the api needs the proxies it may believe X-Forwarded-For from (config/startup_checks.py)
+# the proxies the api believes X-Forwarded-For from: listed behind a TLS proxy, never '*' (config/startup_checks.py)
 if (_problem := untrusted_proxy_problem(behind_tls_proxy=settings.BEHIND_TLS_PROXY,
                                         forwarded_allow_ips=settings.FORWARDED_ALLOW_IPS)):
     refuse_start(f"Refusing to start the api: {_problem}")

@@ -117,10 +117,12 @@ def _run(argv: list[str], env: dict[str, str]) -> tuple[int | None, str]:
         return None, out
 
 
-def _api_argv(workers: int = 1) -> list[str]:
-    """The api's command of deploy/k8s/api.yaml (the systemd unit's with ``workers`` 2), on a loopback port."""
+def _api_argv(env: dict[str, str], workers: int = 1) -> list[str]:
+    """The api's command of deploy/k8s/api.yaml (the systemd unit's with ``workers`` 2), on a loopback port, its
+    ``$(VAR)`` expanded from ``env`` as Kubernetes does (left as written where ``env`` has no such variable)."""
     container = yaml.safe_load((DEPLOY / "k8s" / "api.yaml").read_text().split("\n---\n")[0])
-    argv = list(container["spec"]["template"]["spec"]["containers"][0]["command"])
+    argv = [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), a)
+            for a in container["spec"]["template"]["spec"]["containers"][0]["command"]]
     argv[argv.index("--host") + 1] = "127.0.0.1"
     argv[argv.index("--port") + 1] = str(free_port())
     argv[argv.index("--workers") + 1] = str(workers)
@@ -153,8 +155,8 @@ def test_api_refuses_the_example_secrets(tmp_path, source):
     names = _example_names(example)
     assert {"DJANGO_SECRET_KEY", "REDIS_URL", "DATABASE_URL", "API_KEY_PEPPER"} <= names, names
     env = _deployment_env(tmp_path, _safe(example) | {k: example[k] for k in names})
-    env["FORWARDED_ALLOW_IPS"] = "10.0.0.0/8"  # k8s is behind a TLS proxy: not what this test is about
-    status, out = _run(_api_argv(), env)
+    env["FORWARDED_ALLOW_IPS"] = "10.244.3.0/24"  # k8s is behind a TLS proxy: not what this test is about
+    status, out = _run(_api_argv(env), env)
     assert status == UVICORN_STARTUP_FAILURE, (status, out[-3000:])
     for name in names:
         assert name in out, (name, out[-3000:])
@@ -216,7 +218,8 @@ def _says_what_to_set(out: str) -> bool:
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_api_behind_a_tls_proxy_refuses_to_start_without_trusted_proxies(tmp_path, workers):
-    status, out = _run(_api_argv(workers), _behind_proxy_env(tmp_path))
+    env = _behind_proxy_env(tmp_path)
+    status, out = _run(_api_argv(env, workers), env)
     assert status is not None, "the api started: " + out[-3000:]
     if workers == 1:
         assert status == UVICORN_STARTUP_FAILURE, (status, out[-3000:])
@@ -238,7 +241,7 @@ def test_check_deploy_reports_the_missing_trusted_proxies(tmp_path):
     status, out = _run(_manage("check", "--deploy"), env)
     assert status not in (None, 0), out[-3000:]
     assert _says_what_to_set(out), out[-3000:]
-    env["FORWARDED_ALLOW_IPS"] = "10.0.0.0/8"
+    env["FORWARDED_ALLOW_IPS"] = "10.244.3.0/24, 10.244.7.0/24"
     status, out = _run(_manage("check", "--deploy"), env)
     assert status == 0 and "FORWARDED_ALLOW_IPS" not in out, out[-3000:]
 
@@ -248,3 +251,54 @@ def test_workers_behind_a_tls_proxy_are_not_concerned(tmp_path):
     the same settings and apps they do)."""
     status, out = _run(_manage("check"), _behind_proxy_env(tmp_path))
     assert status == 0, out[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------ follow-up
+# A trusted-proxy list uvicorn would misread is refused like a missing one (config.asgi, serve, check --deploy):
+# '*' (or a network of every address) lets any client that reaches the api (on 0.0.0.0) pick the address login
+# throttling counts and the audit log records; an entry that is not an address or a network (a host name, a
+# network with host bits set, a '*' among addresses) is one uvicorn keeps as a literal that matches no client: the
+# proxy goes unbelieved.
+EVERY_ADDRESS = ["*", "0.0.0.0/0", "::/0"]
+NOT_AN_ADDRESS = ["ingress-nginx-controller.ingress-nginx.svc", "10.244.3.7/24", "10.244.3.0/24, *"]
+
+
+def _says_to_list_the_proxies(out: str, value: str) -> bool:
+    return f"FORWARDED_ALLOW_IPS={value!r}" in out and "the proxy's addresses or networks" in out
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_api_refuses_to_trust_every_address(tmp_path, workers):
+    env = _behind_proxy_env(tmp_path) | {"FORWARDED_ALLOW_IPS": "*"}
+    status, out = _run(_api_argv(env, workers), env)
+    assert status is not None, "the api started: " + out[-3000:]
+    if workers == 1:
+        assert status == UVICORN_STARTUP_FAILURE, (status, out[-3000:])
+    else:
+        assert "failed to start, stopping the parent process" in out, out[-3000:]
+    assert _says_to_list_the_proxies(out, "*"), out[-3000:]
+
+
+def test_serve_refuses_to_trust_every_address_before_starting_anything(tmp_path):
+    env = _behind_proxy_env(tmp_path) | {"FORWARDED_ALLOW_IPS": "*"}
+    status, out = _run(_manage("serve", "--no-engine", "--port", str(free_port())), env)
+    assert status == 1, (status, out[-3000:])
+    assert _says_to_list_the_proxies(out, "*"), out[-3000:]
+    assert "redis:" not in out and not (tmp_path / "var" / "log").exists()
+
+
+@pytest.mark.parametrize("value", EVERY_ADDRESS + NOT_AN_ADDRESS)
+def test_check_deploy_reports_a_trusted_proxy_list_uvicorn_would_misread(tmp_path, value):
+    env = _behind_proxy_env(tmp_path) | {"FORWARDED_ALLOW_IPS": value}
+    status, out = _run(_manage("check", "--deploy"), env)
+    assert status not in (None, 0) and "ops.E001" in out, out[-3000:]
+    assert _says_to_list_the_proxies(out, value.strip()), out[-3000:]
+
+
+def test_every_address_is_refused_without_the_tls_proxy_too(tmp_path):
+    """Not behind a TLS proxy the api listens to its clients directly: trusting '*' lets each pick its address."""
+    env = _deployment_env(tmp_path, _safe(_env_example())) | {"FORWARDED_ALLOW_IPS": "*"}
+    assert "DJANGO_BEHIND_TLS_PROXY" not in env
+    status, out = _run(_manage("check", "--deploy"), env)
+    assert status not in (None, 0) and _says_to_list_the_proxies(out, "*"), out[-3000:]
+
