@@ -9,14 +9,29 @@ ConfigMap's environment: behind a TLS-terminating proxy), with the test as the p
 * ``/v1/models`` needs the ``inference`` scope like the other inference routes: a ``metrics`` key gets the same
   403 envelope as on ``/v1/chat/completions``.
 
+Issue 39's follow-up, the api as each deploy form starts it (``Procfile``, the systemd unit, the Dockerfile's
+``CMD``, compose's ``api`` service, k8s's ``api`` container; its command expanded as that tool expands it, its
+environment the image's or unit's own under the operator's), on loopback:
+
+* not behind a proxy (``FORWARDED_ALLOW_IPS`` unset) it believes no ``X-Forwarded-For``, not even from loopback
+  (uvicorn's own default trusts 127.0.0.1, so a loopback sidecar could pick any address): five failed logins from
+  one client lock it out whatever ``X-Forwarded-For`` it sends, as through ``manage.py serve``;
+* behind one it believes exactly the listed proxies: a listed loopback address (127.0.0.2) is believed, 127.0.0.1
+  (not listed) is not.
+
 No engine or Celery worker: everything under test is answered by the api process itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import shlex
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -27,13 +42,19 @@ from tests.live_platform import REPO, _http_ok, child_env, free_port, redis_for,
 
 PASSWORD = "pw-right-" + "x7q2"
 HOST = "api.example.com"
+DEPLOY = REPO / "deploy"
+#: the api's deploy forms, each tried with its own command and environment (``_form_api``)
+FORMS = ("procfile", "systemd", "dockerfile", "compose", "k8s")
+#: one login name per form and case: django-axes locks a (username, client address) pair out
+FORM_USERS = tuple(f"{case}-{form}" for form in FORMS for case in ("direct", "proxied"))
 _SETUP = f"""
+FORM_USERS = {FORM_USERS!r}
 import json
 from django.contrib.auth import get_user_model
 from tenancy.models import Tenant
 from tenancy.services import api_key_create
 U = get_user_model()
-for name in ("alice", "bob", "carol"):
+for name in ("alice", "bob", "carol", *FORM_USERS):
     U.objects.create_superuser(name, password={PASSWORD!r})
 tenant = Tenant.objects.create(name="acme")
 keys = {{scope: api_key_create(tenant=tenant, name=scope.replace(":", "-"), scopes=[scope])[1]
@@ -51,26 +72,42 @@ def _k8s_api() -> tuple[list[str], dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
+def deployment(tmp_path_factory):
+    """Redis and a migrated database with the test's users and keys; ``env``: the environment every api of the
+    module shares (no proxy setting), ``var_dir``, ``keys``."""
     var_dir, prefix, env, scratch = child_env(tmp_path_factory.mktemp("deployapi"), "dapi")
-    command, config = _k8s_api()
-    assert config["DJANGO_BEHIND_TLS_PROXY"] == "1" and HOST in config["DJANGO_ALLOWED_HOSTS"].split(",")
-    config.update({"LINK_PREFIX": prefix, "FORWARDED_ALLOW_IPS": "127.0.0.1"})  # the test is the proxy
-    env.update(config)
+    for name in ("FORWARDED_ALLOW_IPS", "DJANGO_BEHIND_TLS_PROXY", "DJANGO_SECURE"):
+        env.pop(name, None)
+    env["DJANGO_ALLOWED_HOSTS"] = HOST
     sup = Supervisor(env=env, log_dir=var_dir / "log")
     try:
         redis_for(sup, env, var_dir)
         run_manage(env, "migrate", "--no-input", timeout=300)
         keys = json.loads(run_manage(env, "shell", "-c", _SETUP).strip().splitlines()[-1])
+        yield {"env": env, "var_dir": var_dir, "keys": keys}
+    finally:
+        stop_children(sup, scratch, env.get("REDIS_URL", ""), prefix)
+
+
+@pytest.fixture(scope="module")
+def site(deployment):
+    command, config = _k8s_api()
+    assert config["DJANGO_BEHIND_TLS_PROXY"] == "1" and HOST in config["DJANGO_ALLOWED_HOSTS"].split(",")
+    env = dict(deployment["env"])
+    config.update({"LINK_PREFIX": env["LINK_PREFIX"], "FORWARDED_ALLOW_IPS": "127.0.0.1"})  # the test is the proxy
+    env.update(config)
+    sup = Supervisor(env=env, log_dir=deployment["var_dir"] / "log")
+    try:
         port = free_port()
         argv = [sys.executable, *command[1:]]
         argv[argv.index("--host") + 1], argv[argv.index("--port") + 1] = "127.0.0.1", str(port)
+        argv = [_k8s_expand(a, env) for a in argv]  # as Kubernetes expands it
         sup.start("api", argv)
         base = f"http://127.0.0.1:{port}"
         wait_until(lambda: _http_ok(base + "/health"), 90, "api /health", sup)
-        yield {"base": base, "env": env, "keys": keys}
+        yield {"base": base, "env": env, "keys": deployment["keys"]}
     finally:
-        stop_children(sup, scratch, env.get("REDIS_URL", ""), prefix)
+        sup.stop_all()
 
 
 def _proxied(client_addr: str, **extra: str) -> dict[str, str]:
@@ -79,10 +116,13 @@ def _proxied(client_addr: str, **extra: str) -> dict[str, str]:
     return {"Host": HOST, "X-Forwarded-Proto": "https", "X-Forwarded-For": client_addr, **extra}
 
 
-def _login(base: str, username: str, password: str, client_addr: str, path: str = "/accounts/login/") -> int:
+def _login(base: str, username: str, password: str, client_addr: str, path: str = "/accounts/login/",
+           local_address: str = "127.0.0.1") -> int:
     """One login through the form, as a browser behind the proxy (CSRF cookie and token from a GET; the cookie is
-    ``Secure``, so it is sent by hand over the test's plain-HTTP hop); the status."""
-    with httpx.Client(base_url=base, timeout=60) as client:
+    ``Secure``, so it is sent by hand over the test's plain-HTTP hop), connecting from ``local_address``; the
+    status."""
+    with httpx.Client(base_url=base, timeout=60,
+                      transport=httpx.HTTPTransport(local_address=local_address)) as client:
         page = client.get(path, headers=_proxied(client_addr))
         assert page.status_code == 200, page.text[:500]
         token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text).group(1)
@@ -145,3 +185,126 @@ def test_models_needs_the_inference_scope(site, path):
 def test_models_still_answers_an_inference_key(site):
     r = _get(site, "/v1/models", site["keys"]["inference"])
     assert r.status_code == 200 and r.json()["object"] == "list", r.text
+
+
+# ------------------------------------------------------------------------------------------------ every deploy form
+def _dockerfile_env() -> dict[str, str]:
+    """The image's ``ENV`` (deploy/Dockerfile): what every container starts with, under its own environment."""
+    text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
+    env: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("ENV "):
+            env.update(word.split("=", 1) for word in shlex.split(line[4:]))
+    return env
+
+
+def _dockerfile_cmd() -> list[str]:
+    """The image's ``CMD`` (exec form, a JSON list)."""
+    text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
+    return json.loads(next(ln for ln in text.splitlines() if ln.startswith("CMD "))[4:])
+
+
+def _k8s_expand(word: str, env: dict[str, str]) -> str:
+    """Kubernetes' expansion of a container's command: ``$(VAR)`` is the container's variable, left as written
+    when it has none; ``$$`` is a ``$``."""
+    return re.sub(r"\$\$|\$\((\w+)\)",
+                  lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), word)
+
+
+def _systemd_expand(argv: list[str], env: dict[str, str]) -> list[str]:
+    """systemd's expansion of ``ExecStart``: ``${VAR}`` is the value as it is (one word, empty when unset),
+    a lone ``$VAR`` word is the value split at whitespace."""
+    out: list[str] = []
+    for word in argv:
+        if re.fullmatch(r"\$\w+", word):
+            out += env.get(word[1:], "").split()
+        else:
+            out.append(re.sub(r"\$\{(\w+)\}", lambda m: env.get(m.group(1), ""), word))
+    return out
+
+
+def _on_loopback(argv: list[str], port: int) -> list[str]:
+    """``argv`` listening on 127.0.0.1:``port`` with one worker (the deploy forms listen on 0.0.0.0:8000)."""
+    argv = list(argv)
+    for option, value in (("--host", "127.0.0.1"), ("--port", str(port)), ("--workers", "1")):
+        argv[argv.index(option) + 1] = value
+    return argv
+
+
+def _script_on_loopback(script: str, port: int) -> str:
+    return re.sub(r"--workers \S+", "--workers 1",
+                  re.sub(r"--port \S+", f"--port {port}", re.sub(r"--host \S+", "--host 127.0.0.1", script)))
+
+
+def _form_api(form: str, operator_env: dict[str, str], port: int) -> tuple[list[str], dict[str, str]]:
+    """The api's command and environment as deploy form ``form`` starts it, listening on 127.0.0.1:``port``
+    (with one worker), in this checkout (its ``/opt/llmp``); ``operator_env``: the environment the operator gives
+    it (``/etc/llmp/env``, ``docker run -e``/compose's ``environment``, the ConfigMap and Secret)."""
+    cd = f"cd {shlex.quote(str(REPO))} && "
+    if form == "procfile":  # a Procfile runner runs the line with sh
+        line = next(ln for ln in (DEPLOY / "Procfile").read_text().splitlines() if ln.startswith("api:"))
+        return ["sh", "-c", cd + _script_on_loopback(line.split(":", 1)[1].strip(), port)], dict(operator_env)
+    if form == "systemd":  # Environment= first, EnvironmentFile= (the operator's) over it
+        unit = (DEPLOY / "systemd" / "llmp-api.service").read_text().splitlines()
+        env = dict(ln.split("=", 1)[1].split("=", 1) for ln in unit if ln.startswith("Environment="))
+        env.update(operator_env)
+        argv = _systemd_expand(shlex.split(next(ln for ln in unit if ln.startswith("ExecStart="))[10:]), env)
+        assert argv[0] == "/opt/llmp/.venv/bin/python", argv
+        return ["sh", "-c", cd + "exec " + shlex.join(_on_loopback([sys.executable, *argv[1:]], port))], env
+    env = {**_dockerfile_env(), **operator_env}  # the image's ENV under the container's own environment
+    if form == "dockerfile":
+        argv = _dockerfile_cmd()
+    elif form == "compose":  # compose unescapes $$ (its own interpolation) before the container runs it
+        argv = [a.replace("$$", "$") for a in yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+                ["services"]["api"]["command"]]
+    else:
+        argv = [_k8s_expand(a, env) for a in _k8s_api()[0]]
+    if argv[:2] == ["sh", "-c"]:
+        return ["sh", "-c", cd + _script_on_loopback(argv[2], port)], env
+    return ["sh", "-c", cd + "exec " + shlex.join(_on_loopback(argv, port))], env
+
+
+@contextlib.contextmanager
+def _started(deployment, form: str, proxy_env: dict[str, str]) -> Iterator[str]:
+    """The api of deploy form ``form`` running with the deployment's environment plus ``proxy_env``; its base URL.
+    ``python`` is this environment's."""
+    operator_env = {**deployment["env"], **proxy_env}
+    operator_env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), operator_env.get("PATH", "")])
+    port = free_port()
+    argv, env = _form_api(form, operator_env, port)
+    sup = Supervisor(env=env, log_dir=deployment["var_dir"] / "log" / form)
+    try:
+        sup.start("api", argv)
+        base = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _http_ok(base + "/health"), 90, f"the {form} api's /health", sup)
+        yield base
+    finally:
+        sup.stop_all()
+
+
+def _attempt_addresses(deployment, username: str) -> list[str]:
+    code = ("import json; from axes.models import AccessAttempt; print(json.dumps(sorted(set(AccessAttempt.objects"
+            f".filter(username={username!r}).values_list('ip_address', flat=True)))))")
+    return json.loads(run_manage(deployment["env"], "shell", "-c", code).strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_api_not_behind_a_proxy_believes_no_forwarded_header(deployment, form):
+    """The finding: plain ``python -m uvicorn`` believes ``X-Forwarded-For`` from 127.0.0.1 (uvicorn's default
+    trust), so failed logins with a new address each time were never locked out; ``serve`` passes
+    ``--no-proxy-headers`` and locked at the 5th."""
+    user = f"direct-{form}"
+    with _started(deployment, form, {}) as base:
+        statuses = [_login(base, user, "wrong", f"9.9.9.{i}") for i in range(5)]
+    assert statuses == [200, 200, 200, 200, 429], statuses
+    assert _attempt_addresses(deployment, user) == ["127.0.0.1"]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_api_behind_a_proxy_believes_exactly_the_listed_proxies(deployment, form):
+    user = f"proxied-{form}"
+    with _started(deployment, form, {"DJANGO_BEHIND_TLS_PROXY": "1", "FORWARDED_ALLOW_IPS": "127.0.0.2"}) as base:
+        assert _login(base, user, "wrong", "203.0.113.21", local_address="127.0.0.2") == 200
+        assert _attempt_addresses(deployment, user) == ["203.0.113.21"]  # the listed proxy is believed
+        assert _login(base, user, "wrong", "203.0.113.22", local_address="127.0.0.1") == 200
+    assert _attempt_addresses(deployment, user) == ["127.0.0.1", "203.0.113.21"]  # 127.0.0.1 is not listed

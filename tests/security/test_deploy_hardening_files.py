@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import configparser
 import ipaddress
+import json
 import re
 import shlex
 import shutil
@@ -95,6 +96,42 @@ def test_k8s_api_trusts_only_the_ingress_network_for_forwarded_headers():
         assert any(net.subnet_of(p) for p in PRIVATE_NETS if p.version == net.version), item
     api = _pods()["api"]["spec"]["containers"][0]
     assert {"configMapRef": {"name": "llmp-config"}} in api["envFrom"]
+
+
+def _api_commands() -> dict[str, str]:
+    """The api's command in each deploy form, as one string (a shell script's text, a command list joined)."""
+    dockerfile = _dockerfile().replace("\\\n", " ")
+    cmd = json.loads(next(ln for ln in dockerfile.splitlines() if ln.startswith("CMD "))[4:])
+    unit = (DEPLOY / "systemd" / "llmp-api.service").read_text()
+    return {
+        "Procfile": next(ln for ln in (DEPLOY / "Procfile").read_text().splitlines() if ln.startswith("api:")),
+        "llmp-api.service": next(ln for ln in unit.splitlines() if ln.startswith("ExecStart=")),
+        "Dockerfile": " ".join(cmd),
+        "compose.yaml": " ".join(yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["api"]["command"]),
+        "k8s/api.yaml": " ".join(_pods()["api"]["spec"]["containers"][0]["command"]),
+    }
+
+
+#: how each form hands uvicorn the variable (its own expansion syntax, empty when unset)
+_TRUSTED_FROM_THE_SETTING = {
+    "Procfile": '--forwarded-allow-ips="${FORWARDED_ALLOW_IPS:-}"',
+    "llmp-api.service": "--forwarded-allow-ips=${FORWARDED_ALLOW_IPS}",
+    "Dockerfile": '--forwarded-allow-ips="$FORWARDED_ALLOW_IPS"',
+    "compose.yaml": '--forwarded-allow-ips="$$FORWARDED_ALLOW_IPS"',
+    "k8s/api.yaml": "--forwarded-allow-ips=$(FORWARDED_ALLOW_IPS)",
+}
+
+
+@pytest.mark.parametrize("form", sorted(_TRUSTED_FROM_THE_SETTING))
+def test_every_api_command_trusts_exactly_forwarded_allow_ips(form):
+    """uvicorn without ``--forwarded-allow-ips`` believes ``X-Forwarded-For`` from 127.0.0.1 when
+    ``FORWARDED_ALLOW_IPS`` is unset: each deploy form passes the variable (empty: no one), as ``manage.py serve``
+    passes the setting, so what ``config/startup_checks.py`` judges is what uvicorn trusts
+    (test_deploy_api_live.py starts each one)."""
+    command = _api_commands()[form]
+    assert "uvicorn config.asgi:application" in command, command
+    assert command.count("--forwarded-allow-ips") == 1 and "proxy-headers" not in command, command
+    assert _TRUSTED_FROM_THE_SETTING[form] in command, command
 
 
 # ------------------------------------------------------------------------------------------------ item 6
