@@ -302,3 +302,12 @@ def test_every_address_is_refused_without_the_tls_proxy_too(tmp_path):
     status, out = _run(_manage("check", "--deploy"), env)
     assert status not in (None, 0) and _says_to_list_the_proxies(out, "*"), out[-3000:]
 
+
+def test_k8s_api_as_shipped_waits_for_the_ingress_addresses(tmp_path):
+    """deploy/k8s ships no trusted network (10.0.0.0/8 let every pod spoof its address on a CNI that does not
+    enforce NetworkPolicy, flannel's): with its own secrets and nothing else changed the api refuses to start,
+    saying what to set."""
+    env = _deployment_env(tmp_path, _safe(_k8s_example()))
+    status, out = _run(_api_argv(env), env)
+    assert status == UVICORN_STARTUP_FAILURE, (status, out[-3000:])
+    assert _says_what_to_set(out), out[-3000:]
