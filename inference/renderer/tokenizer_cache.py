@@ -26,7 +26,6 @@ What transformers 5.24 does on top of ``tokenizer.json`` that we reproduce (chec
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import hashlib
 import json
 import logging
@@ -596,10 +595,11 @@ def _load_into_cache(real: str, key: tuple[str, float, float], loading: Future[L
 
 
 def _malloc_trim() -> Any:
-    """glibc's ``malloc_trim`` (``int malloc_trim(size_t pad)``), or None where the C library has none."""
+    """glibc's ``malloc_trim`` (``int malloc_trim(size_t pad)``), or None where the C library has none. Looked up in
+    the process's own symbols (``dlopen(NULL)``: the C library it runs on), not with ``ctypes.util.find_library``,
+    which runs ``/sbin/ldconfig -p`` in a child process at every import of this module."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
+        trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to call
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
