@@ -1,6 +1,6 @@
 """Admission-control benchmark (issue 3): TTFT of accepted requests under overload, with and without a limit.
 
-Starts the real platform (tests/live_platform.py: Redis from REDIS_URL or embedded, Celery worker+beat, one
+Starts the real platform (harness/live_platform.py: Redis from REDIS_URL or embedded, Celery worker+beat, one
 engine replica of the tiny demo model, uvicorn), then:
 
 1. measures capacity in the same run: a closed loop of ``--concurrency`` clients sending equal prompts
@@ -47,8 +47,8 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
-from tests.live_platform import DEMO_MODEL, MODEL_DIR, child_env, ensure_demo_assets, free_port, run_manage, \
-    start_platform
+from harness.assets import DEMO_MODEL, MODEL_DIR, ensure_demo_assets
+from harness.live_platform import child_env, free_port, run_manage, start_platform
 
 
 def pct(values: list[float], q: float) -> float:
@@ -190,9 +190,8 @@ def serve_layout(args) -> int:
     import shlex
     import subprocess
 
-    from tests.embeddings.reference import minilm_dir
-    from tests.multimodal.conftest import VL_DIR, VL_MODEL, ensure_vl_model
-    from tests.support.serve import banner_key, serve_banner, stop_serve
+    from harness.assets import minilm_dir, VL_DIR, VL_MODEL, ensure_vl_model
+    from harness.serve import banner_key, serve_banner, stop_serve
 
     ensure_demo_assets()
     ensure_vl_model()

@@ -28,7 +28,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
-from tests.live_platform import DEMO_MODEL, MODEL_DIR, start_platform
+from harness.assets import DEMO_MODEL, MODEL_DIR
+from harness.live_platform import start_platform
 
 
 def prompts(n: int, phase: str) -> list[list[dict]]:

@@ -4,7 +4,7 @@ What it measures: the CPU (user + system time, ``/proc/<pid>/stat``) that every 
 request, read before and after a bounded load of ``--requests`` calls with ``--clients`` concurrent clients.
 Every body is distinct (the request's number is in its last message), so no cache of whole prompts serves a
 repeat. The platform runs its default route (Celery ``render`` queue: two solo workers, as
-``tests/live_platform.start_platform`` starts it, without engines; or, with ``--serve``, as ``manage.py serve --demo``
+``harness.live_platform.start_platform`` starts it, without engines; or, with ``--serve``, as ``manage.py serve --demo``
 lays it out) with its own embedded Redis, so Redis's CPU is counted too
 (``REDIS_URL`` and ``DATABASE_URL`` of the environment are ignored: a shared Redis's or PostgreSQL's CPU cannot be
 attributed); every process of it counts: api, render worker and its pool children, usage and mm workers and
@@ -57,7 +57,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
 from bench.frontend import chat_body, first_tokens, start_vllm, stop_vllm
-from tests.live_platform import free_port, start_platform
+from harness.live_platform import free_port, start_platform
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -301,7 +301,7 @@ def report(servers: list[Server]) -> dict:
 def start_serve(tmp: Path, serve_args: str) -> tuple[Server, Callable[[], None]]:
     """``manage.py serve --demo SERVE_ARGS`` (its own embedded Redis, SQLite, var/ in ``tmp``) as the platform: every
     process under serve counts (serve itself included); returns the server and how to stop it."""
-    from tests.support.serve import banner_key, serve_banner, serve_env, stop_serve
+    from harness.serve import banner_key, serve_banner, serve_env, stop_serve
 
     env = serve_env(tmp)
     port = free_port()

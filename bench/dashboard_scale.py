@@ -1,5 +1,5 @@
 """Operator dashboard at scale (issue 17): p50/p95 of the page and of its JSON with 100,000 keys and 1,000,000 usage
-records (tests/support/usage_scale.py builds them: heavy keys with known ranks, the rest spread evenly, one record in
+records (harness/usage_scale.py builds them: heavy keys with known ranks, the rest spread evenly, one record in
 ten in the last hour, the rest over 28 days).
 
 Requests go through Django's test client in this process (URL routing, middleware, session auth, the view,
@@ -85,7 +85,7 @@ def main() -> None:
         from django.db import connection
         from django.test import Client
 
-        from tests.support.usage_scale import build_usage_at_scale
+        from harness.usage_scale import build_usage_at_scale
 
         settings.ALLOWED_HOSTS = [*settings.ALLOWED_HOSTS, "testserver"]
         call_command("migrate", verbosity=0)

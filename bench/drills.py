@@ -2,7 +2,7 @@
 can make one), one fault per drill during a burst of mixed streaming and non-streaming chats, and a table of what
 happened: requests ok / failed cleanly / hung / unclean, admission reservations and key-limit slots held 10 s after the
 fault, usage records lost or doubled, seconds until the platform served again. The drills and their definitions are
-tests/support/drills.py; tests/failures/test_drills.py asserts the goals.
+harness/drills.py; tests/failures/test_drills.py asserts the goals.
 
     .venv/bin/python bench/drills.py [--requests 16] [--drills api,engine] [--sqlite]
 
@@ -20,8 +20,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
-from tests.support.drills import (HANGS, RESTARTS, VICTIMS, PrivatePostgres, run_drill, start_drill_platform,
-                                  stop_drill_platform, table, usage_check)
+from harness.drills import (HANGS, RESTARTS, VICTIMS, PrivatePostgres, run_drill, start_drill_platform,
+                            stop_drill_platform, table, usage_check)
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """Tenant-fairness benchmark (issue 18): a well-behaved tenant next to one sending 4× as much, at 1.5× capacity.
 
-Starts the real platform (tests/live_platform.py: Redis, Celery worker+beat, one engine replica of the tiny demo
+Starts the real platform (harness/live_platform.py: Redis, Celery worker+beat, one engine replica of the tiny demo
 model, uvicorn) with two tenants' keys (``modest`` and ``greedy``, weight 1 each), then, in one run:
 
 1. measures capacity (closed loop, as bench/admission.py: prompt tokens per second end to end, ``max_tokens=1``)
@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
 from bench.admission import calibrate, offer
-from tests.live_platform import DEMO_MODEL, start_platform
+from harness.assets import DEMO_MODEL
+from harness.live_platform import start_platform
 
 MODEST_SHARE, GREEDY_SHARE = 0.3, 1.2  # of capacity: 1.5× in all, greedy sends 4× modest
 

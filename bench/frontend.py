@@ -36,7 +36,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
-from tests.live_platform import MODEL_DIR, free_port, start_platform
+from harness.assets import MODEL_DIR
+from harness.live_platform import free_port, start_platform
 
 PARA = ("The sea was calm that morning, and the fishermen set out before dawn with their nets and their "
         "stories. Gulls circled above the harbour while the lighthouse keeper wrote in his log. ")

@@ -1,4 +1,4 @@
-"""Multimodal + embeddings benchmark (issue 6). Starts a live platform (tests/live_platform.py) with the
+"""Multimodal + embeddings benchmark (issue 6). Starts a live platform (harness/live_platform.py) with the
 demo Qwen2-VL model, an ``mm`` worker and an all-MiniLM-L6-v2 pooling engine, then prints:
 
 1. p50/p99 latency of text ``/tokenize`` requests alone, and while 8 clients send image chat requests
@@ -58,11 +58,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
-from tests.embeddings.reference import DirectMiniLM, minilm_dir
-from ops.supervisor import parse_cpu_list, unix_socket_accepts
-from tests.live_platform import start_platform, wait_until
-from tests.multimodal.conftest import VL_DIR, VL_MODEL, ensure_vl_model
-from tests.multimodal.imgs import data_url, image_bytes
+from harness.minilm_reference import DirectMiniLM
+from harness.assets import minilm_dir, VL_DIR, VL_MODEL, ensure_vl_model
+from ops.supervisor import parse_cpu_list, unix_socket_accepts, wait_until
+from harness.live_platform import start_platform
+from harness.images import data_url, image_bytes
 
 BIG_MODEL = "tiny-vl-1280"
 

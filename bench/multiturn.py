@@ -56,7 +56,8 @@ from bench.frontend import start_vllm, stop_vllm
 from bench.vllm_backend import IDLE_GAP_S
 from inference.tasks import segment_cache_counter_key
 from ops.supervisor import wait_until
-from tests.live_platform import MODEL_DIR, free_port, start_platform
+from harness.assets import MODEL_DIR
+from harness.live_platform import free_port, start_platform
 
 TTFT_MODEL = "tiny-qwen3-ttft"  # the demo model registered for the --ttft pass (float32, no reasoning parser)
 PHASES = ("frontend", "queue", "prefill")  # TTFT's phases in /metrics (gateway.metrics.PHASE_HELP)

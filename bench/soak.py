@@ -1,5 +1,5 @@
 """Soak (issue 17): ``--minutes`` (default 10) at twice a model's admission capacity, with streaming, non-streaming and
-abandoning clients, against ``manage.py serve`` (the drills' platform, tests/support/drills.py: a private
+abandoning clients, against ``manage.py serve`` (the drills' platform, harness/drills.py: a private
 ``redis-server`` on a loopback port, SQLite, the demo model, one api process, ``--mm-api-workers 0``).
 
 The model's capacity is its admission limit: ``max_num_queued_reqs`` = ``--capacity`` (default 4) requests admitted at
@@ -35,9 +35,10 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
-from tests.live_platform import DEMO_MODEL, run_manage
-from tests.support.drills import DrillPlatform, start_drill_platform, stop_drill_platform
-from tests.support.serve import child_pids, cmdline
+from harness.assets import DEMO_MODEL
+from harness.live_platform import run_manage
+from harness.drills import DrillPlatform, start_drill_platform, stop_drill_platform
+from harness.serve import child_pids, cmdline
 
 REFUSAL_PAUSE_S = 0.1
 ROLES = (("api", ("uvicorn",)), ("render-worker", ("-Q render",)), ("usage-worker", ("-Q usage",)),

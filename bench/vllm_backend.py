@@ -43,7 +43,8 @@ sys.path[:0] = [str(REPO), str(REPO / "platform")]
 from bench.chat_vs_direct import mean_of, prompts, run_platform
 from bench.cpu_per_request import describe, proc_cpu_s
 from bench.frontend import start_vllm, stop_vllm
-from tests.live_platform import MODEL_DIR, VLLM_PYTHON, free_port, start_platform
+from harness.assets import MODEL_DIR, VLLM_PYTHON
+from harness.live_platform import free_port, start_platform
 
 VLLM_MODEL = "tiny-qwen3-vllm"
 NATIVE_MODEL = "tiny-qwen3-native"

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.multimodal.conftest import VL_DIR, VL_MODEL, ensure_vl_model
+from harness.assets import VL_DIR, VL_MODEL, ensure_vl_model
 from tests.support.live import join_stops, running_platform, start_replica
 
 # the ``live`` marker, set by a rule, and its guard (``-m "not live"``: the fast loop)

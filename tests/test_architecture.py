@@ -17,7 +17,7 @@ PACKAGES = ("gateway", "inference", "tenancy", "usage", "registry", "admission",
 
 def test_import_linter_contracts_hold():
     """``lint-imports`` (pyproject.toml ``[tool.importlinter]``) exits 0: the gateway's layers, a Django-free
-    ``inference``, torch/transformers only where they belong."""
+    ``inference``, torch/transformers only where they belong, ``bench`` and ``tests`` sharing only ``harness``."""
     exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
     assert exe, "import-linter is not installed (pip install -e '.[test]')"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)])}

@@ -80,11 +80,11 @@ def test_no_function_or_class_is_oversized() -> None:
 
 
 # -- dead code --------------------------------------------------------------------------------------------------------
-# vulture (pyproject.toml's test extra) reads the product code, the benches and scripts, and also tests/ and manage.py,
-# whose uses count: a definition only the tests use is a test hook, not dead. Findings are checked in DEAD_CODE_ROOTS
-# only. 60 is vulture's confidence for an unreferenced function, class, method, attribute or variable (100: unused
+# vulture (pyproject.toml's test extra) reads the product code, the benches, their shared harness and scripts, and also
+# tests/ and manage.py, whose uses count: a definition only the tests use is a test hook, not dead. Findings are checked
+# in DEAD_CODE_ROOTS only. 60 is vulture's confidence for an unreferenced function, class, method, attribute or variable (100: unused
 # arguments, unreachable code), so everything it can tell is checked.
-DEAD_CODE_ROOTS = ("inference", "platform", "bench", "scripts")
+DEAD_CODE_ROOTS = ("inference", "platform", "bench", "harness", "scripts")
 DEAD_CODE_MIN_CONFIDENCE = 60
 
 # Decorators whose functions and classes a framework calls or reads by name (vulture's --ignore-decorators).
@@ -98,6 +98,7 @@ DEAD_CODE_DECORATORS = {
     "@model_validator": "pydantic validators: run by their model",
     "@field_validator": "pydantic validators: run by their model",
     "@extend_schema_field": "drf-spectacular schema hints on serializer fields",
+    "@atexit.register": "run when the interpreter exits",
 }
 
 # Names a framework calls or reads wherever they are defined (vulture's --ignore-names; globs), by reason.
@@ -267,7 +268,7 @@ def test_no_any_in_pipeline_signatures() -> None:
 # DUPLICATE_MIN_LINES or more lines alike between two files, comments, docstrings, imports and function signatures
 # aside (pylint's --ignore-* options; the imports and signatures are blanked here with Python's ast first, as pylint
 # does with astroid, which re-parses every file: 4 minutes for this tree on 2 cores against 2 s).
-DUPLICATE_ROOTS = ("inference", "platform", "bench", "scripts", "tests")
+DUPLICATE_ROOTS = ("inference", "platform", "bench", "harness", "scripts", "tests")
 DUPLICATE_MIN_LINES = 6
 
 # Pairs of files allowed to share such runs ((sorted paths), reason). "pending: AREA": in an area another change is

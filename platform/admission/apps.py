@@ -22,7 +22,7 @@ class AdmissionConfig(AppConfig):
             from config.celery import app as celery_app
         except Exception:  # noqa: BLE001 - Celery is optional for management commands
             return
-        # Runs on `usage`, the queue of the worker that writes usage (ops serve, tests/live_platform.py).
+        # Runs on `usage`, the queue of the worker that writes usage (ops serve, harness/live_platform.py).
         celery_app.conf.beat_schedule.setdefault("admission-republish-limits", {
             "task": "admission.republish_limits",
             "schedule": settings.ADMISSION_REPUBLISH_S,

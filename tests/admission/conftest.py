@@ -8,7 +8,7 @@ import pytest
 
 os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/11")
 
-from tests.live_platform import start_platform
+from harness.live_platform import start_platform
 from tests.support.live import stop_in_background
 
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from inference import admission as adm
-from tests.live_platform import engine_paused
+from tests.support.live import engine_paused
 
 MODEL = "tiny-qwen3"
 pytestmark = pytest.mark.timeout(120)

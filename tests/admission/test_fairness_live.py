@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests.admission.test_admission_live import MODEL, counters, in_background, set_limits, snap, wait_for
-from tests.live_platform import engine_paused
+from tests.support.live import engine_paused
 
 pytestmark = pytest.mark.timeout(600)  # run alone it starts the package platform: minutes on a loaded box
 

@@ -1,4 +1,4 @@
-"""One live platform for this package (tests/live_platform.py) and the official ``openai`` client on it."""
+"""One live platform for this package (harness/live_platform.py) and the official ``openai`` client on it."""
 
 from __future__ import annotations
 

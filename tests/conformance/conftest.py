@@ -6,7 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.live_platform import MODEL_DIR, REPO
+from harness.assets import MODEL_DIR
+from harness import REPO
 from tests.support.live import ensure_model
 
 LLAMA_MODEL = "tiny-llama3tok"

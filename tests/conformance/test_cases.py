@@ -20,7 +20,9 @@ import pytest
 
 from inference.renderer.tokenizer_cache import get_tokenizer
 from tests.conformance.conftest import LLAMA_MODEL
-from tests.live_platform import engine_paused, REPO, TOKENIZER_DIR
+from tests.support.live import engine_paused
+from harness import REPO
+from harness.assets import TOKENIZER_DIR
 
 M = "tiny-qwen3"
 MAX_MODEL_LEN = 512

@@ -154,7 +154,8 @@ def test_server_keeps_serving_after_bad_input(live, model_name):
 
 
 def test_model_without_chat_template(live, tmp_path):
-    from tests.live_platform import MODEL_DIR, REPO
+    from harness.assets import MODEL_DIR
+    from harness import REPO
 
     gptoss = REPO / ".cache" / "tokenizers" / "gptoss"
     if not (gptoss / "tokenizer.json").is_file():

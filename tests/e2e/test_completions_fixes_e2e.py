@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from inference.renderer.tokenizer_cache import get_tokenizer
-from tests.live_platform import MODEL_DIR, TOKENIZER_DIR
+from harness.assets import MODEL_DIR, TOKENIZER_DIR
 
 MAX_MODEL_LEN = 512  # the live platform's registration
 PROMPT = "The capital of France is Paris. The capital of Germany is"

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.engine_tap import EngineTap, assert_engine_aborted
-from tests.live_platform import TOKENIZER_DIR
+from harness.assets import TOKENIZER_DIR
 
 MSGS = [{"role": "user", "content": "Tell me a story about the sea."}]
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.live_platform import DEMO_MODEL, REPO
+from harness.assets import DEMO_MODEL
+from harness import REPO
 
 SEED = "17"
 REST_BUDGET_S = 20

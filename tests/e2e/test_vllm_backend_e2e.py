@@ -20,7 +20,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.live_platform import DEMO_MODEL, MODEL_DIR, VLLM_PYTHON
+from harness.assets import DEMO_MODEL, MODEL_DIR, VLLM_PYTHON
 
 VLLM_MODEL = "tiny-qwen3-vllm"
 MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow, please."}]

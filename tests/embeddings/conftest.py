@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.embeddings.reference import minilm_dir
+from harness.assets import minilm_dir
 from tests.support.live import ensure_model, start_replica, stop_child
 
 EMBED_MODEL = "minilm"

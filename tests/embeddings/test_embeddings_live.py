@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from tests.embeddings.conftest import EMBED_MODEL
-from tests.embeddings.reference import DirectMiniLM, minilm_dir
+from harness.minilm_reference import DirectMiniLM
+from harness.assets import minilm_dir
 from tests.support.live import post_json
 
 

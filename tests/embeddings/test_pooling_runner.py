@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from inference.engine.pooling import PoolingRunner, pool, pooling_recipe
-from tests.embeddings.reference import DirectMiniLM, minilm_dir
+from harness.minilm_reference import DirectMiniLM
+from harness.assets import minilm_dir
 
 TEXTS = ["a cat", "a kitten", "a carburetor", "The quick brown fox jumps over the lazy dog, twice."]
 

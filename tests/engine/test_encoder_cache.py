@@ -38,8 +38,8 @@ def test_cached_image_gives_the_same_logits_as_its_pixels(redis_url):
     from inference.media.cache import FeatureCache
     from inference.protocol.engine import EngineCoreRequest, SamplingParams
     from inference.renderer.multimodal import process_image
-    from tests.multimodal.conftest import ensure_vl_model
-    from tests.multimodal.imgs import image_bytes
+    from harness.assets import ensure_vl_model
+    from harness.images import image_bytes
 
     model_dir = str(ensure_vl_model())
     prefix = f"enctest-{uuid.uuid4().hex[:8]}"

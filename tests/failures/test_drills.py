@@ -1,5 +1,5 @@
 """Fault drills (issue 17), each during a burst of mixed streaming and non-streaming chats against ``manage.py serve``
-(tests/support/drills.py): ``kill -9`` of the api process, a render worker, the engine, the usage worker and beat,
+(harness/drills.py): ``kill -9`` of the api process, a render worker, the engine, the usage worker and beat,
 a hung engine (stopped, never continued: ``serve`` kills it once its heartbeat has lapsed 10 s, then restarts it),
 and restarts of the platform's (private) Redis and, where this machine can make a private cluster, PostgreSQL.
 Goals asserted for each: no request hung, every failure clean (an OpenAI error envelope, an in-band stream error or
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.drills import (PrivatePostgres, DrillResult, run_drill, start_drill_platform, stop_drill_platform,
-                                  table, usage_check)
+from harness.drills import (PrivatePostgres, DrillResult, run_drill, start_drill_platform, stop_drill_platform, table,
+                            usage_check)
 from tests.support.live import stop_in_background
 
 pytestmark = pytest.mark.timeout(1200)

@@ -24,7 +24,8 @@ from celery import Celery
 from inference.render_client import RenderReplyWaiter
 from inference.render_liveness import STALE_AFTER_S, liveness_key
 from inference.renderer.chat_template import render_chat, render_template
-from tests.live_platform import REPO, TOKENIZER_DIR, ensure_demo_assets
+from harness import REPO
+from harness.assets import TOKENIZER_DIR, ensure_demo_assets
 from tests.support.redis import TEST_REDIS_URL, fresh_prefix
 
 pytestmark = pytest.mark.timeout(300)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.live_platform import MODEL_DIR, REPO
+from harness.assets import MODEL_DIR
+from harness import REPO
 from tests.support.live import ensure_inline_api, ensure_model
 
 TOKENIZER_NAMES = ("qwen3", "llama3_1", "gemma3", "deepseek_v3", "gptoss", "llama2")

@@ -13,7 +13,7 @@ from inference.renderer.chat_template import render_chat_text
 from inference.renderer.tokenizer_cache import get_tokenizer
 from inference.tasks import segment_cache_counter_key
 from tests.engine_tap import EngineTap, assert_engine_aborted
-from tests.live_platform import MODEL_DIR
+from harness.assets import MODEL_DIR
 
 M = "tiny-qwen3"
 IM_START = 151644  # "<|im_start|>": a special token that is not an EOS id of the demo model

@@ -10,7 +10,8 @@ import uuid
 
 import pytest
 
-from tests.live_platform import REPO, create_scratch_database
+from harness import REPO
+from harness.scratch_db import create_scratch_database
 from tests.support.redis import TEST_REDIS_URL, fresh_prefix
 
 MIGRATE = ("import django, redis, sys; django.setup(); from ops.migrate import migrate_serialized; "

@@ -10,7 +10,7 @@ import uuid
 import httpx
 import pytest
 
-from tests.live_platform import MODEL_DIR
+from harness.assets import MODEL_DIR
 from tests.e2e.test_usage_e2e import records
 from tests.support.live import ensure_model, limited_key
 

@@ -13,8 +13,8 @@ import pytest
 from ops.layout import (EngineLayout, engine_layout, engine_threads, render_children, render_processes,
                         render_worker_env)
 from ops.supervisor import Supervisor, wait_until
-from tests.live_platform import REPO
-from tests.support.serve import serve_env
+from harness import REPO
+from harness.serve import serve_env
 
 
 @pytest.mark.parametrize("cores,engines,reserved,want", [

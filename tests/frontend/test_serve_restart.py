@@ -21,9 +21,12 @@ import redis
 from inference import admission as adm
 from inference.protocol.engine import EngineStats, replica_pattern
 from ops.layout import engine_threads
-from tests.live_platform import DEMO_MODEL, REPO, ensure_demo_assets, free_port, run_manage, wait_until
-from tests.support.redis import delete_prefix
-from tests.support.serve import banner_key, child_pids, cmdline, serve_banner, serve_env, serve_redis_url, stop_serve
+from harness.assets import DEMO_MODEL, ensure_demo_assets
+from harness import REPO
+from harness.live_platform import free_port, run_manage
+from ops.supervisor import wait_until
+from harness.redis_keys import delete_prefix
+from harness.serve import banner_key, child_pids, cmdline, serve_banner, serve_env, serve_redis_url, stop_serve
 
 API_BACK_WITHIN_S = 90  # kill -9 to /health answering on the same port (Django's start-up, on a busy 2-core box)
 LONG_STREAM = {"model": DEMO_MODEL, "messages": [{"role": "user", "content": "tell me a long story"}],

@@ -18,11 +18,13 @@ import httpx
 import pytest
 import redis
 
-from ops.supervisor import parse_cpu_list
-from tests.live_platform import REPO, ensure_demo_assets, free_port, wait_until
-from tests.multimodal.imgs import data_url, image_bytes
-from tests.support.redis import delete_prefix
-from tests.support.serve import banner_key, child_pids, cmdline, serve_banner, serve_env, serve_redis_url, stop_serve
+from ops.supervisor import parse_cpu_list, wait_until
+from harness import REPO
+from harness.assets import ensure_demo_assets
+from harness.live_platform import free_port
+from harness.images import data_url, image_bytes
+from harness.redis_keys import delete_prefix
+from harness.serve import banner_key, child_pids, cmdline, serve_banner, serve_env, serve_redis_url, stop_serve
 
 IMAGE_BODY = {"model": "tiny-qwen3", "messages": [{"role": "user", "content": [
     {"type": "image_url", "image_url": {"url": data_url(image_bytes(seed=3))}}]}]}

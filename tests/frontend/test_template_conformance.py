@@ -24,7 +24,7 @@ import pytest
 
 from inference.renderer.chat_template import detect_content_format
 from tests.frontend.conftest import TOKENIZER_NAMES
-from tests.live_platform import REPO
+from harness import REPO
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
                                             "parameters": {"type": "object", "properties": {

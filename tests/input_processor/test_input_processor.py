@@ -14,7 +14,7 @@ from inference.input_processor import (GenerationDefaults, check_prompt_tokens,
                                        generation_defaults, model_vocab_size, process_inputs, resolve_max_tokens)
 from inference.protocol.openai import (ChatCompletionRequest, CompletionRequest, RequestValidationError,
                                        validate_request)
-from tests.live_platform import MODEL_DIR
+from harness.assets import MODEL_DIR
 
 V = 1000
 MSGS = [{"role": "user", "content": "hi"}]

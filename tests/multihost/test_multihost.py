@@ -25,8 +25,8 @@ import httpx
 import pytest
 
 from inference import admission as adm
-from tests.live_platform import DEMO_MODEL
-from tests.support.drills import HANG_S, SETTLE_S, Outcome, send_chat
+from harness.assets import DEMO_MODEL
+from harness.drills import HANG_S, SETTLE_S, Outcome, send_chat
 from tests.support.multihost import (ADMISSION_LIMIT, API_HOSTS, KEY_RPM, engines_paused, start_multihost,
                                      stop_multihost, unavailable)
 from tests.support.live import stop_in_background

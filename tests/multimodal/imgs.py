@@ -1,28 +1,10 @@
-"""Test images made with Pillow (fixed seeds)."""
+"""An image the multimodal tests refuse (the seeded images tests and benchmarks share are in harness/images.py)."""
 
 from __future__ import annotations
 
-import base64
 import io
 
-import numpy as np
 from PIL import Image
-
-
-def image_bytes(fmt: str = "PNG", size=(90, 60), seed: int = 0) -> bytes:
-    rng = np.random.default_rng(seed)
-    img = Image.fromarray((rng.random((size[1], size[0], 3)) * 255).astype("uint8"))
-    buf = io.BytesIO()
-    if fmt == "GIF":
-        frames = [img.convert("P"), Image.new("P", size, 3)]
-        frames[0].save(buf, "GIF", save_all=True, append_images=frames[1:])
-    else:
-        img.save(buf, fmt)
-    return buf.getvalue()
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
 def bomb_png() -> bytes:

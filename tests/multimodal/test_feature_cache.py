@@ -14,8 +14,8 @@ import redis
 from inference.media.cache import FeatureCache, ImageFeatures, feature_meta_key, mm_cache_key
 from inference.media.image import ImageError
 from inference.renderer.multimodal import data_url_cache_entry, processor_settings
-from tests.multimodal.conftest import ensure_vl_model
-from tests.multimodal.imgs import data_url, image_bytes
+from harness.assets import ensure_vl_model
+from harness.images import data_url, image_bytes
 
 
 @pytest.fixture

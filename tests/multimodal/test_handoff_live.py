@@ -19,9 +19,9 @@ import pytest
 
 from inference import admission as adm
 from ops.supervisor import unix_socket_accepts, wait_until
-from tests.multimodal.conftest import VL_MODEL
+from harness.assets import VL_MODEL
 from tests.engine_tap import EngineTap, assert_engine_aborted
-from tests.multimodal.imgs import data_url, image_bytes
+from harness.images import data_url, image_bytes
 from tests.multimodal.servers import wait_server_read
 
 IMAGE_TOKEN = 151655

@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from ops.supervisor import port_open, unix_socket_accepts, wait_until
-from tests.live_platform import free_port
-from tests.multimodal.conftest import VL_MODEL
-from tests.multimodal.imgs import data_url, image_bytes
+from harness.live_platform import free_port
+from harness.assets import VL_MODEL
+from harness.images import data_url, image_bytes
 from tests.multimodal.test_handoff_live import (IMAGE_TOKEN, assert_same_answer, handoffs, image_messages, post,
                                                 fail_with_stacks, stop_child)
 

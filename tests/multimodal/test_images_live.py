@@ -9,8 +9,9 @@ import uuid
 
 import pytest
 
-from tests.multimodal.conftest import VL_MODEL
-from tests.multimodal.imgs import bomb_png, data_url, image_bytes
+from harness.assets import VL_MODEL
+from tests.multimodal.imgs import bomb_png
+from harness.images import data_url, image_bytes
 from tests.multimodal.servers import send_bytes, serve, stall
 from tests.support.live import post_json
 

@@ -121,7 +121,7 @@ def keyed(settings, monkeypatch):
     from gateway.pipeline import clients
     from registry.services import served_model_register
     from tenancy.services import api_key_create, tenant_get_or_create
-    from tests.live_platform import MODEL_DIR
+    from harness.assets import MODEL_DIR
 
     if not (Path(MODEL_DIR) / "config.json").exists():
         pytest.skip(f"{MODEL_DIR} missing: run scripts/setup.sh")

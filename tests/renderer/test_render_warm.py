@@ -9,7 +9,7 @@ import pytest
 from config.celery import _warm_renderer
 from inference.renderer import tokenizer_cache
 from registry.models import ServedModel
-from tests.live_platform import MODEL_DIR
+from harness.assets import MODEL_DIR
 from tests.renderer.tokdirs import tok_dir
 
 

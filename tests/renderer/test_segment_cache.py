@@ -210,7 +210,8 @@ def shared_tier():
     """The shared tier on the test Redis under a namespace of this test's own, the local cache and this thread's
     scopes emptied before and after; yields ``(tier, namespace, client)``. Keys under the namespace are deleted
     afterwards."""
-    from tests.support.redis import TEST_REDIS_URL, delete_prefix, redis_or_skip
+    from tests.support.redis import TEST_REDIS_URL, redis_or_skip
+    from harness.redis_keys import delete_prefix
 
     if CACHE.max_tokens == 0:
         pytest.skip("SEGMENT_CACHE_MAX_TOKENS=0: no segment cache, so no shared tier")

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-from tests.live_platform import _http_ok, child_env, free_port, redis_for, run_manage, stop_children
-from ops.supervisor import Supervisor, wait_until
+from ops.supervisor import http_ok as _http_ok, Supervisor, wait_until
+from harness.live_platform import child_env, free_port, redis_for, run_manage, stop_children
 
 # What a hostile tenant may have typed as key names (the REST API now restricts names; these go in through
 # the ORM so the tests keep checking output escaping).

@@ -37,8 +37,9 @@ import httpx
 import pytest
 import yaml
 
-from ops.supervisor import Supervisor, wait_until
-from tests.live_platform import REPO, _http_ok, child_env, free_port, redis_for, run_manage, stop_children
+from ops.supervisor import Supervisor, wait_until, http_ok as _http_ok
+from harness import REPO
+from harness.live_platform import child_env, free_port, redis_for, run_manage, stop_children
 
 PASSWORD = "pw-right-" + "x7q2"
 HOST = "api.example.com"

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 import yaml
 
-from tests.live_platform import free_port
+from harness.live_platform import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

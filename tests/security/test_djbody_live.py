@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from ops.management.commands.serve import api_command
-from ops.supervisor import Supervisor, wait_until
-from tests.live_platform import _http_ok, child_env, free_port, redis_for, run_manage, stop_children
+from ops.supervisor import Supervisor, wait_until, http_ok as _http_ok
+from harness.live_platform import child_env, free_port, redis_for, run_manage, stop_children
 
 PASSWORD = "pw-alice-right-1"
 IDLE_S, TOTAL_S = 2, 6

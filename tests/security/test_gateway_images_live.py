@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from tests.multimodal.conftest import VL_MODEL
-from tests.multimodal.imgs import image_bytes
+from harness.assets import VL_MODEL
+from harness.images import image_bytes
 from tests.multimodal.servers import serve
 
 

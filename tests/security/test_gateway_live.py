@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from inference.tasks import render_tasks_counter_key
-from tests.live_platform import MODEL_DIR
+from harness.assets import MODEL_DIR
 from tests.support.live import ensure_model, limited_key, stop_child
 
 MODEL = "gw-no-engine"  # the demo model's directory, registered for this module: no engine serves it

@@ -14,7 +14,7 @@ import pytest
 from inference.renderer.chat_template import render_chat
 from inference.renderer.tokenizer_cache import get_tokenizer
 from tests.frontend.test_template_conformance import reference
-from tests.multimodal.conftest import VL_DIR
+from harness.assets import VL_DIR
 from tests.renderer.tokdirs import tok_dir
 from tests.security.test_isolation_live import post, same_ids_everywhere
 

@@ -19,7 +19,7 @@ import pytest
 
 from inference.engine.vllm_backend.params import tokens_prompt
 from inference.protocol.engine import EngineCoreRequest, SamplingParams
-from tests.live_platform import DEMO_MODEL, MODEL_DIR, VLLM_PYTHON
+from harness.assets import DEMO_MODEL, MODEL_DIR, VLLM_PYTHON
 from tests.support.live import ensure_model, post_json, stop_child
 
 VLLM_MODEL = "tiny-qwen3-vllm-salt"  # its own name: the e2e module registers, stops and disables tiny-qwen3-vllm

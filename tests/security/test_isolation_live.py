@@ -1,5 +1,5 @@
 """Issue 14, isolation between tenants, end to end on a live platform (the demo Qwen2-VL engine, its ``mm``
-worker, real Redis, real processes; ``tests/multimodal/conftest.py``'s ``live_vl``).
+worker, real Redis, real processes; ``tests/conftest.py``'s ``live_vl``).
 
 * Prefix (KV) cache: tenant B sending tenant A's prompt right after A gets ``cached_tokens`` 0; A repeating it
   gets a hit; two tenants in one ``cache_group`` share; vLLM's per-request ``cache_salt`` narrows sharing.
@@ -17,8 +17,8 @@ import uuid
 
 import pytest
 
-from tests.multimodal.conftest import VL_DIR, VL_MODEL
-from tests.multimodal.imgs import data_url, image_bytes
+from harness.assets import VL_DIR, VL_MODEL
+from harness.images import data_url, image_bytes
 from tests.support.live import post_json
 
 IM_START = 151644

@@ -24,9 +24,10 @@ import pytest
 import redis
 
 from tests.frontend.test_serve_split import _descendants
-from tests.support.serve import cmdline as _cmdline
-from tests.live_platform import REPO, ensure_demo_assets, free_port
-from tests.support.serve import banner_key, serve_banner, stop_serve
+from harness.serve import cmdline as _cmdline, banner_key, serve_banner, stop_serve
+from harness import REPO
+from harness.assets import ensure_demo_assets
+from harness.live_platform import free_port
 from tests.support.live import stop_in_background
 
 pytestmark = pytest.mark.timeout(600)

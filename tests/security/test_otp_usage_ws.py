@@ -16,7 +16,8 @@ import sys
 import uuid
 from pathlib import Path
 
-from tests.support.redis import TEST_REDIS_URL, delete_prefix, redis_or_skip
+from tests.support.redis import TEST_REDIS_URL, redis_or_skip
+from harness.redis_keys import delete_prefix
 
 REPO = Path(__file__).resolve().parents[2]
 

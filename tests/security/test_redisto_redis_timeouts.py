@@ -17,7 +17,7 @@ from django.conf import settings
 
 from inference import engine_client
 from inference.redis_timeouts import SOCKET_TIMEOUT_MARGIN_S, blocking_socket_timeout
-from tests.support.redis import delete_matching, delete_prefix
+from harness.redis_keys import delete_matching, delete_prefix
 
 URL = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/4"
 

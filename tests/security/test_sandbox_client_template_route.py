@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.live_platform import MODEL_DIR
+from harness.assets import MODEL_DIR
 from tests.support.live import ensure_inline_api, ensure_model
 
 TRUSTED = "tiny-qwen3-trusted"

@@ -30,7 +30,7 @@ from inference.protocol.engine import (
     SamplingParams,
 )
 from inference.structured import check
-from tests.live_platform import DEMO_MODEL, MODEL_DIR, ensure_demo_assets
+from harness.assets import DEMO_MODEL, MODEL_DIR, ensure_demo_assets
 
 EOS_IDS = [151645, 151643]
 PROMPT = [9707, 11, 1879, 0, 3555, 374, 279, 6722, 315, 9625, 30]

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from inference.protocol.engine import replica_key
-from tests.live_platform import DEMO_MODEL
+from harness.assets import DEMO_MODEL
 
 HEALTH_BOUND_S = 0.05
 

@@ -1,5 +1,5 @@
-"""Helpers for tests against a live platform (``tests.live_platform.LivePlatform``): fixtures that start one,
-keys with limits, JSON POSTs."""
+"""Helpers for tests against a live platform (``harness.live_platform.LivePlatform``): fixtures that start one,
+keys with limits, JSON POSTs, an engine paused."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,7 +18,10 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from tests.live_platform import LivePlatform, start_platform, wait_until
+from harness.assets import DEMO_MODEL
+from harness.live_platform import LivePlatform, start_platform
+from inference.protocol.engine import HEARTBEAT_TTL_S, REPLICAS_INDEX_TTL_MS, replica_key, replicas_index_key
+from ops.supervisor import wait_until
 
 
 # stops of platforms and engines whose fixtures ended: they run on threads while the next tests go on (a platform
@@ -157,3 +161,27 @@ def post_json(live, path: str, body: dict, *, key: str | None = None, timeout: f
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+@contextmanager
+def engine_paused(live: LivePlatform, model: str = DEMO_MODEL):
+    """SIGSTOP ``model``'s (first) engine replica: requests it holds make no progress, admitted requests get
+    no first token, until the block ends (SIGCONT). The heartbeat is held meanwhile (its key's TTL and its
+    index score pushed 120 s ahead, the index's own expiry with it), so the replica stays alive however long the pause lasts on a slow
+    machine; when it ends, both are set back to what the engine's own beat sets (``HEARTBEAT_TTL_S``), so a
+    replica stopped again right afterwards is not kept alive by this hold."""
+    st = live.replicas(model)[0]
+    r = live.redis
+    key, index = replica_key(live.prefix, model, st.engine_id), replicas_index_key(live.prefix, model)
+    os.kill(st.pid, signal.SIGSTOP)
+    try:
+        r.pexpire(key, 120_000)
+        r.zadd(index, {st.engine_id: int(time.time() * 1000) + 120_000})
+        r.pexpire(index, 120_000 + REPLICAS_INDEX_TTL_MS)
+        yield st
+    finally:
+        ttl_ms = int(HEARTBEAT_TTL_S * 1000)
+        r.pexpire(key, ttl_ms)
+        r.zadd(index, {st.engine_id: int(time.time() * 1000) + ttl_ms})
+        r.pexpire(index, REPLICAS_INDEX_TTL_MS)
+        os.kill(st.pid, signal.SIGCONT)

@@ -43,8 +43,10 @@ import redis
 from inference import admission as adm
 from inference.protocol.engine import (HEARTBEAT_TTL_S, REPLICAS_INDEX_TTL_MS, EngineStats, replica_pattern,
                                        replicas_index_key)
-from tests.live_platform import DEMO_MODEL, MODEL_DIR, REPO, ensure_demo_assets, wait_until
-from tests.support.drills import _pg_bin, count_by_client_id
+from harness.assets import DEMO_MODEL, MODEL_DIR, ensure_demo_assets
+from harness import REPO
+from ops.supervisor import wait_until
+from harness.drills import count_by_client_id, pg_bin
 from tests.support.netns import NET_A, Host, Lan
 
 API_HOSTS = ("api1", "api2")
@@ -64,7 +66,7 @@ def unavailable() -> str | None:
         return why
     if shutil.which("redis-server") is None:
         return "redis-server is not installed"
-    if _pg_bin() is None:
+    if pg_bin() is None:
         return "PostgreSQL server binaries (initdb, pg_ctl) are not installed"
     try:
         pwd.getpwnam("postgres")
@@ -209,24 +211,24 @@ def _start_postgres(lan: Lan, pg_dir: Path) -> None:
     db_host = lan.hosts["db"]
     pw = pwd.getpwnam("postgres")
     os.chown(pg_dir, pw.pw_uid, pw.pw_gid)
-    pg_bin = _pg_bin()
-    assert pg_bin is not None
+    bin_dir = pg_bin()
+    assert bin_dir is not None
     data = pg_dir / "data"
-    db_host.run([str(pg_bin / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync"],
+    db_host.run([str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync"],
                 user="postgres")
     hba = data / "pg_hba.conf"
     hba.write_text(hba.read_text() + f"\nhost all all 10.{NET_A}.{lan.subnet_b}.0/24 trust\n")
-    db_host.run([str(pg_bin / "pg_ctl"), "-D", str(data), "start", "-w", "-t", "60", "-l", str(pg_dir / "pg.log"),
+    db_host.run([str(bin_dir / "pg_ctl"), "-D", str(data), "start", "-w", "-t", "60", "-l", str(pg_dir / "pg.log"),
                  "-o", f"-p 5432 -k {pg_dir} -c listen_addresses={db_host.addr} -c fsync=off "
                        "-c max_connections=200"], user="postgres")
-    db_host.run([str(pg_bin / "createdb"), "-h", db_host.addr, "-p", "5432", "-U", "postgres", "llmp"])
+    db_host.run([str(bin_dir / "createdb"), "-h", db_host.addr, "-p", "5432", "-U", "postgres", "llmp"])
 
 
 def _stop_postgres(lan: Lan, pg_dir: Path) -> None:
-    pg_bin = _pg_bin()
-    if pg_bin is not None and "db" in lan.hosts and (pg_dir / "data").exists():
+    bin_dir = pg_bin()
+    if bin_dir is not None and "db" in lan.hosts and (pg_dir / "data").exists():
         try:
-            lan.hosts["db"].run([str(pg_bin / "pg_ctl"), "-D", str(pg_dir / "data"), "stop", "-m", "immediate",
+            lan.hosts["db"].run([str(bin_dir / "pg_ctl"), "-D", str(pg_dir / "data"), "stop", "-m", "immediate",
                                  "-w", "-t", "30"], user="postgres", timeout=60)
         except (subprocess.SubprocessError, OSError):
             pass
@@ -368,7 +370,7 @@ def _wait(plat: MultiHost, predicate, timeout_s: float, what: str) -> None:
 def engines_paused(plat: MultiHost) -> Iterator[None]:
     """SIGSTOP every engine replica's process group: admitted requests get no first token until the block ends
     (SIGCONT). Their heartbeats are held meanwhile (key TTL, index score and index expiry 120 s ahead), then set back to what an
-    engine's own beat sets, as ``tests/live_platform.py:engine_paused`` does for one replica."""
+    engine's own beat sets, as ``tests/support/live.py:engine_paused`` does for one replica."""
     r = plat.client()
     keys = list(r.scan_iter(match=replica_pattern(plat.prefix, DEMO_MODEL)))
     index = replicas_index_key(plat.prefix, DEMO_MODEL)

@@ -1,5 +1,5 @@
 """Real Redis for tests: the URL (``REDIS_URL``, else db 9 of a local server) and per-test key prefixes that are
-deleted afterwards."""
+deleted afterwards (``harness.redis_keys``)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import redis
+
+from harness.redis_keys import delete_prefix
 
 TEST_REDIS_URL = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/9"
 
@@ -24,22 +26,6 @@ def redis_or_skip(url: str = TEST_REDIS_URL) -> redis.Redis:
         client.close()
         pytest.skip(f"no Redis at {url}: {exc}")
     return client
-
-
-def delete_matching(url: str, pattern: str) -> None:
-    """Delete every key matching the glob ``pattern`` (Redis ``SCAN MATCH`` syntax) in the Redis at ``url``."""
-    client = redis.Redis.from_url(url)
-    try:
-        keys = list(client.scan_iter(match=pattern, count=1000))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
-
-
-def delete_prefix(url: str, prefix: str) -> None:
-    """Delete every key under ``prefix:`` in the Redis at ``url``."""
-    delete_matching(url, f"{prefix}:*")
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""Issue 17: the operator dashboard at 100,000 keys and 1,000,000 usage records (tests/support/usage_scale.py).
+"""Issue 17: the operator dashboard at 100,000 keys and 1,000,000 usage records (harness/usage_scale.py).
 
 The page (the admin's "Usage dashboard") and its JSON (``/admin/usage-data``) hold one page of keys, most requests
 first, searchable by key name, prefix or tenant; their figures are checked against the records themselves (a
@@ -22,7 +22,7 @@ import pytest
 from django.db.models import Count
 from django.test import Client
 
-from tests.support.usage_scale import HEAVY, build_usage_at_scale, rollups_from_records
+from harness.usage_scale import HEAVY, build_usage_at_scale, rollups_from_records
 from usage.histogram import NUM_BUCKETS
 from usage.models import UsageRecord, UsageRollup, UsageTotal
 from usage.rollups import usage_rollup_all

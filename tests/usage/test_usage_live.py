@@ -1,6 +1,6 @@
 """Live: revocation in force in two api processes within 1 s; dashboards in headless Chromium.
 
-Real processes (tests/live_platform.py): Redis, Celery worker + beat (usage flush + rollups), engine, uvicorn.
+Real processes (harness/live_platform.py): Redis, Celery worker + beat (usage flush + rollups), engine, uvicorn.
 The browser is Debian's ``chromium`` driven by Playwright (never ``playwright install``). Predicates given to
 ``wait_for_function`` are functions (``"() => ..."``): a bare expression is re-evaluated with ``eval`` while
 polling, which the pages' Content-Security-Policy (no 'unsafe-eval') refuses.
@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.live_platform import free_port, wait_until, _http_ok
+from harness.live_platform import free_port
+from ops.supervisor import wait_until, http_ok as _http_ok
 
 CHROMIUM = "/usr/bin/chromium"
 SHOTS = Path(__file__).resolve().parents[2] / "var" / "test-screenshots"

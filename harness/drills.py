@@ -38,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,8 +45,11 @@ import httpx
 import redis
 
 from inference import admission as adm
-from tests.live_platform import DEMO_MODEL, MODEL_DIR, REPO, ensure_demo_assets, free_port, run_manage, wait_until
-from tests.support.serve import child_pids, cmdline, serve_banner, serve_env, stop_serve
+from harness import REPO
+from harness.assets import DEMO_MODEL, MODEL_DIR, ensure_demo_assets
+from harness.live_platform import free_port, run_manage
+from harness.serve import child_pids, cmdline, serve_banner, serve_env, stop_serve
+from ops.supervisor import wait_until
 
 HANG_S = 45.0  # a request with no end after this long is hung (the render wait is 20 s, an engine's heartbeat 3 s)
 SETTLE_S = 10.0  # what may still be held this long after the fault (issue 17's goal: nothing)
@@ -126,7 +128,7 @@ class PrivatePostgres:
         self.data = self.dir / "data"
         self.port = free_port()
         self.url = f"postgres://postgres@127.0.0.1:{self.port}/drills"
-        self.bin = _pg_bin()
+        self.bin = pg_bin()
 
     @staticmethod
     def available() -> bool:
@@ -135,7 +137,7 @@ class PrivatePostgres:
             pwd.getpwnam("postgres")
         except KeyError:
             return False
-        return os.geteuid() == 0 and _pg_bin() is not None
+        return os.geteuid() == 0 and pg_bin() is not None
 
     def _as_postgres(self, *argv: str, timeout: float = 120) -> None:
         subprocess.run(["runuser", "-u", "postgres", "--", *argv], check=True, timeout=timeout,
@@ -175,7 +177,8 @@ class PrivatePostgres:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _pg_bin() -> Path | None:
+def pg_bin() -> Path | None:
+    """The newest ``/usr/lib/postgresql/<version>/bin`` holding ``initdb`` and ``pg_ctl``; None when there is none."""
     for candidate in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True):
         if (candidate / "initdb").is_file() and (candidate / "pg_ctl").is_file():
             return candidate
@@ -335,7 +338,8 @@ class Outcome:
 class DrillResult:
     """What one drill measured. ``held_reqs`` / ``held_slots``: admission reservations and key-limit leases still
     held ``SETTLE_S`` after the fault (or after the last request ended, if later; read earlier once both are 0); ``back_s``: seconds from the
-    fault until the platform served again; ``lost`` / ``doubled`` / ``cut``: filled in by ``usage_check``."""
+    fault until the platform served again; ``fault_s``: seconds the fault itself took (a Redis or PostgreSQL restart:
+    how long it was down; 0 for a kill); ``lost`` / ``doubled`` / ``cut``: filled in by ``usage_check``."""
 
     name: str
     outcomes: list[Outcome]
@@ -363,8 +367,8 @@ class DrillResult:
                 "failed cleanly": self.count("error") + self.count("closed"), "hung": self.count("hung"),
                 "unclean": self.count("unclean"), "slowest ok s": round(slowest_ok, 1),
                 "reservations held": self.held_reqs, "key slots held": self.held_slots,
-                "usage lost": self.lost, "usage doubled": self.doubled, "back s": round(self.back_s, 1),
-                "errors": ",".join(codes)}
+                "usage lost": self.lost, "usage doubled": self.doubled, "fault s": round(self.fault_s, 1),
+                "back s": round(self.back_s, 1), "errors": ",".join(codes)}
 
 
 def _body(i: int, stream: bool, max_tokens: int) -> dict:
@@ -551,8 +555,3 @@ def table(results: list[DrillResult]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
     return "\n".join(lines)
-
-
-def new_marker() -> str:
-    """A short random marker (unused ids between runs on one database)."""
-    return uuid.uuid4().hex[:6]

@@ -2,7 +2,7 @@
 
 A ``manage.py`` process spends 1.3-3 s starting (Django, the apps, the inference modules they import) before a
 command such as ``create_api_key`` does its ~10 ms of work; the suite ran ~200 such commands (keys, limits, models),
-several minutes of a 2-core machine. ``ManageRunner`` starts ``python -m tests.support.manage_runner`` once with the
+several minutes of a 2-core machine. ``ManageRunner`` starts ``python -m harness.manage_runner`` once with the
 platform's environment and sends it one command at a time; the child runs each with Django's ``call_command`` (the
 same parser and ``handle`` as ``manage.py``), captures what it prints, closes its database connections after each
 command (a test may restart PostgreSQL between two commands) and answers on a pipe of its own, so nothing a command
@@ -26,9 +26,8 @@ import threading
 import time
 import traceback
 from collections import OrderedDict
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+from harness import REPO
 
 
 class ManageRunner:
@@ -44,7 +43,7 @@ class ManageRunner:
 
     def _start(self) -> subprocess.Popen:
         read_fd, write_fd = os.pipe()
-        proc = subprocess.Popen([sys.executable, "-m", "tests.support.manage_runner", str(write_fd)], env=self.env,
+        proc = subprocess.Popen([sys.executable, "-m", "harness.manage_runner", str(write_fd)], env=self.env,
                                 cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 pass_fds=(write_fd,))
         os.close(write_fd)

@@ -1,4 +1,5 @@
-"""Helpers for tests that run ``manage.py serve`` itself."""
+"""``manage.py serve`` itself, run by a test or a benchmark: its environment, its start-up banner, its process tree, its
+stop."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ import uuid
 from pathlib import Path
 from typing import IO
 
-import pytest
-
-from tests.live_platform import REPO, free_port
+from harness import REPO
+from harness.live_platform import free_port
 
 
 def serve_env(tmp: Path) -> dict:
@@ -49,8 +49,8 @@ def cmdline(pid: int) -> str:
 
 def serve_banner(stdout: IO[str], timeout_s: float) -> list[str]:
     """The lines ``manage.py serve`` printed on ``stdout`` up to its ``Press Ctrl-C`` line (its start-up banner:
-    URLs, the demo ``API key ...``). Fails the test when serve exits first or the line has not come within
-    ``timeout_s`` (checked between lines)."""
+    URLs, the demo ``API key ...``). ``AssertionError`` (a failed test) when serve exits first or the line has not
+    come within ``timeout_s`` (checked between lines)."""
     lines: list[str] = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -59,7 +59,7 @@ def serve_banner(stdout: IO[str], timeout_s: float) -> list[str]:
         lines.append(line)
         if line.startswith("Press Ctrl-C"):
             return lines
-    pytest.fail("serve not ready:\n" + "".join(lines))
+    raise AssertionError("serve not ready:\n" + "".join(lines))
 
 
 def banner_key(lines: list[str]) -> str:

