@@ -25,7 +25,7 @@ boundary-sensitive flags; such a tokenizer is always encoded whole (``LoadedToke
 
 Storage: one bounded LRU per process first (``SegmentLRU``, ``SEGMENT_CACHE_MAX_TOKENS`` ids in all, 4 bytes each):
 a hit costs about a microsecond here against a 0.15-1 ms Redis round trip (docs/DECISIONS.md D-221,
-``bench/segment_cost.py``). Behind it, in render workers, a shared tier in Redis (``SharedTier``, D-303): the segments
+docs/bench-results.md). Behind it, in render workers, a shared tier in Redis (``SharedTier``, D-303): the segments
 of at least ``SEGMENT_CACHE_REDIS_MIN_CHARS`` characters that one prompt misses locally are fetched in one ``MGET``,
 and those still missing are encoded and written back in the task's reply pipeline (``take_shared_writes``; no extra
 round trip; on a Redis of the tier's own, ``SEGMENT_CACHE_REDIS_URL``, right after the reply), to live
