@@ -1,92 +1,89 @@
-"""Issue 2 benchmark: 16 concurrent streaming chats through the whole platform vs ``transformers`` ``generate``.
+"""Issue 2 benchmark: 16 concurrent streaming chats through the whole platform, through the engine link alone, and
+through ``transformers`` ``generate``.
 
-Both sides run the same 16 prompts (the Qwen3 chat template, real tokenizer) on the same demo model in this
-one run, each generating exactly ``--max-tokens`` tokens (EOS ignored, so the work is identical):
+All three sides run 16 prompts of the same shape (the Qwen3 chat template, real tokenizer) on the same demo model
+in this one run, each generating exactly ``--max-tokens`` tokens (EOS ignored, greedy, so the work is identical):
 
-* platform: a live platform (Redis or ``REDIS_URL``, Celery worker, engine, uvicorn) started here; 16 clients
-  stream at once over HTTP (a lean httpx SSE reader); TTFT = time to the first content chunk.
-* direct: one left-padded batch through ``model.generate`` in this process; TTFT = time until the first
-  token is chosen (a logits processor records the first call).
+* platform: a live platform (Redis or ``REDIS_URL``, Celery workers, engine, uvicorn) started here; 16 clients
+  stream at once over HTTP (a lean httpx SSE reader, ``bench.lib.chat_stream``); TTFT = time to the first content
+  chunk.
+* engine: the same platform's engine replica, sent the prompts' token ids straight over its Redis link by the api's
+  own link client (``inference.engine_client.EngineLink``), 16 at once: the platform less HTTP, authentication,
+  admission, rendering and output processing; TTFT = time to the first output carrying a token. (This side was
+  ``bench/engine_direct.py``.)
+* direct: one left-padded batch through ``model.generate`` in this process, after the platform has stopped; TTFT =
+  time until the first token is chosen (a logits processor records the first call).
 
-Both sides get the same treatment: one warm-up, then ``--rounds`` measured rounds, each round with prompts no
-other round or warm-up used (so the platform's prefix cache never serves a measured prompt; the direct side has
-no such cache), and the same statistic (the mean over rounds of each figure). Prints TTFT p50/p99, output
-tokens/s and the platform/direct ratios. Usage:
-``.venv/bin/python bench/chat_vs_direct.py [--concurrency 16] [--max-tokens 64] [--rounds 2]``
+Every side gets the same treatment: one warm-up, then ``--rounds`` measured rounds, each with prompts no other round
+or warm-up used (so the engine's prefix cache never serves a measured prompt: the engine side's prompts are its own,
+the direct side reuses the platform's, it has no such cache), and the same statistic (the mean over rounds of each
+figure). The platform and engine sides take turns within a round, each round starting with the other. Prints TTFT
+p50/p99, output tokens/s and the ratios platform/direct, engine/direct and platform/engine (what the frontend costs).
+Usage: ``.venv/bin/python bench/chat_vs_direct.py [--concurrency 16] [--max-tokens 64] [--rounds 2]``
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
+from bench.lib.chat_stream import mean_of, prompts, run_platform
+from bench.lib.stats import pct
 from harness.assets import DEMO_MODEL, MODEL_DIR
-from harness.live_platform import start_platform
+from harness.live_platform import LivePlatform, start_platform
+from inference.engine_client import EngineLink
+from inference.protocol.engine import EngineCoreRequest, SamplingParams
 
 
-def prompts(n: int, phase: str) -> list[list[dict]]:
-    """``n`` conversations of ``phase`` (``warm-up``, ``round 1``, ...): the phase and the index lead the
-    prompt, so no two phases share a prefix the engine's prefix cache could serve."""
-    topics = ["the sea", "mountains", "a robot", "coffee", "the moon", "a library", "rain", "trains",
-              "a garden", "winter", "music", "a city at night", "bees", "a lighthouse", "deserts", "clocks"]
-    return [[{"role": "user", "content": f"[{phase}, story {i}] Write a short story about "
-                                         f"{topics[i % len(topics)]}."}] for i in range(n)]
+def prompt_ids(tok, convs: list[list[dict]]) -> list[list[int]]:
+    """The token ids of each conversation under the model's chat template, with the generation prompt."""
+    texts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in convs]
+    return [list(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
 
 
-def mean_of(runs: list[dict]) -> dict:
-    """The mean of each figure over rounds (the one statistic both sides are reported with)."""
-    return {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
+async def run_engine(live: LivePlatform, prompts_ids: list[list[int]], max_tokens: int,
+                     model: str = DEMO_MODEL) -> dict:
+    """Send every prompt (token ids) at once, one request each, to ``live``'s engine replica of ``model`` through the
+    api's own link client, and read each to its end; the figures ``run_platform`` gives (``wall_s``, ``tokens``,
+    ``tok_s``, ``ttft_p50``, ``ttft_p99``). ``RuntimeError`` when the engine answers a request with an error."""
+    link = EngineLink.for_current_process(live.redis_url, live.prefix)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
+    async def one(ids: list[int]) -> tuple[float | None, int]:
+        rid = f"bench-{uuid.uuid4().hex[:12]}"
+        req = EngineCoreRequest(request_id=rid, external_req_id=rid, prompt_token_ids=ids, sampling_params=params,
+                                client_id=link.client_id, arrival_time=time.time())
+        queue = (await link.add_requests(model, [req]))[rid]
+        first, n = None, 0
+        try:
+            while True:
+                out = await asyncio.wait_for(queue.get(), 300)
+                if out.new_token_ids and first is None:
+                    first = time.perf_counter() - t0
+                n += len(out.new_token_ids)
+                if out.finish_reason is not None:
+                    if out.error:
+                        raise RuntimeError(f"engine error: {out.error}")
+                    return first, n
+        finally:
+            link.release(rid)
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    if not values:
-        return float("nan")
-    k = min(len(values) - 1, max(0, int(round(q * (len(values) - 1)))))
-    return values[k]
-
-
-async def run_platform(base_url: str, api_key: str, convs, max_tokens: int, model: str = DEMO_MODEL) -> dict:
-    """Stream every conversation at once through the HTTP API (``model``); TTFT = first content chunk.
-
-    The client is a lean ``httpx`` SSE reader (the bench process shares the 2 cores with the platform, so a
-    heavy client would measure itself); the official ``openai`` client is exercised by the test suite.
-    """
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"}
-    limits = httpx.Limits(max_connections=len(convs) + 4, max_keepalive_connections=len(convs) + 4)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=300, limits=limits) as http:
-        async def one(messages):
-            body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                    "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
-            t0 = time.perf_counter()
-            ttft = None
-            n = 0
-            async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
-                resp.raise_for_status()
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    if ttft is None and '"content":"' in line and '"content":""' not in line:
-                        ttft = time.perf_counter() - t0
-                    if '"usage":{' in line and '"choices":[]' in line:
-                        n = json.loads(line[6:])["usage"]["completion_tokens"]
-            return ttft, n
-
+    try:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(m) for m in convs))
+        results = await asyncio.gather(*(one(ids) for ids in prompts_ids))
         wall = time.perf_counter() - t0
-    ttfts = [r[0] for r in results if r[0] is not None]
-    tokens = sum(r[1] for r in results)
+    finally:
+        await link.close()
+    ttfts = [first for first, _ in results if first is not None]
+    tokens = sum(n for _, n in results)
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "ttft_p50": pct(ttfts, 0.5),
             "ttft_p99": pct(ttfts, 0.99)}
 
@@ -142,26 +139,37 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2,
                     help="measured rounds per side, after one warm-up; each round's prompts are new")
     args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
     warm = prompts(args.concurrency, "warm-up")
     rounds = [prompts(args.concurrency, f"round {r + 1}") for r in range(args.rounds)]
+    engine_warm = prompt_ids(tok, prompts(args.concurrency, "engine warm-up"))
+    engine_rounds = [prompt_ids(tok, prompts(args.concurrency, f"engine round {r + 1}")) for r in range(args.rounds)]
 
     live = start_platform(Path(tempfile.mkdtemp(prefix="bench-")))
+    runs: dict[str, list[dict]] = {"platform": [], "engine": []}
     try:
         asyncio.run(run_platform(live.base_url, live.api_key, warm, 4))  # warm tokenizer/template caches
-        plat_runs = [asyncio.run(run_platform(live.base_url, live.api_key, convs, args.max_tokens))
-                     for convs in rounds]
+        asyncio.run(run_engine(live, engine_warm, 4))
+        for r in range(args.rounds):  # the two sides take turns, each round starting with the other
+            for name in ("platform", "engine")[r % 2:] + ("platform", "engine")[:r % 2]:
+                side = run_platform(live.base_url, live.api_key, rounds[r], args.max_tokens) if name == "platform" \
+                    else run_engine(live, engine_rounds[r], args.max_tokens)
+                runs[name].append(asyncio.run(side))
     finally:
         live.stop()
     direct_runs = run_direct(rounds, warm, args.max_tokens)
-    plat, direct = mean_of(plat_runs), mean_of(direct_runs)
+    means = {"platform": mean_of(runs["platform"]), "engine": mean_of(runs["engine"]), "direct": mean_of(direct_runs)}
 
     print(f"\n{args.concurrency} concurrent streaming chats, {args.max_tokens} new tokens each, demo model, CPU; "
           f"mean of {args.rounds} round(s) per side, fresh prompts each round")
     print(f"{'':10} {'TTFT p50 s':>11} {'TTFT p99 s':>11} {'tokens/s':>10} {'wall s':>8}")
-    for name, r in (("platform", plat), ("direct", direct)):
+    for name, r in means.items():
         print(f"{name:10} {r['ttft_p50']:11.3f} {r['ttft_p99']:11.3f} {r['tok_s']:10.1f} {r['wall_s']:8.2f}")
-    print(f"ratio platform/direct: tokens/s {plat['tok_s'] / direct['tok_s']:.2f}x, "
-          f"TTFT p50 {plat['ttft_p50'] / direct['ttft_p50']:.2f}x")
+    for a, b in (("platform", "direct"), ("engine", "direct"), ("platform", "engine")):
+        print(f"ratio {a}/{b}: tokens/s {means[a]['tok_s'] / means[b]['tok_s']:.2f}x, "
+              f"TTFT p50 {means[a]['ttft_p50'] / means[b]['ttft_p50']:.2f}x")
 
 
 if __name__ == "__main__":

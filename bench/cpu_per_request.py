@@ -8,7 +8,7 @@ repeat. The platform runs its default route (Celery ``render`` queue: two solo w
 lays it out) with its own embedded Redis, so Redis's CPU is counted too
 (``REDIS_URL`` and ``DATABASE_URL`` of the environment are ignored: a shared Redis's or PostgreSQL's CPU cannot be
 attributed); every process of it counts: api, render worker and its pool children, usage and mm workers and
-theirs, beat, Redis. vLLM's CPU server (../shared/reference/peer_vllm.md, ``.peer/vllm``) counts its api server
+theirs, beat, Redis. vLLM's CPU server (``.peer/vllm``: ``scripts/setup.sh --vllm``) counts its api server
 and every descendant (its engine core). The two servers are loaded one after the other, never at once, in
 ``--rounds`` alternating rounds (their sums are reported), in the same run, after the same warm-up. Both are checked
 to return identical token ids first.
@@ -56,45 +56,10 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
-from bench.frontend import chat_body, first_tokens, start_vllm, stop_vllm
+from bench.lib.proc_cpu import describe, proc_cpu_s
+from bench.lib.tokenize_bodies import chat_body, first_tokens
+from bench.lib.vllm_server import start_vllm, stop_vllm
 from harness.live_platform import free_port, start_platform
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of process ``pid`` (all its threads) from ``/proc/<pid>/stat``; ``None`` when it
-    is gone. (Fields 14 and 15, counted after the parenthesised command name, which may hold spaces.)"""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    fields = raw[raw.rindex(b")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def describe(proc: psutil.Process) -> str:
-    """A short name for a server process from its command line: ``celery worker -Q render`` (``... child`` for a
-    prefork pool child), ``celery beat``, ``api``, ``api-mm``, ``engine MODEL``, ``redis``; else its own name."""
-    argv = proc.cmdline()
-    text = " ".join(argv)
-    if "celery" in text and "worker" in argv:
-        queue = argv[argv.index("-Q") + 1] if "-Q" in argv else "?"
-        parent = proc.parent()
-        child = parent is not None and "celery" in " ".join(parent.cmdline()) and "worker" in parent.cmdline()
-        return f"celery worker -Q {queue}" + (" child" if child else "")
-    if "celery" in text and "beat" in argv:
-        return "celery beat"
-    if "uvicorn" in text:
-        return "api"
-    if "ops.mm_api" in text:
-        return "api-mm"
-    if "inference.engine" in text:
-        return "engine " + (argv[argv.index("--model") + 1] if "--model" in argv else "?")
-    if "redis-server" in text:
-        return "redis"
-    return proc.name()
 
 
 @dataclass

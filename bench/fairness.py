@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
-from bench.admission import calibrate, offer
+from bench.lib.completions_load import calibrate, offer
 from harness.assets import DEMO_MODEL
 from harness.live_platform import start_platform
 
@@ -38,7 +38,7 @@ MODEST_SHARE, GREEDY_SHARE = 0.3, 1.2  # of capacity: 1.5× in all, greedy sends
 
 
 async def both(base: str, modest: str, greedy: str, length: int, cap_rps: float, duration: float) -> tuple[dict, dict]:
-    """Both tenants' open loops at once: (modest result, greedy result) as ``bench.admission.offer`` gives them."""
+    """Both tenants' open loops at once: (modest result, greedy result) as ``bench.lib.completions_load.offer`` gives them."""
     m, g = await asyncio.gather(offer(base, modest, length, MODEST_SHARE * cap_rps, duration),
                                 offer(base, greedy, length, GREEDY_SHARE * cap_rps, duration))
     return m, g

@@ -13,7 +13,7 @@ Usage::
     .venv/bin/python bench/frontend.py [--requests 200] [--vllm-python .peer/vllm/bin/python] [--no-vllm] [--render-pool solo|prefork]
 
 Needs Redis (``REDIS_URL``, e.g. redis://127.0.0.1:6379/13) or starts the embedded one, and vLLM installed
-as in ../shared/reference/peer_vllm.md (``.peer/vllm``). Prints p50/p99 latency (ms), requests/s and the
+by ``scripts/setup.sh --vllm`` (``.peer/vllm``). Prints p50/p99 latency (ms), requests/s and the
 ratios ours/vLLM (latency: lower is better, so a ratio < 1 means we are faster; throughput: > 1 means we
 are faster). Both servers are checked to return identical token ids first.
 """
@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,23 +34,9 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
-from harness.assets import MODEL_DIR
+from bench.lib.tokenize_bodies import chat_body, first_tokens
+from bench.lib.vllm_server import start_vllm, stop_vllm
 from harness.live_platform import free_port, start_platform
-
-PARA = ("The sea was calm that morning, and the fishermen set out before dawn with their nets and their "
-        "stories. Gulls circled above the harbour while the lighthouse keeper wrote in his log. ")
-
-
-def chat_body(target_tokens: int) -> dict:
-    """A multi-turn conversation of roughly ``target_tokens`` tokens (about 36 per paragraph)."""
-    paras = max(1, target_tokens // 37)
-    msgs = [{"role": "system", "content": "You are a helpful assistant who writes about the sea."}]
-    per_turn = 6
-    for i in range(0, paras, per_turn):
-        msgs.append({"role": "user", "content": f"Part {i}: " + PARA * min(per_turn, paras - i)})
-        msgs.append({"role": "assistant", "content": "Noted. " + PARA[:80]})
-    msgs.append({"role": "user", "content": "Summarise everything above."})
-    return {"messages": msgs, "add_generation_prompt": True}
 
 
 def numbered(body: dict, i: int) -> dict:
@@ -91,54 +75,6 @@ async def run_load(url: str, headers: dict, body: dict, concurrency: int, total:
     lat.sort()
     return {"p50": statistics.median(lat) * 1000, "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000,
             "rps": total / wall, "errors": errors}
-
-
-def start_vllm(python: str, port: int, log: Path, max_model_len: int = 4096,
-               ready_timeout_s: float = 300, *, served_name: str = "tiny-qwen3", dtype: str = "bfloat16",
-               extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
-    """vLLM's CPU api server on the demo model (served as ``served_name``, ``dtype``, more server options in
-    ``extra_args``) at ``port``, once healthy (its whole process group killed when it does not get there within
-    ``ready_timeout_s``)."""
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
-    if max_model_len > 4096:  # the demo model's max_position_embeddings; /tokenize-only runs may go past it
-        env["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
-    proc = subprocess.Popen([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
-                             "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
-                             "--dtype", dtype, "--max-model-len", str(max_model_len), "--enforce-eager", *extra_args],
-                            env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + ready_timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited; see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(30)
-    raise RuntimeError(f"vLLM did not become healthy within {ready_timeout_s:g} s; see {log}")
-
-
-def stop_vllm(proc: subprocess.Popen) -> None:
-    """Stop a server from ``start_vllm``: SIGTERM, then SIGKILL when it has not exited within 30 s."""
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-def first_tokens(url: str, headers: dict, body: dict, tries: int = 10) -> list[int]:
-    """The token ids of ``body`` from ``url``'s ``/tokenize``; a refusal (a render worker still loading its tokenizer
-    on a busy machine) is tried again, up to ``tries`` times, 2 s apart."""
-    for _ in range(tries - 1):
-        out = httpx.post(url + "/tokenize", json=body, headers=headers, timeout=60).json()
-        if "tokens" in out:
-            return out["tokens"]
-        time.sleep(2)
-    return httpx.post(url + "/tokenize", json=body, headers=headers, timeout=60).json()["tokens"]
 
 
 def main() -> None:

@@ -13,14 +13,14 @@ request on the same bodies:
   workers restarted with the shared tier off (``SEGMENT_CACHE_REDIS_MIN_CHARS=0``), then with the cache off (same
   bodies, sequential passes; each pass's segment-cache counts are printed);
 * ``vllm``: vLLM's CPU server on the same tokenizer, when ``--vllm-python`` imports vllm
-  (../shared/reference/peer_vllm.md), interleaved with the inline pair.
+  (``scripts/setup.sh --vllm``), interleaved with the inline pair.
 
 With ``--ttft``, the same conversations are also sent as streaming chats (``max_tokens`` 4, ``ignore_eos``) and
 time to first token is compared, request by request: ``ttft-celery`` (the default route) and ``ttft-inline`` through
 the platform to a native engine replica started as ``manage.py serve`` starts one (the cores less one for the
 frontend, niceness 10), and ``ttft-vllm``, vLLM's server on its own engine; both engines in float32, prefix caching
 on (each turn's history was the previous turn's prompt), neither with a reasoning parser. After every vLLM request
-the next one waits ``bench.vllm_backend.IDLE_GAP_S``: vLLM's engine spins for a second after its last step. Each of
+the next one waits ``bench.lib.vllm_server.IDLE_GAP_S``: vLLM's engine spins for a second after its last step. Each of
 the two routes uses a key of a tenant of its own, so neither finds the other's prompt in the engine's prefix cache
 (nor anything of the ``/tokenize`` passes in the segment cache).
 
@@ -52,8 +52,7 @@ from prometheus_client.parser import text_string_to_metric_families
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
-from bench.frontend import start_vllm, stop_vllm
-from bench.vllm_backend import IDLE_GAP_S
+from bench.lib.vllm_server import IDLE_GAP_S, start_vllm, stop_vllm
 from inference.tasks import segment_cache_counter_key
 from ops.supervisor import wait_until
 from harness.assets import MODEL_DIR

@@ -35,6 +35,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
+from bench.lib.stats import pct
 from harness.assets import DEMO_MODEL
 from harness.live_platform import run_manage
 from harness.drills import DrillPlatform, start_drill_platform, stop_drill_platform
@@ -58,13 +59,6 @@ class Minute:
         self.statuses[status] = self.statuses.get(status, 0) + 1
         if status == "503":
             self.refusal_ms.append(ms)
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
 def rss_kib(pid: int) -> int:

@@ -3,19 +3,19 @@
 Both sides serve the demo model with vLLM's engine, same dtype, ``max_num_seqs``, ``max_model_len`` and KV cache
 (``VLLM_CPU_KVCACHE_SPACE``), and get the same requests: ``--concurrency`` streaming chats at once (the Qwen3 chat
 template), each generating exactly ``--max-tokens`` tokens (EOS ignored, greedy), read by the same lean httpx SSE
-client (``bench/chat_vs_direct.py``'s):
+client (``bench.lib.chat_stream``):
 
 * platform: a live platform (Redis or ``REDIS_URL``, Celery workers, uvicorn) with the model registered as
   ``backend=vllm`` and one ``python -m inference.engine.vllm_backend`` replica (vLLM's ``LLMEngine`` behind the
   Redis engine link); admission, key limits and usage as for any model;
-* vllm: ``python -m vllm.entrypoints.openai.api_server`` on a free port (``/work/shared/reference/peer_vllm.md``).
+* vllm: ``python -m vllm.entrypoints.openai.api_server`` on a free port (``.peer/vllm``: ``scripts/setup.sh --vllm``).
 
 All sides are up at once (an idle engine blocks on its queue) and take turns, never two at once on the shared
 cores: one warm-up each, then ``--rounds`` measured rounds with prompts no other round used (no prefix-cache hits),
 each round starting with the next side, so a drift in the machine's load spreads over all sides; the mean over
 rounds of each figure. Prints TTFT p50/p99, output tokens/s and the platform/vllm ratio (goal: tokens/s ≥ 0.9x).
 Also the CPU time every process on the machine spent during each side's rounds (``/proc/<pid>/stat``, read before and
-after each round; processes grouped by role: ``bench/cpu_per_request.describe``), as CPU seconds per 1,000 output
+after each round; processes grouped by role: ``bench.lib.proc_cpu.describe``), as CPU seconds per 1,000 output
 tokens: how much of the cores the side's model forward had, and how much went to its frontend. Usage:
 ``.venv/bin/python bench/vllm_backend.py [--concurrency 16] [--max-tokens 64] [--rounds 2] [--dtype bfloat16] [--native]``
 (``--native``: also the same rounds on our native engine through the same platform, issue 20's CPU goal; it runs
@@ -40,18 +40,14 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
-from bench.chat_vs_direct import mean_of, prompts, run_platform
-from bench.cpu_per_request import describe, proc_cpu_s
-from bench.frontend import start_vllm, stop_vllm
+from bench.lib.chat_stream import mean_of, prompts, run_platform
+from bench.lib.proc_cpu import describe, proc_cpu_s
+from bench.lib.vllm_server import IDLE_GAP_S, start_vllm, stop_vllm
 from harness.assets import MODEL_DIR, VLLM_PYTHON
 from harness.live_platform import free_port, start_platform
 
 VLLM_MODEL = "tiny-qwen3-vllm"
 NATIVE_MODEL = "tiny-qwen3-native"
-# Pause before each measured round: a vLLM engine's worker keeps busy-polling its shared-memory queue (with
-# sched_yield) for 1 s after its last step (vLLM's ``SpinCondition``, ``busy_loop_s``), which took a core from the
-# side that ran next (its TTFT rose from ~0.1 s to ~0.9 s).
-IDLE_GAP_S = 2.0
 
 
 def role(proc: psutil.Process) -> str:
