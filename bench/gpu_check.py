@@ -7,7 +7,7 @@
    output tokens/s (first send to last token) and TTFT p50 (send to first token).
 3. vLLM's own OpenAI server from ``.peer/vllm`` (``bin/python -m vllm.entrypoints.openai.api_server``) on the same
    model directory, the same prompts as token ids over streaming ``/v1/completions``: the same two figures.
-   The platform had no vLLM engine backend when this was written (another branch adds one); the script says so.
+   (The platform's vLLM engine backend, ``inference/engine/vllm_backend``, is measured by bench/vllm_backend.py.)
 
 Prints one line per (system, concurrency) and our/vLLM ratios. ``--dry-run`` builds the small model on the CPU and
 runs every step at tiny sizes (seconds) to catch errors where there is no GPU.
@@ -206,10 +206,6 @@ def main() -> int:
     for c, (tps, ttft) in theirs.items():
         print(f"vLLM  c={c:3d}: {tps:9.1f} output tokens/s, TTFT p50 {ttft * 1e3:8.1f} ms; "
               f"ours/vLLM tokens/s {mine[c][0] / tps:.2f}, TTFT {mine[c][1] / max(ttft, 1e-9):.2f}")
-    if (ROOT / "inference" / "engine" / "vllm_backend.py").exists():
-        print("platform vLLM backend: present in this tree, not measured by this script yet (its own link protocol)")
-    else:
-        print("platform vLLM backend: none in this tree")
     return 0
 
 

@@ -250,7 +250,8 @@ def main() -> None:
         assert on_child.proc is not None and off_child.proc is not None
         pair = [Target("inline+cache", on_url, hdr, [on_child.proc.pid]),
                 Target("inline-nocache", off_url, hdr, [off_child.proc.pid])]
-        if subprocess.run([args.vllm_python, "-c", "import vllm"], capture_output=True).returncode == 0:
+        if Path(args.vllm_python).exists() and \
+                subprocess.run([args.vllm_python, "-c", "import vllm"], capture_output=True).returncode == 0:
             vport = free_port()
             vllm = start_vllm(args.vllm_python, vport, tmp / "vllm.log", max_model_len=32768,
                               ready_timeout_s=900, dtype="float32")
