@@ -8,7 +8,7 @@ in this one run, each generating exactly ``--max-tokens`` tokens (EOS ignored, g
   stream at once over HTTP (a lean httpx SSE reader, ``bench.lib.chat_stream``); TTFT = time to the first content
   chunk.
 * engine: the same platform's engine replica, sent the prompts' token ids straight over its Redis link by the api's
-  own link client (``inference.engine_client.EngineLink``), 16 at once: the platform less HTTP, authentication,
+  own link client (``inference.api.engine_client.EngineLink``), 16 at once: the platform less HTTP, authentication,
   admission, rendering and output processing; TTFT = time to the first output carrying a token. (This side was
   ``bench/engine_direct.py``.)
 * direct: one left-padded batch through ``model.generate`` in this process, after the platform has stopped; TTFT =
@@ -39,7 +39,7 @@ from bench.lib.chat_stream import mean_of, prompts, run_platform
 from bench.lib.stats import pct
 from harness.assets import DEMO_MODEL, MODEL_DIR
 from harness.live_platform import LivePlatform, start_platform
-from inference.engine_client import EngineLink
+from inference.api.engine_client import EngineLink
 from inference.protocol.engine import EngineCoreRequest, SamplingParams
 
 

@@ -53,13 +53,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
 from bench.lib.vllm_server import IDLE_GAP_S, start_vllm, stop_vllm
-from inference.tasks import segment_cache_counter_key
+from inference.workers.tasks import segment_cache_counter_key
 from ops.supervisor import wait_until
 from harness.assets import MODEL_DIR
 from harness.live_platform import free_port, start_platform
 
 TTFT_MODEL = "tiny-qwen3-ttft"  # the demo model registered for the --ttft pass (float32, no reasoning parser)
-PHASES = ("frontend", "queue", "prefill")  # TTFT's phases in /metrics (gateway.metrics.PHASE_HELP)
+PHASES = ("frontend", "queue", "prefill")  # TTFT's phases in /metrics (gateway.endpoints.metrics.PHASE_HELP)
 
 WORDS = ("sea harbour gull tide wave net boat keeper light dawn storm rope sail anchor shell sand reef current "
          "north wind salt fish story morning evening cliff rock foam deep blue green grey calm rough island "

@@ -1,7 +1,7 @@
 """Benchmark: prefix-aware routing (ENGINE_ROUTING=prefix) against the shared stream (any replica pulls), 2 replicas.
 
 Starts two ``python -m inference.engine`` replicas of the demo model (``--num-threads 1`` each) and drives them
-through the api's own engine link (``inference.engine_client.EngineLink``, the code every api process sends with),
+through the api's own engine link (``inference.api.engine_client.EngineLink``, the code every api process sends with),
 switching its ``routing`` between runs in the same process:
 
 * ``multi-turn``: ``--conversations`` concurrent conversations, each over one of ``--systems`` shared system
@@ -39,8 +39,8 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from inference.engine_client import ROUTING_PREFIX, ROUTING_SHARED, EngineLink
-from inference.router import request_cost_tokens
+from inference.api.engine_client import ROUTING_PREFIX, ROUTING_SHARED, EngineLink
+from inference.api.router import request_cost_tokens
 from inference.protocol.engine import EngineCoreRequest, SamplingParams, replica_key
 
 MODEL = "m"

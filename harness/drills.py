@@ -44,7 +44,7 @@ from pathlib import Path
 import httpx
 import redis
 
-from inference import admission as adm
+from inference.api import admission as adm
 from harness import REPO
 from harness.assets import DEMO_MODEL, MODEL_DIR, ensure_demo_assets
 from harness.live_platform import free_port, run_manage

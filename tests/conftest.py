@@ -35,7 +35,7 @@ def live_vl(tmp_path_factory):
         env = dict(live.env, MM_FETCH_ALLOW_NETS="127.0.0.1/32", MM_FETCH_TIMEOUT_S="3")
         live.sup.env = env
         live.sup.start("mm-worker", [sys.executable, "-m", "celery", "-A", "config", "worker", "-Q", "mm", "-c", "1",
-                                     "-I", "inference.mm_tasks", "--pool", "prefork", "-n", f"mm-{live.prefix}@%h",
+                                     "-I", "inference.workers.mm_tasks", "--pool", "prefork", "-n", f"mm-{live.prefix}@%h",
                                      "--without-gossip", "--without-mingle", "-l", "WARNING"])
         start_replica(live, "vl-engine", VL_MODEL, VL_DIR, "--max-model-len", "1024", "--num-threads", "2")
         yield live

@@ -97,10 +97,10 @@ def test_limit_codes_are_public_error_codes():
 
 
 # ----------------------------------------------------------------------------------- one settings reader
-# The environment is read by ``platform/config/settings.py`` (Django side) and ``inference/config.py`` (the
+# The environment is read by ``platform/config/settings.py`` (Django side) and ``inference/shared/config.py`` (the
 # Django-free side) only. Besides them, only these uses of ``os.environ`` are allowed: setting Django's settings
 # module before Django starts, and copying the environment for child processes (not reading a setting).
-SETTINGS_READERS = {"platform/config/settings.py", "inference/config.py"}
+SETTINGS_READERS = {"platform/config/settings.py", "inference/shared/config.py"}
 ENVIRON_ALLOWED = {
     ("manage.py", 'os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")'),
     ("platform/config/asgi.py", 'os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")'),
@@ -139,7 +139,7 @@ def _environ_uses(path: Path) -> list[tuple[int, str]]:
 
 
 def test_only_the_settings_modules_read_the_environment():
-    """No module but ``config/settings.py`` and ``inference/config.py`` reads ``os.environ`` / ``os.getenv``."""
+    """No module but ``config/settings.py`` and ``inference/shared/config.py`` reads ``os.environ`` / ``os.getenv``."""
     found = []
     for path in _source_files():
         rel = path.relative_to(REPO).as_posix()
@@ -152,8 +152,8 @@ def test_only_the_settings_modules_read_the_environment():
 
 
 def test_the_inference_reader_keeps_names_and_defaults():
-    """``inference/config.py`` reads each variable under its documented name; unset or empty means the default."""
-    from inference.config import InferenceSettings
+    """``inference/shared/config.py`` reads each variable under its documented name; unset or empty means the default."""
+    from inference.shared.config import InferenceSettings
 
     assert InferenceSettings.from_env({}) == InferenceSettings()
     read = InferenceSettings.from_env({"RENDER_TIME_LIMIT_S": "1.5", "MM_BLOB_TTL_S": "7", "REDIS_URL": "redis://x",
@@ -161,9 +161,9 @@ def test_the_inference_reader_keeps_names_and_defaults():
     assert (read.render_time_limit_s, read.mm_blob_ttl_s, read.redis_url) == (1.5, 7, "redis://x")
     assert (read.mm_fetch_allow_nets, read.engine_log_level) == (None, "DEBUG")
     assert type(read.mm_blob_ttl_s) is int and type(read.render_time_limit_s) is float
-    doc = (REPO / "inference" / "config.py").read_text()
+    doc = (REPO / "inference" / "shared" / "config.py").read_text()
     for name in InferenceSettings.__dataclass_fields__:
-        assert f"``{name.upper()}``" in doc, f"{name.upper()} is not documented in inference/config.py"
+        assert f"``{name.upper()}``" in doc, f"{name.upper()} is not documented in inference/shared/config.py"
 
 
 # ---------------------------------------------------------------------- no project imports inside functions

@@ -154,7 +154,7 @@ DEAD_CODE_ALLOWED: list[tuple[str, tuple[str, ...], str]] = [
     ("inference/protocol/errors.py", ("RATE_LIMIT_EXCEEDED", "CONCURRENCY_LIMIT_EXCEEDED", "INSUFFICIENT_QUOTA"),
      "written by value by tenancy/limits.py (LIMIT_CODES; tests/test_architecture.py checks they are ErrorCodes)"),
     ("inference/protocol/openai.py", ("tool_call_id",), "a field of the tool message clients send"),
-    ("inference/render_limits.py", ("watchdog_pid",),
+    ("inference/workers/render_limits.py", ("watchdog_pid",),
      "read by tests/renderer/test_render_limits.py in a child process's source text"),
     ("inference/renderer/sandbox.py", ("_render_body",), "called by name by GenerationTag's CallBlock"),
     ("inference/renderer/sandbox.py", ("compare_guard", "loop_guard", "concat_guard"),

@@ -19,7 +19,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING
 
-from inference.config import SETTINGS
+from inference.shared.config import SETTINGS
 
 from .core import EngineCore, install_signal_handlers, new_engine_id, replica_stats
 from .prefix_cache import DEFAULT_PREFIX_CACHE_MB

@@ -7,7 +7,7 @@ A scheduler holds the requests a replica accepted and turns them into outputs; i
 * ``accept(requests)``: every newly read request is answered at once with an empty output (``queued_ts``,
   ``engine_id``), so the api process knows which replica owns it; an invalid one fails here with ``error``. Valid ones
   wait in order of ``priority`` (the caller's tier, set by the gateway from the API key:
-  ``inference.admission.engine_priority``), then arrival (``enqueue_by_priority``: vLLM's priority scheduling order,
+  ``inference.api.admission.engine_priority``), then arrival (``enqueue_by_priority``: vLLM's priority scheduling order,
   without its preemption).
 * ``abort(ids)``: held requests end with ``abort``; an abort may overtake its request (still unread in the request
   stream), so the ids of requests not held are remembered for ``EARLY_ABORT_S`` and applied when they arrive.

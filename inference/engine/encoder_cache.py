@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from inference.config import SETTINGS
+from inference.shared.config import SETTINGS
 
 DEFAULT_MAX_BYTES = SETTINGS.encoder_cache_max_bytes
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 # the block naming lives in a torch-free module so the api's router hashes prompts with this very function
-from inference.prefix_hash import BLOCK_SIZE, ImageSpan, block_hashes
+from inference.shared.prefix_hash import BLOCK_SIZE, ImageSpan, block_hashes
 
 if TYPE_CHECKING:
     import torch
@@ -62,7 +62,7 @@ class PrefixCache:
 
     def track_changes(self) -> None:
         """Record which block hashes enter and leave the cache from now on (``drain_changes``), so a replica can
-        publish what it holds to the router (``inference/router.py``)."""
+        publish what it holds to the router (``inference/api/router.py``)."""
         if self._journal is None:
             self._journal = {}
 

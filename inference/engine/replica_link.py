@@ -52,7 +52,7 @@ from inference.protocol.engine import (
     routing_key,
     unpack_entry,
 )
-from inference.redis_timeouts import blocking_socket_timeout
+from inference.shared.redis_timeouts import blocking_socket_timeout
 
 from .watchdog import EXIT_STEP_LOOP_WEDGED, STEP_WATCHDOG_S, check_watchdog_seconds, exit_wedged, thread_stack
 

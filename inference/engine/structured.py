@@ -1,5 +1,5 @@
 """Structured outputs in the engine: grammars compiled off the step loop, one matcher per sequence, and the
-per-step token mask (issue 16; the request side and the grammar text: ``inference.structured``).
+per-step token mask (issue 16; the request side and the grammar text: ``inference.shared.structured``).
 
 * ``GrammarCompiler``: a small thread pool (``STRUCTURED_COMPILE_THREADS``) builds the llguidance tokenizer of the
   served model once, then compiles each constraint into a pristine ``LLMatcher`` (llguidance drops the GIL while it
@@ -7,7 +7,7 @@ per-step token mask (issue 16; the request side and the grammar text: ``inferenc
   grammar is reused only by requests of one cache scope (a shared one would tell a tenant, by its TTFT, which
   schemas another sent). A request's ``compile`` returns a ``Future``; the step loop never waits on it
   (``SequenceGrammar.ready``). The spec is the engine form the gateway's grammar sandbox produced
-  (``inference.structured.engine_grammar``: native library calls only; no Python-side conversion of client text
+  (``inference.shared.structured.engine_grammar``: native library calls only; no Python-side conversion of client text
   runs here, where it would hold the GIL against the step loop and the heartbeat).
 * ``SequenceGrammar``: a sequence's own matcher, a ``deep_copy`` of the cached pristine one (cheap: the compiled
   grammar is shared), so the ``n`` children of a request advance independently. With ``after_token_ids`` it is
@@ -36,8 +36,8 @@ import llguidance.numpy  # not llguidance.torch: importing it runs torch.compile
 import numpy as np
 import torch
 
-from inference.config import SETTINGS
-from inference.structured import StructuredSpecError, engine_grammar, parser_limits
+from inference.shared.config import SETTINGS
+from inference.shared.structured import StructuredSpecError, engine_grammar, parser_limits
 
 log = logging.getLogger("inference.engine")
 

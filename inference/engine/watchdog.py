@@ -6,7 +6,7 @@ process that hangs) would keep beating: api processes would go on routing to it 
 deadlines. The heartbeat thread therefore also watches the loop (``ReplicaLink._give_up_wedged``) and, once it has
 not turned over for ``STEP_WATCHDOG_S``, withdraws the replica from the link and ends the process with
 ``exit_wedged`` for its supervisor (``manage.py serve``, a container's restart policy) to start a fresh one. The
-api processes then fail or resend what it held, as for a replica that died (``inference.engine_client``). A pause of
+api processes then fail or resend what it held, as for a replica that died (``inference.api.engine_client``). A pause of
 the whole process (SIGSTOP, a debugger) holds the heartbeat thread too; once that thread itself went longer than the
 heartbeat's TTL without a turn, the watch starts again instead of counting the pause against the loop.
 
@@ -23,7 +23,7 @@ import traceback
 
 import psutil
 
-from inference.proctree import kill_sparing_trackers
+from inference.shared.proctree import kill_sparing_trackers
 from inference.protocol.engine import HEARTBEAT_TTL_S
 
 # Seconds a step loop may go without turning over. Well past the longest legitimate step: an idle loop turns over
@@ -66,7 +66,7 @@ def exit_wedged() -> None:
     """End this process at once with ``EXIT_STEP_LOOP_WEDGED``, from any thread: SIGKILL every descendant first
     (vLLM's engine-core process and its model workers, which a hung core or device would otherwise leave behind as
     orphans holding the device) but multiprocessing's resource tracker, which unlinks their shared memory once this
-    process is gone too (``inference.proctree``), flush the root logger's handlers, then ``os._exit`` (the wedged
+    process is gone too (``inference.shared.proctree``), flush the root logger's handlers, then ``os._exit`` (the wedged
     thread cannot be joined, so no clean interpreter exit is possible). Never returns."""
     try:
         kill_sparing_trackers(psutil.Process().children(recursive=True))

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 import msgpack
 import numpy as np
 
-from inference.config import SETTINGS
+from inference.shared.config import SETTINGS
 
 if TYPE_CHECKING:
     import redis

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from urllib.parse import SplitResult, urljoin, urlsplit
 
-from inference.config import SETTINGS
+from inference.shared.config import SETTINGS
 
 from .image import ImageError
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import pybase64
 
-from inference.config import SETTINGS
+from inference.shared.config import SETTINGS
 
 if TYPE_CHECKING:
     from PIL.Image import Image as PILImage

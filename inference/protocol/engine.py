@@ -22,7 +22,7 @@ Link layout (DESIGN.md §6), all keys prefixed by ``link_prefix`` (default ``llm
   heartbeat; live replicas = members scored after now (then MGET their heartbeat keys). Members expired more than
   a minute ago are dropped, and the set itself expires a minute after its model's last heartbeat.
 * ``{p}:engine:{model}:rq:{engine_id}``  Redis Stream, consumer group ``engines``: the requests an api process
-  routed to that replica (prefix-aware routing, ``inference.router``). The replica reads it before the shared
+  routed to that replica (prefix-aware routing, ``inference.api.router``). The replica reads it before the shared
   stream; once the replica's heartbeat lapses, a live replica of the model takes what is left in it.
 * ``{p}:engine:{model}:blocks:{engine_id}``  set of the prefix-cache block hashes (16 bytes each) the replica
   holds (``inference.engine.prefix_cache.block_hashes``), kept in step with its cache; TTL refreshed by the

@@ -26,7 +26,7 @@ cap                        value    source / reason
 ``MAX_REQUEST_ID_LEN``     128      ``request_id``; no control characters (it is echoed in a header)
 =========================  =======  ==============================================================
 
-Cross-field rules that need the model (lengths, vocabulary) live in ``inference.input_processor``.
+Cross-field rules that need the model (lengths, vocabulary) live in ``inference.api.input_processor``.
 """
 
 from __future__ import annotations
@@ -461,13 +461,13 @@ class _SamplingFields(_Base):
     cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
     # vLLM's ``priority`` (lower = earlier). Here the priority tier comes from the API key's tenant; this field
     # can only order the request later within that tier (0 = the tier's first), so it is ≥ 0: a client cannot
-    # raise its own priority (``inference.admission.engine_priority``).
+    # raise its own priority (``inference.api.admission.engine_priority``).
     priority: int | None = Field(
         default=0, ge=0, le=2**31 - 1,
         description="Orders the request later within its priority tier (0 = earliest). The tier itself is set by "
                     "the operator for the API key's tenant; a request cannot raise it.")
     return_token_ids: bool | None = False
-    # Structured outputs (the engine masks the logits to a grammar, ``inference.structured``): OpenAI's
+    # Structured outputs (the engine masks the logits to a grammar, ``inference.shared.structured``): OpenAI's
     # ``response_format`` and vLLM's ``structured_outputs`` request extension; not both.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

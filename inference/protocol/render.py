@@ -1,9 +1,9 @@
 """Render wire types: what crosses the Celery ``render`` and ``mm`` queues between api processes and workers.
 
 Importable without Django and without torch. A request is a plain dataclass: ``to_wire()`` is the task's one
-argument, a JSON object (``inference.celery_publish`` pushes it inside Celery's own message, or ``send_task`` does),
+argument, a JSON object (``inference.api.celery_publish`` pushes it inside Celery's own message, or ``send_task`` does),
 and the worker reads it back with ``from_wire`` (a missing field raises ``PayloadError`` naming it). The worker
-answers a result or a ``RenderFailure``; on the wire (the api's reply channel, ``inference.render_client``) that is
+answers a result or a ``RenderFailure``; on the wire (the api's reply channel, ``inference.api.render_client``) that is
 ``{"ok": true, ...}`` or ``{"ok": false, "error": {"type", "message", "param", "code"}}``, and the request's
 ``parse_reply`` turns it back into the typed value.
 
@@ -230,7 +230,7 @@ class ChatRenderRequest(RenderTask[RenderedTokens]):
     (``inference.renderer.chat_template.render_chat``, whose arguments the middle fields are).
     ``client_chat_template``: ``chat_template`` came from the client, so the api never renders it in-process
     (routing only; the worker ignores it). ``max_model_len``: with it, text over the worker's character bound is
-    refused before rendering (``inference.tasks.check_chars``). ``cache_salt``: scopes the segment cache's keys.
+    refused before rendering (``inference.workers.tasks.check_chars``). ``cache_salt``: scopes the segment cache's keys.
     ``return_prompt_text``: False leaves the rendered text out of the answer (the api reads only the ids)."""
 
     task: ClassVar[str] = TASK_RENDER_CHAT

@@ -4,7 +4,7 @@ vLLM's reasoning parsers (``vllm/reasoning/``, ``--reasoning-parser``) in the sh
 parser object per choice, fed the detokenized text deltas in order (``push``), closed with ``flush`` at the
 end of the choice. Every call returns a ``ReasoningDelta``; the concatenation of all deltas is the same
 whatever the chunking (one token at a time or the whole text at once), and no part of a marker is ever
-emitted into either field (possible marker prefixes are held back, ``inference.markers``).
+emitted into either field (possible marker prefixes are held back, ``inference.shared.markers``).
 
 Parsers are chosen by name from ``REASONING_PARSERS`` (``register_reasoning_parser`` adds one), per served
 model (the registry's ``reasoning_parser`` field; ``"auto"`` derives it from the chat template,

@@ -17,7 +17,7 @@ kept as the model wrote it (vLLM does not strip it either); the text after ``</t
 
 Bounded hold and cost: reasoning and content flow as they come (only a possible start of ``</think>`` is held
 back), so the one thing held is the output's leading whitespace while it is undecided whether a ``<think>``
-follows; whitespace longer than ``max_held_chars`` (``inference.markers.MAX_HELD_CHARS`` by default) decides it:
+follows; whitespace longer than ``max_held_chars`` (``inference.shared.markers.MAX_HELD_CHARS`` by default) decides it:
 the output then does not start with a think block (the rule above for an output without ``<think>``). Each
 ``push`` is O(len(text)) plus a look-back of one marker length.
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
-from inference.markers import MAX_HELD_CHARS, TextBuffer, split_at_marker
+from inference.shared.markers import MAX_HELD_CHARS, TextBuffer, split_at_marker
 from inference.reasoning.base import ReasoningDelta, ReasoningParser, TokenizerLike, register_reasoning_parser
 
 _START, _REASONING, _CONTENT = "start", "reasoning", "content"

@@ -46,7 +46,7 @@ from typing import Any, TypedDict, cast
 import jinja2
 import jinja2.nodes
 
-from inference.config import SETTINGS
+from inference.shared.config import SETTINGS
 
 from .errors import (
     InvalidMessagesError,

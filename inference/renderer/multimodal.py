@@ -2,7 +2,7 @@
 Hugging Face image processor, the shared feature cache, and placeholder expansion.
 
 Flow (the api process runs ``extract_images`` and ``expand_image_tokens``; a Celery ``mm`` worker runs
-``preprocess_images``, see ``inference.mm_tasks``):
+``preprocess_images``, see ``inference.workers.mm_tasks``):
 
 1. ``extract_images(messages)``: every ``{"type": "image_url", "image_url": {"url": ...}}`` part (also a
    bare string ``image_url``) becomes ``{"type": "image"}`` for the chat template (Qwen-VL templates emit
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, cast
 
-from inference.config import SETTINGS
+from inference.shared.config import SETTINGS
 from inference.media.cache import FeatureCache, ImageFeatures, mm_cache_key
 from inference.media.guard import FetchPolicy, fetch_urls
 from inference.media.image import ImageError, decode_image, parse_data_url

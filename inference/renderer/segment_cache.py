@@ -31,7 +31,7 @@ and those still missing are encoded and written back in the task's reply pipelin
 round trip; on a Redis of the tier's own, ``SEGMENT_CACHE_REDIS_URL``, right after the reply), to live
 ``SEGMENT_CACHE_REDIS_TTL_S`` seconds. It pays when a conversation's turns reach several render
 workers, which local caches alone serve less well the more workers there are. Counters: ``STATS`` (per thread, reset
-by each render task and returned with its result; ``inference.tasks`` adds them to the shared Redis counters that
+by each render task and returned with its result; ``inference.workers.tasks`` adds them to the shared Redis counters that
 ``/metrics`` shows as ``render_segment_cache_hits_total`` (either tier), ``render_segment_cache_shared_hits_total``
 (of those, from Redis) and ``render_segment_cache_misses_total``).
 """
@@ -53,7 +53,7 @@ from typing import Any, Callable
 import tokenizers
 from redis.exceptions import RedisError
 
-from inference.config import SETTINGS
+from inference.shared.config import SETTINGS
 
 SEGMENT_CACHE_MAX_TOKENS = SETTINGS.segment_cache_max_tokens
 SEGMENT_CACHE_MIN_CHARS = SETTINGS.segment_cache_min_chars
@@ -175,7 +175,7 @@ class SharedTier:
     """The segment cache's second tier: ids in Redis, shared by every render worker of one platform (D-303).
 
     ``client``: a callable returning a synchronous ``redis.Redis`` (made on first use; give it short socket timeouts
-    and no retries, as ``inference.tasks`` does); ``min_chars``: segments shorter than this are never looked up or
+    and no retries, as ``inference.workers.tasks`` does); ``min_chars``: segments shorter than this are never looked up or
     stored here (encoding them costs less than the round trip); ``ttl_s``: seconds an entry lives after it is
     written. Keys: ``<namespace>:segcache:<SHARED_KEY_VERSION>:<fingerprint>:<variant>:<digest hex>`` (the digest
     keyed with the request's cache salt), values the ids as little-endian 32-bit integers. The namespace (the
@@ -251,7 +251,7 @@ SHARED: SharedTier | None = None
 
 def enable_shared_tier(client: Callable[[], Any], min_chars: int = SEGMENT_CACHE_REDIS_MIN_CHARS,
                        ttl_s: int = SEGMENT_CACHE_REDIS_TTL_S) -> SharedTier | None:
-    """Give this process the shared tier (render workers call it at start, ``inference.tasks``); ``min_chars`` 0
+    """Give this process the shared tier (render workers call it at start, ``inference.workers.tasks``); ``min_chars`` 0
     or a local cache turned off (``SEGMENT_CACHE_MAX_TOKENS`` 0) leaves it off. Returns the tier or None."""
     global SHARED
     SHARED = SharedTier(client, min_chars, ttl_s) if min_chars > 0 and CACHE.max_tokens > 0 else None

@@ -9,7 +9,7 @@ concatenation of all deltas does not depend on the chunking.
 
 The parsers run on the api's event loop for every text delta of every choice, so each is linear in the output
 (a ``push`` costs O(len(text)) plus a look-back of one marker, never a rescan of what came before) and holds
-back at most ``inference.markers.MAX_HELD_CHARS`` characters plus its markup: text held longer than that (a call
+back at most ``inference.shared.markers.MAX_HELD_CHARS`` characters plus its markup: text held longer than that (a call
 too long to be one) is released as content (each parser's docstring says how).
 
 Parsers are chosen by name from ``TOOL_PARSERS`` (``register_tool_parser`` adds one), per served model (the

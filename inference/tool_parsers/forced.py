@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from inference.markers import TextBuffer
+from inference.shared.markers import TextBuffer
 from inference.protocol.openai import RequestValidationError
-from inference.structured import Constraint, schema_constraint
+from inference.shared.structured import Constraint, schema_constraint
 from inference.tool_parsers.base import ParsedToolCall, ToolParseDelta, ToolParser, call_from_obj
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}

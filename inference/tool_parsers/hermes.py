@@ -8,7 +8,7 @@ never came: a stop string, ``max_tokens``) is a call when its body parses, else 
 takes an unclosed last block).
 
 Bounded hold: a block whose body (the text between the markers) is longer than ``max_held_chars`` characters
-(``inference.markers.MAX_HELD_CHARS`` by default) is not a call but content, markup included, like a body that
+(``inference.shared.markers.MAX_HELD_CHARS`` by default) is not a call but content, markup included, like a body that
 does not parse: once the open block's body is so long that ``</tool_call>`` can no longer end it within the
 bound, the parser releases the block as content and streams the rest of it, up to and including its
 ``</tool_call>``, as content as it comes (then reads calls again). So it holds at most ``max_held_chars`` plus
@@ -21,7 +21,7 @@ parsed once.
 
 from __future__ import annotations
 
-from inference.markers import MAX_HELD_CHARS, TextBuffer, partial_marker_len
+from inference.shared.markers import MAX_HELD_CHARS, TextBuffer, partial_marker_len
 from inference.tool_parsers.base import (ParsedToolCall, ToolParseDelta, ToolParser, call_from_json,
                                          register_tool_parser)
 

@@ -9,7 +9,7 @@ strings). The first object that is not a call, or text after a call that is neit
 another object, turns the rest of the answer into content from that point (the calls before it stand); an
 object still open at the end is content.
 
-Bounded hold: the parser holds back at most ``max_held_chars`` characters (``inference.markers.MAX_HELD_CHARS``
+Bounded hold: the parser holds back at most ``max_held_chars`` characters (``inference.shared.markers.MAX_HELD_CHARS``
 by default) of undecided text: the answer's start (whitespace and the tag) together with its first object, a
 later object, or the whitespace and ``;`` between calls. Text that would grow past that turns, with the rest of
 the answer, into content, as an object that is not a call does (so an object longer than the bound is content).
@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import re
 
-from inference.markers import MAX_HELD_CHARS, TextBuffer
+from inference.shared.markers import MAX_HELD_CHARS, TextBuffer
 from inference.tool_parsers.base import ParsedToolCall, ToolParseDelta, ToolParser, call_from_obj, register_tool_parser
 
 PYTHON_TAG = "<|python_tag|>"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 
-from inference.admission import tier_ceilings_pct
+from inference.api.admission import tier_ceilings_pct
 from registry.models import ServedModel
 
 
@@ -17,7 +17,7 @@ class AdmissionPolicy(models.Model):
     the sizing help aims at (suggested tokens = target TTFT × measured prefill throughput). Saved limits
     are published to Redis (``services.admission_policy_publish``) and in force in every api process at once.
 
-    Tiers and fairness (``inference.admission``): ``fair_share_threshold_pct`` (percent of a limit above which a
+    Tiers and fairness (``inference.api.admission``): ``fair_share_threshold_pct`` (percent of a limit above which a
     tenant over its weighted share is refused; 100 = off), ``high_tier_reserve_pct`` (the top of each limit kept
     for the high tier), ``low_tier_ceiling_pct`` (the low tier's ceiling).
     """
@@ -48,7 +48,7 @@ class AdmissionPolicy(models.Model):
         ordering = ["served_model__served_model_name"]
 
     def tier_ceilings(self) -> dict[int, int]:
-        """{tier: percent of each limit it may fill} (``inference.admission.tier_ceilings_pct``)."""
+        """{tier: percent of each limit it may fill} (``inference.api.admission.tier_ceilings_pct``)."""
         return tier_ceilings_pct(self.high_tier_reserve_pct, self.low_tier_ceiling_pct)
 
     def __str__(self) -> str:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import redis
 from django.conf import settings
 
-from inference import admission as adm
+from inference.api import admission as adm
 from tenancy.models import Tenant
 
 from .redis import redis_client as _redis
 
 
 def model_admission_state(*, served_model_name: str) -> dict:
-    """Live state of a model (see ``inference.admission.model_snapshot``)."""
+    """Live state of a model (see ``inference.api.admission.model_snapshot``)."""
     return adm.model_snapshot(_redis(), settings.LINK_PREFIX, served_model_name)
 
 

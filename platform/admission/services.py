@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import transaction
 
-from inference import admission as adm
+from inference.api import admission as adm
 from registry.models import ServedModel
 
 from .models import AdmissionPolicy

@@ -19,7 +19,7 @@ from django.core.exceptions import ImproperlyConfigured
 from config.startup_checks import refuse_start, untrusted_proxy_problem
 
 # ``kill -USR2 <pid>`` writes every thread's Python stack to the process's log (faulthandler, from C: it works while
-# the loop or a thread is stuck); the render workers do the same (inference/render_limits.py)
+# the loop or a thread is stuck); the render workers do the same (inference/workers/render_limits.py)
 faulthandler.register(signal.SIGUSR2, all_threads=True)
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")

@@ -23,21 +23,21 @@ from celery.signals import worker_init, worker_process_init
 from django.conf import settings
 
 from config.gc_tuning import freeze_startup_objects
-from inference.render_liveness import HEARTBEAT_INTERVAL_S, beat
+from inference.api.render_liveness import HEARTBEAT_INTERVAL_S, beat
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
 
 
 def _inference_tasks_present() -> bool:
-    """True when the Django-free ``inference.tasks`` module exists (it is imported by workers, not here)."""
+    """True when the Django-free ``inference.workers.tasks`` module exists (it is imported by workers, not here)."""
     try:
-        return importlib.util.find_spec("inference.tasks") is not None
+        return importlib.util.find_spec("inference.workers.tasks") is not None
     except ModuleNotFoundError:  # no ``inference`` package on sys.path
         return False
 
 
-# inference.tasks is included explicitly: it is not a Django app, so autodiscovery would not find it.
-app = Celery("config", include=["inference.tasks"] if _inference_tasks_present() else [])
+# inference.workers.tasks is included explicitly: it is not a Django app, so autodiscovery would not find it.
+app = Celery("config", include=["inference.workers.tasks"] if _inference_tasks_present() else [])
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
 
@@ -55,7 +55,7 @@ def _init_main(**_kwargs) -> None:
 
 
 class RenderHeartbeat(bootsteps.StartStopStep):
-    """A worker consuming the ``render`` queue beats every ``HEARTBEAT_INTERVAL_S`` (``inference.render_liveness``:
+    """A worker consuming the ``render`` queue beats every ``HEARTBEAT_INTERVAL_S`` (``inference.api.render_liveness``:
     the api waits for a render worker to come back rather than refusing after a fixed time; D-191): a prefork worker
     from its main process's event loop, once one of its children has loaded the renderer (a replacement worker's
     children take 10-30 s to warm up on a loaded 2-core machine: beating before would start the api's render timeout

@@ -1,6 +1,6 @@
 """Django settings for the serving platform's control plane; every deployment knob comes from the environment.
 
-This module is the one reader of the environment on the Django side (``inference/config.py`` is the one of
+This module is the one reader of the environment on the Django side (``inference/shared/config.py`` is the one of
 ``inference/``, which runs without Django; ``tests/test_architecture.py`` checks that no other module reads it).
 
 Environment variables (all optional on one machine; see ``deploy/`` for many machines):
@@ -49,7 +49,7 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
                             the send, or from a worker's return); past it the render is sent once more and waited
                             for half as long again, then 503. Default 20.
 ``RENDER_WORKER_RETURN_S``  seconds the gateway waits, from the send, for a render worker to come back while none is
-                            alive (their beats, inference/render_liveness.py); past it: 503. 0 = a fixed
+                            alive (their beats, inference/api/render_liveness.py); past it: 503. 0 = a fixed
                             ``RENDER_WAIT_TIMEOUT_S``. Default 40.
 ``CELERY_REDELIVER_AFTER_S``  seconds after which a Celery worker hands back a task it fetched and did not start
                             (so a killed worker's tasks go to another); 0 = kombu's 1 h. ``manage.py serve`` sets 6
@@ -106,8 +106,8 @@ from urllib.parse import parse_qs, urlsplit
 import dj_database_url
 
 from config import startup_checks as _startup_checks  # refusals at start (a plain module: no Django)
-from inference.config import SETTINGS as _INFERENCE_SETTINGS
-from inference.redis_timeouts import blocking_socket_timeout
+from inference.shared.config import SETTINGS as _INFERENCE_SETTINGS
+from inference.shared.redis_timeouts import blocking_socket_timeout
 from ops import layout as _layout  # serve's engine-layout defaults (a plain module: no Django)
 
 BASE_DIR = Path(__file__).resolve().parent.parent  # platform/
@@ -390,7 +390,7 @@ CELERY_TASK_ROUTES = {
     "inference.mm_*": {"queue": "mm"},
     "usage.*": {"queue": "usage"},
 }
-CELERY_IMPORTS = ["inference.tasks", "inference.mm_tasks"]
+CELERY_IMPORTS = ["inference.workers.tasks", "inference.workers.mm_tasks"]
 CELERY_BEAT_SCHEDULE = {
     "usage-flush-usage-events": {
         "task": "usage.flush_usage_events",

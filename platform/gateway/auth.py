@@ -28,7 +28,7 @@ from django.conf import settings
 from django.db import DatabaseError
 
 from gateway.errors import ApiError, database_unavailable, forbidden, unauthorized
-from gateway.pipeline.clients import redis
+from gateway.clients import redis
 from gateway.single_flight import SingleFlight
 from tenancy.invalidation import KEY_TOPIC, TENANT_TOPIC, auth_invalidation_channel, auth_invalidation_parse
 from tenancy.selectors import AuthContext, AuthRefusal, api_key_check

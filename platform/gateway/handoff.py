@@ -42,7 +42,7 @@ from multidict import CIMultiDict
 
 from gateway import ingress
 from gateway.errors import ApiError, unavailable
-from gateway.pipeline.clients import redis
+from gateway.clients import redis
 
 log = logging.getLogger(__name__)
 

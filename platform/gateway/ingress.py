@@ -39,7 +39,7 @@ KEYED_PATHS = frozenset({
 })
 
 # Every gateway route (gateway/routing.py): the keyed ones, the public ``/health`` and ``/v1/openapi.json``
-# (gateway/openapi.py), and ``/v1/models/{model}``.
+# (gateway/endpoints/openapi.py), and ``/v1/models/{model}``.
 ROUTE_PATHS = KEYED_PATHS | {"/health", "/v1/openapi.json"}
 _MODEL_PATH = re.compile(r"/v1/models/[^/]+")
 MAX_REQUEST_BODY_BYTES = settings.MAX_REQUEST_BODY_BYTES

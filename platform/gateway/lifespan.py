@@ -1,10 +1,10 @@
 """ASGI lifespan of an api process: its admission lease and reaper run from start-up, not from its first request.
 
-The admission client (``inference/admission.py``) refreshes this process's lease and reaps the reservations of dead
+The admission client (``inference/api/admission.py``) refreshes this process's lease and reaps the reservations of dead
 holders every ``LEASE_REFRESH_S``. Started lazily on the first request, a freshly restarted api that nobody called
 yet reaped nothing, so a killed api's reservations stayed counted until traffic came (DECISIONS D-162, D-180).
 uvicorn (``--lifespan auto``, its default) sends ``lifespan.startup`` on the loop it serves requests on; the client
-is created there (``gateway.pipeline.clients.admission``, one per process and loop), so requests share it. At
+is created there (``gateway.clients.admission``, one per process and loop), so requests share it. At
 ``lifespan.shutdown`` its lease is given up, so whatever it still holds is reaped at once by any live process.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Awaitable, Callable
 
-from gateway.pipeline.clients import admission
+from gateway.clients import admission
 
 log = logging.getLogger(__name__)
 

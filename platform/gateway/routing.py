@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from django.urls import path, re_path
 
-from gateway.chat import ChatCompletionsConsumer
-from gateway.completions import CompletionsConsumer
-from gateway.embeddings import EmbeddingsConsumer
-from gateway.generate import AbortRequestsConsumer, GenerateConsumer
-from gateway.health import HealthConsumer, NotFoundConsumer
-from gateway.metrics import MetricsConsumer
-from gateway.models_api import ModelsConsumer
-from gateway.openapi import OPENAPI_PATH, OpenApiConsumer
-from gateway.render import ChatRenderConsumer, CompletionRenderConsumer
-from gateway.tokenize import DetokenizeConsumer, TokenizeConsumer
+from gateway.endpoints.chat import ChatCompletionsConsumer
+from gateway.endpoints.completions import CompletionsConsumer
+from gateway.endpoints.embeddings import EmbeddingsConsumer
+from gateway.endpoints.generate import AbortRequestsConsumer, GenerateConsumer
+from gateway.endpoints.health import HealthConsumer, NotFoundConsumer
+from gateway.endpoints.metrics import MetricsConsumer
+from gateway.endpoints.models_api import ModelsConsumer
+from gateway.endpoints.openapi import OPENAPI_PATH, OpenApiConsumer
+from gateway.endpoints.render import ChatRenderConsumer, CompletionRenderConsumer
+from gateway.endpoints.tokenize import DetokenizeConsumer, TokenizeConsumer
 
 http_urlpatterns = [
     path("health", HealthConsumer.as_asgi()),

@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from inference.proctree import group_members, kill_sparing_trackers, wait_gone
+from inference.shared.proctree import group_members, kill_sparing_trackers, wait_gone
 
 
 GROUP_EXIT_WAIT_S = 5.0  # how long a restart waits for the old process group to be gone
@@ -133,7 +133,7 @@ class Supervisor:
     def kill_group(child: Child) -> None:
         """SIGKILL every process left in ``child``'s process group (its own session, so nothing else). A
         multiprocessing resource tracker among them (a vLLM engine's) is continued and given up to
-        ``TRACKER_EXIT_WAIT_S`` to unlink the shared memory the killed ones left and exit (``inference.proctree``:
+        ``TRACKER_EXIT_WAIT_S`` to unlink the shared memory the killed ones left and exit (``inference.shared.proctree``:
         killed with the rest it leaked vLLM's ``/dev/shm`` segments at every restart)."""
         if child.proc is not None:
             pgid = child.proc.pid

@@ -96,7 +96,7 @@ class ServedModel(models.Model):
     num_replicas = models.PositiveIntegerField(
         default=1, validators=[MinValueValidator(1)],
         help_text="Engine processes `manage.py serve` runs for this model on this machine; the api routes each "
-                  "request to one of them by prompt-prefix cache hit and load (inference/router.py).",
+                  "request to one of them by prompt-prefix cache hit and load (inference/api/router.py).",
     )
     task = models.CharField(max_length=16, choices=Task.choices, default=Task.GENERATE)
     backend = models.CharField(

@@ -53,7 +53,7 @@ BUDGET_PERIODS = ("day", "week", "month")
 # EVAL after a Redis timeout, a second ``finally``), which comes within seconds of the first, while the request
 # that holds the grant is still finishing. Any TTL longer than that window, and longer than a lease
 # (``LEASE_TTL_S``, so a marker never outlives nothing it guards), is correct. Two minutes covers the gateway's
-# background retry of a settle while Redis restarts (60 s, gateway/pipeline/clients.py ``retry_later``) with margin,
+# background retry of a settle while Redis restarts (60 s, gateway/clients.py ``retry_later``) with margin,
 # and keeps two minutes of request rate in markers: Redis's memory is flat from the second minute of steady load
 # (10 minutes made it grow for ten: +20 % a minute in bench/soak.py; 24 h kept 86 million keys at 1,000 requests/s).
 # DECISIONS D-186.

@@ -15,7 +15,7 @@ def _default_scopes() -> list[str]:
 
 BUDGET_PERIOD_CHOICES = [("day", "day (UTC)"), ("week", "week (UTC, from Monday)"), ("month", "month (UTC)")]
 
-# Priority tiers of admission and engine scheduling (inference.admission.TIERS: lower = more important).
+# Priority tiers of admission and engine scheduling (inference.api.admission.TIERS: lower = more important).
 PRIORITY_TIER_CHOICES = [(0, "high"), (1, "standard"), (2, "low")]
 PRIORITY_TIER_DEFAULT = 1
 FAIR_SHARE_WEIGHT_MAX = 1000

@@ -22,7 +22,7 @@ class AuthContext:
 
     ``key_limits``/``tenant_limits`` carry the limits so ``tenancy.limits.limits_acquire`` needs no DB hit;
     ``priority_tier`` (the key's effective tier) and ``fair_share_weight`` (the tenant's) go to admission and
-    the engine (``inference.admission``), never taken from the request.
+    the engine (``inference.api.admission``), never taken from the request.
     """
 
     key_id: int

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from inference import admission as adm
+from inference.api import admission as adm
 from tests.support.live import engine_paused
 
 MODEL = "tiny-qwen3"
@@ -69,7 +69,7 @@ def in_background(fn, *args, **kwargs):
 
 def task_meta_count(live) -> int:
     """Render tasks answered by the Celery workers so far (their shared Redis counter)."""
-    from inference.tasks import render_tasks_counter_key
+    from inference.workers.tasks import render_tasks_counter_key
 
     return int(live.redis.get(render_tasks_counter_key(live.prefix)) or 0)
 

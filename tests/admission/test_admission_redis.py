@@ -1,4 +1,4 @@
-"""``inference.admission`` against a real Redis: the Lua check-and-reserve, releases, settle, reaping."""
+"""``inference.api.admission`` against a real Redis: the Lua check-and-reserve, releases, settle, reaping."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from inference import admission as adm
-from inference.admission import Admission, AdmissionRefused
+from inference.api import admission as adm
+from inference.api.admission import Admission, AdmissionRefused
 from tests.support.redis import fresh_prefix
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/11")

@@ -8,8 +8,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from inference import admission as adm
-from inference.admission import Admission, AdmissionRefused
+from inference.api import admission as adm
+from inference.api.admission import Admission, AdmissionRefused
 from tests.admission.test_admission_redis import REDIS_URL, make
 from tests.support.redis import fresh_prefix
 

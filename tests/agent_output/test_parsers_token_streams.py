@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from inference.chat_output import ChatOutputParser, resolve_parser_name
-from inference.output_processor import IncrementalDetokenizer
+from inference.api.chat_output import ChatOutputParser, resolve_parser_name
+from inference.api.output_processor import IncrementalDetokenizer
 from inference.reasoning import get_reasoning_parser
 from inference.reasoning.think import DeepSeekR1ReasoningParser, Qwen3ReasoningParser, default_reasoning_parser
 from inference.renderer.tokenizer_cache import get_tokenizer

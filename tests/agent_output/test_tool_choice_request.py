@@ -9,11 +9,11 @@ from dataclasses import replace
 import jsonschema
 import pytest
 
-from inference.chat_output import ChatOutputSpec
-from inference.input_processor import GenerationDefaults, process_inputs
+from inference.api.chat_output import ChatOutputSpec
+from inference.api.input_processor import GenerationDefaults, process_inputs
 from inference.protocol.openai import ChatCompletionRequest, RequestValidationError, validate_request
 from inference.renderer.tokenizer_cache import get_tokenizer
-from inference.structured import check
+from inference.shared.structured import check
 from inference.tool_parsers.forced import tool_choice_constraint
 from tests.renderer.tokdirs import tok_dir
 

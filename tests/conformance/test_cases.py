@@ -413,7 +413,7 @@ def test_c32_every_route_needs_a_key(live):
 # ------------------------------------------------------------------------------------------------ C35
 def render_tasks(live) -> int:
     """Render tasks answered by the Celery workers so far (their shared Redis counter)."""
-    from inference.tasks import render_tasks_counter_key
+    from inference.workers.tasks import render_tasks_counter_key
 
     return int(live.redis.get(render_tasks_counter_key(live.prefix)) or 0)
 

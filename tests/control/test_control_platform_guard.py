@@ -50,12 +50,12 @@ def test_celery_app_config():
 
     assert flush_usage_events.acks_late is True
     from config.celery import RenderHeartbeat
-    from inference.tasks import detokenize_task, render_chat_task, tokenize_prompt_task
+    from inference.workers.tasks import detokenize_task, render_chat_task, tokenize_prompt_task
 
     for task in (render_chat_task, tokenize_prompt_task, detokenize_task):  # handed back if the worker dies (D-190)
         assert task.acks_late is True and not task.reject_on_worker_lost
     assert RenderHeartbeat in celery_app.steps["consumer"]  # render workers beat (D-191)
     import importlib.util
 
-    if importlib.util.find_spec("inference.tasks") is not None:
-        assert "inference.tasks" in conf.include
+    if importlib.util.find_spec("inference.workers.tasks") is not None:
+        assert "inference.workers.tasks" in conf.include

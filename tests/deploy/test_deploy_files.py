@@ -6,7 +6,7 @@
   their pod labels, Services and HorizontalPodAutoscalers name what exists, ConfigMap/Secret/PVC references resolve,
   the GPU engine requests ``nvidia.com/gpu``, and the queue-depth HPA reads the metric ``/metrics`` exports.
 * Every environment variable the files set is one the settings readers read (``platform/config/settings.py``,
-  ``inference/config.py``), or one their own command expands.
+  ``inference/shared/config.py``), or one their own command expands.
 * Every command is one the code accepts: ``python -m inference.engine`` arguments parse with its own parser,
   uvicorn's with uvicorn's, Celery queues are the routed ones, and ``manage.py serve --no-engine`` (the README's
   render-only frontend) exists.
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from inference.config import InferenceSettings
+from inference.shared.config import InferenceSettings
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -260,7 +260,7 @@ def test_k8s_gpu_engine_requests_a_gpu_and_scales_on_the_admission_queue():
     rule = adapter["rules"]["external"][0]
     assert metric["external"]["metric"]["name"] == rule["name"]["as"]
     assert rule["seriesQuery"].startswith("admission_queued_requests{")
-    assert '"admission_queued_requests"' in (REPO / "platform" / "gateway" / "metrics.py").read_text()
+    assert '"admission_queued_requests"' in (REPO / "platform" / "gateway" / "endpoints" / "metrics.py").read_text()
 
 
 def test_k8s_commands_run_real_entry_points():

@@ -204,7 +204,7 @@ def test_nesting_that_would_crash_a_render_worker_is_400(live, path):
 
 
 def test_prompt_that_cannot_fit_is_refused_before_rendering(live, model_name):
-    from inference.tasks import render_tasks_counter_key
+    from inference.workers.tasks import render_tasks_counter_key
 
     def rendered() -> int:
         return int(live.redis.get(render_tasks_counter_key(live.prefix)) or 0)

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from inference.admission import model_snapshot
+from inference.api.admission import model_snapshot
 from inference.protocol.openai import MAX_COMPLETION_PROMPTS
 from tests.e2e.test_usage_e2e import records
 

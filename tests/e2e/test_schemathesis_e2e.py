@@ -2,7 +2,7 @@
 
 * The REST API (``/api/v1/schema``, drf-spectacular), every check schemathesis has: no 5xx, every status and
   response as documented, schema-valid requests accepted, schema-invalid ones refused, a revoked key gone.
-* The OpenAI routes (``/v1/openapi.json``, gateway/openapi.py): no 5xx and every answer as documented (status,
+* The OpenAI routes (``/v1/openapi.json``, gateway/endpoints/openapi.py): no 5xx and every answer as documented (status,
   content type, headers, body). Requests that the pydantic models accept but a rule of the model refuses (token ids
   in the vocabulary, template rules, context length) are answered 400 by design, so the acceptance checks are
   not run there (DECISIONS D-179).

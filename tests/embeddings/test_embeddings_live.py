@@ -181,7 +181,7 @@ def test_inputs_of_one_call_reach_the_engine_together_and_run_in_one_forward(liv
     import asyncio
     import uuid
 
-    from inference.engine_client import EngineLink
+    from inference.api.engine_client import EngineLink
     from inference.protocol.engine import EngineCoreRequest, SamplingParams
 
     ids = [direct.tok(f"input number {i}")["input_ids"] for i in range(16)]
@@ -220,7 +220,7 @@ def test_the_link_deletes_delivered_outputs_and_refuses_a_model_without_replicas
     import asyncio
     import uuid
 
-    from inference.engine_client import EngineLink, EngineUnavailableError
+    from inference.api.engine_client import EngineLink, EngineUnavailableError
     from inference.protocol.engine import EngineCoreRequest, SamplingParams, outputs_stream
 
     def request(link, i):
@@ -264,7 +264,7 @@ def test_an_abort_leaves_the_pooling_replica_running(live_embed, direct):
     import asyncio
     import uuid
 
-    from inference.engine_client import EngineLink
+    from inference.api.engine_client import EngineLink
     from inference.protocol.engine import EngineCoreRequest, SamplingParams
 
     before = {s.engine_id: s.pid for s in live_embed.replicas(EMBED_MODEL)}

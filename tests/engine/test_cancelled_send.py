@@ -16,7 +16,7 @@ import uuid
 import pytest
 import redis
 
-from inference.engine_client import ROUTING_PREFIX, EngineLink
+from inference.api.engine_client import ROUTING_PREFIX, EngineLink
 from inference.protocol.engine import FINISH_ABORT, EngineCoreRequest, SamplingParams, api_alive_key, routing_key
 from tests.engine.conftest import EOS_IDS, MODEL
 

@@ -7,7 +7,7 @@ import os
 import signal
 from contextlib import contextmanager
 
-from inference.admission import TIER_HIGH, TIER_LOW, TIER_STANDARD, engine_priority
+from inference.api.admission import TIER_HIGH, TIER_LOW, TIER_STANDARD, engine_priority
 
 
 @contextmanager

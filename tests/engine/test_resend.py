@@ -13,8 +13,8 @@ import uuid
 
 import pytest
 
-from gateway.metrics import _replica_families
-from inference.engine_client import ROUTING_PREFIX, EngineLink
+from gateway.endpoints.metrics import _replica_families
+from inference.api.engine_client import ROUTING_PREFIX, EngineLink
 from inference.protocol.engine import FINISH_ERROR, FINISH_LENGTH, EngineCoreOutput, EngineCoreRequest, SamplingParams
 from tests.engine.conftest import EOS_IDS, MODEL, EngineProc
 

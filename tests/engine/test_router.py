@@ -1,5 +1,5 @@
-"""Unit tests of the replica chooser (inference/router.py): prefix hit against load, ties, and the hit length read
-from the replicas' published block sets, with the engine's own block hashing (inference/prefix_hash.py)."""
+"""Unit tests of the replica chooser (inference/api/router.py): prefix hit against load, ties, and the hit length read
+from the replicas' published block sets, with the engine's own block hashing (inference/shared/prefix_hash.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 import pytest
 
 from inference.engine.prefix_cache import PrefixCache, block_hashes as cache_block_hashes
-from inference.prefix_hash import BLOCK_SIZE, block_hashes
-from inference.router import (REQUEST_COST_MAX, REQUEST_COST_MIN, REQUEST_COST_TOKENS, ReplicaView, choose_replica,
+from inference.shared.prefix_hash import BLOCK_SIZE, block_hashes
+from inference.api.router import (REQUEST_COST_MAX, REQUEST_COST_MIN, REQUEST_COST_TOKENS, ReplicaView, choose_replica,
                               hit_tokens, request_cost_tokens, route_cost)
 
 

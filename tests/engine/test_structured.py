@@ -28,7 +28,7 @@ from inference.protocol.engine import (
     EngineCoreRequest,
     SamplingParams,
 )
-from inference.structured import StructuredSpecError
+from inference.shared.structured import StructuredSpecError
 
 EOS_IDS = [151645, 151643]
 

@@ -104,7 +104,7 @@ def test_wedged_step_loop_withdraws_and_exits(backend, redis_url, link_prefix, m
         while not all(gone(pid) for pid in tree) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert all(gone(pid) for pid in tree), {p: Path(f"/proc/{p}/cmdline").read_text() for p in tree if not gone(p)}
-        # and vLLM's shared memory went with them: the resource tracker, spared, unlinked it (inference/proctree.py)
+        # and vLLM's shared memory went with them: the resource tracker, spared, unlinked it (inference/shared/proctree.py)
         deadline = time.monotonic() + 10
         while shm_segments() - shm_before and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from inference import admission as adm
+from inference.api import admission as adm
 from inference.protocol.engine import replica_requests_stream, routing_key
 
 MODEL = "tiny-qwen3"

@@ -21,8 +21,8 @@ import pytest
 import redis
 from celery import Celery
 
-from inference.render_client import RenderReplyWaiter
-from inference.render_liveness import STALE_AFTER_S, liveness_key
+from inference.api.render_client import RenderReplyWaiter
+from inference.api.render_liveness import STALE_AFTER_S, liveness_key
 from inference.renderer.chat_template import render_chat, render_template
 from harness import REPO
 from harness.assets import TOKENIZER_DIR, ensure_demo_assets
@@ -165,7 +165,7 @@ def test_killed_render_worker_started_and_fetched_renders_are_answered(render_en
 
 def test_a_render_that_lost_its_solo_worker_twice_is_answered_with_an_error(render_env, tmp_path):
     """A render whose worker is killed while it runs is run again once by another worker; killed again there, its
-    third copy is answered with a 503 error instead of run (``inference.render_limits.redelivery_refusal``: a task
+    third copy is answered with a 503 error instead of run (``inference.workers.render_limits.redelivery_refusal``: a task
     that kills every worker that takes it, such as one past the hard time limit, takes at most two; D-296)."""
     env, prefix, client, workers = render_env
     sender = Celery("rdeath-sender", broker=TEST_REDIS_URL)

@@ -11,7 +11,7 @@ import pytest
 
 from inference.renderer.chat_template import render_chat_text
 from inference.renderer.tokenizer_cache import get_tokenizer
-from inference.tasks import segment_cache_counter_key
+from inference.workers.tasks import segment_cache_counter_key
 from tests.engine_tap import EngineTap, assert_engine_aborted
 from harness.assets import MODEL_DIR
 
@@ -73,7 +73,7 @@ def test_small_plain_prompts_tokenize_in_process_long_ones_on_the_workers(http, 
     """On the Celery route a template-free prompt of at most RENDER_INLINE_MAX_CHARS (4096) characters is tokenized
     by the api process itself (no render task is sent); a longer one goes to the workers; chats always do. The
     token ids are the same either way."""
-    from inference.tasks import render_tasks_counter_key
+    from inference.workers.tasks import render_tasks_counter_key
 
     def tasks_done() -> int:
         return int(live.redis.get(render_tasks_counter_key(live.prefix)) or 0)

@@ -18,7 +18,7 @@ import httpx
 import openai
 import redis
 
-from inference import admission as adm
+from inference.api import admission as adm
 from inference.protocol.engine import EngineStats, replica_pattern
 from ops.layout import engine_threads
 from harness.assets import DEMO_MODEL, ensure_demo_assets

@@ -1,4 +1,4 @@
-"""The OpenAPI description of the OpenAI routes (``gateway.openapi``): complete, built from the request models,
+"""The OpenAPI description of the OpenAI routes (``gateway.endpoints.openapi``): complete, built from the request models,
 loadable by schemathesis. The live run against it is ``tests/e2e/test_schemathesis_e2e.py``."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import schemathesis
 from django.urls.resolvers import RoutePattern
 
-from gateway.openapi import OPENAPI_PATH, openapi_bytes, openapi_document
+from gateway.endpoints.openapi import OPENAPI_PATH, openapi_bytes, openapi_document
 from gateway.routing import http_urlpatterns
 from inference.protocol.openai import ChatCompletionRequest, GenerateRequest
 

@@ -1,4 +1,4 @@
-"""inference.input_processor: prompt lengths against max_model_len, sampling parameters merged over the model's
+"""inference.api.input_processor: prompt lengths against max_model_len, sampling parameters merged over the model's
 generation config, the ``n`` children (ids, seeds ``seed + i``), stop/EOS ids, and 400 errors naming the field
 (DESIGN.md §2 step 6; reference/vllm_frontend.md §3.3, §6; conformance C11, C16, C17). Pure functions on real
 request models and the demo model's real config files; no I/O beyond reading those."""
@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from inference.input_processor import (GenerationDefaults, check_prompt_tokens,
+from inference.api.input_processor import (GenerationDefaults, check_prompt_tokens,
                                        generation_defaults, model_vocab_size, process_inputs, resolve_max_tokens)
 from inference.protocol.openai import (ChatCompletionRequest, CompletionRequest, RequestValidationError,
                                        validate_request)

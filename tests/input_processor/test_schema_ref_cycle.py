@@ -1,4 +1,4 @@
-"""``inference.structured.ref_cycle``: a JSON schema whose local ``$ref`` s come back to themselves with no
+"""``inference.shared.structured.ref_cycle``: a JSON schema whose local ``$ref`` s come back to themselves with no
 constraint on the way matches no value (llguidance compiled it to a grammar of the empty string: a 200 with empty
 content), so ``check`` refuses it; a recursive schema whose recursion passes through a constraint is fine."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from inference.structured import StructuredSpecError, check, ref_cycle
+from inference.shared.structured import StructuredSpecError, check, ref_cycle
 
 CYCLES = [
     ({"$ref": "#"}, "# -> #"),

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from inference import structured
-from inference.input_processor import GenerationDefaults, process_inputs
+from inference.shared import structured
+from inference.api.input_processor import GenerationDefaults, process_inputs
 from inference.protocol.engine import EngineCoreRequest, pack_requests, unpack_entry
 from inference.protocol.openai import (ChatCompletionRequest, CompletionRequest, RequestValidationError,
                                        validate_request)

@@ -24,7 +24,7 @@ import time
 import httpx
 import pytest
 
-from inference import admission as adm
+from inference.api import admission as adm
 from harness.assets import DEMO_MODEL
 from harness.drills import HANG_S, SETTLE_S, Outcome, send_chat
 from tests.support.multihost import (ADMISSION_LIMIT, API_HOSTS, KEY_RPM, engines_paused, start_multihost,

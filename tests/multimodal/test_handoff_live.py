@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from inference import admission as adm
+from inference.api import admission as adm
 from ops.supervisor import unix_socket_accepts, wait_until
 from harness.assets import VL_MODEL
 from tests.engine_tap import EngineTap, assert_engine_aborted

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from inference.output_processor import IncrementalDetokenizer, StopChecker
+from inference.api.output_processor import IncrementalDetokenizer, StopChecker
 from inference.renderer.chat_template import render_chat
 from inference.renderer.errors import TokenIdError
 from inference.renderer.tokenizer_cache import get_tokenizer

@@ -1,11 +1,11 @@
-"""``RequestState`` / ``OutputProcessor`` (inference/output_processor.py): per-choice output state and n > 1
+"""``RequestState`` / ``OutputProcessor`` (inference/api/output_processor.py): per-choice output state and n > 1
 reassembly, Django-free, over a real tokenizer and hand-made engine outputs."""
 
 from __future__ import annotations
 
 import pytest
 
-from inference.output_processor import OutputProcessor, RequestState
+from inference.api.output_processor import OutputProcessor, RequestState
 from inference.protocol.engine import EngineCoreOutput
 from inference.renderer.tokenizer_cache import get_tokenizer
 from tests.renderer.tokdirs import tok_dir

@@ -1,4 +1,4 @@
-"""A caller cancelled while its reservation script runs in Redis leaks nothing (``inference.cancel_safe``).
+"""A caller cancelled while its reservation script runs in Redis leaks nothing (``inference.api.cancel_safe``).
 
 The client that disconnects just as its admission pre-check (or its key-limit acquire) is in flight is the
 case: Redis has run the script, the handler is cancelled before it reads the reply, and without care no one
@@ -16,8 +16,9 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 import redis.asyncio as aioredis
 
-from inference.admission import Admission
-from gateway.pipeline import clients, limits
+from inference.api.admission import Admission
+from gateway import clients
+from gateway.pipeline import limits
 from tenancy.limits import Limits, limits_usage
 from tenancy.selectors import AuthContext
 from tests.support.fake_engine import FakeConsumer

@@ -17,9 +17,9 @@ import pytest
 import redis.asyncio as aioredis
 from asgiref.testing import ApplicationCommunicator
 
-from gateway.generate import AbortRequestsConsumer, GenerateConsumer
-from gateway.pipeline import clients
-from inference.engine_client import MAX_RESENDS, EngineLink
+from gateway.endpoints.generate import AbortRequestsConsumer, GenerateConsumer
+from gateway import clients
+from inference.api.engine_client import MAX_RESENDS, EngineLink
 from inference.protocol.engine import (
     EngineCoreRequest,
     EngineStats,

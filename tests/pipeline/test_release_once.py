@@ -14,10 +14,11 @@ import pytest
 from gateway.disconnect import ClientGone, bind
 from gateway.errors import ApiError, bad_request
 from gateway.model_cache import ModelSnapshot
-from gateway.pipeline import clients, engine, limits, responses, scope as scope_mod
+from gateway import clients
+from gateway.pipeline import engine, limits, responses, scope as scope_mod
 from gateway.pipeline.flow import admit_and_start, hold_before_render
 from gateway.pipeline.scope import request_scope
-from inference.input_processor import ProcessedInput
+from inference.api.input_processor import ProcessedInput
 from inference.protocol.engine import EngineCoreRequest, SamplingParams
 from inference.renderer.tokenizer_cache import get_tokenizer
 from tenancy.limits import Limits

@@ -18,7 +18,7 @@ from inference.protocol.render import (
     RenderFailure,
     TokenizeRenderRequest,
 )
-from inference.render_client import RenderUnavailableError
+from inference.api.render_client import RenderUnavailableError
 from inference.renderer.chat_template import render_chat
 from tests.renderer.tokdirs import tok_dir
 from tests.support.redis import TEST_REDIS_URL, fresh_prefix

@@ -118,7 +118,7 @@ def keyed(settings, monkeypatch):
     from django.db import connections
 
     from gateway import auth, model_cache
-    from gateway.pipeline import clients
+    from gateway import clients
     from registry.services import served_model_register
     from tenancy.services import api_key_create, tenant_get_or_create
     from harness.assets import MODEL_DIR

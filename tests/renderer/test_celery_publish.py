@@ -1,4 +1,4 @@
-"""inference.celery_publish: the message pushed from the event loop is the one ``app.send_task`` pushes, field by
+"""inference.api.celery_publish: the message pushed from the event loop is the one ``app.send_task`` pushes, field by
 field, on the real Redis; a real prefork worker runs it and answers on the reply channel."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import redis
 from celery import Celery
 
-from inference.celery_publish import RedisTaskPublisher, redis_broker
+from inference.api.celery_publish import RedisTaskPublisher, redis_broker
 from inference.protocol.render import (
     ChatRenderRequest,
     DetokenizeRenderRequest,
@@ -25,7 +25,7 @@ from inference.protocol.render import (
     RenderFailure,
     TokenizeRenderRequest,
 )
-from inference.render_client import RenderReplyWaiter, expires_at
+from inference.api.render_client import RenderReplyWaiter, expires_at
 from tests.renderer.tokdirs import tok_dir
 from tests.support.redis import TEST_REDIS_URL, fresh_prefix
 
@@ -48,7 +48,7 @@ def client():
 
 
 def _app(prefix: str, finalized: bool = False, **conf) -> Celery:
-    app = Celery("publish-test", broker=TEST_REDIS_URL, include=["inference.tasks"])
+    app = Celery("publish-test", broker=TEST_REDIS_URL, include=["inference.workers.tasks"])
     app.conf.update(broker_transport_options={"global_keyprefix": f"{prefix}:celery:"}, task_serializer="json",
                     accept_content=["json"], **conf)
     if finalized:  # the render tasks registered in the app: send_task puts their time limits in the headers

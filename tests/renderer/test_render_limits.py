@@ -1,4 +1,4 @@
-"""``inference.render_limits``: the time limits a ``solo`` render worker enforces itself, and the guard that stops
+"""``inference.workers.render_limits``: the time limits a ``solo`` render worker enforces itself, and the guard that stops
 a task that lost its worker twice (DECISIONS D-296). The limits run in a child Python process (the hard limit exits
 it); the guard runs on the test Redis."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from inference import render_limits
+from inference.workers import render_limits
 from tests.support.redis import redis_or_skip
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ def _run(code: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess[st
 PRELUDE = (
     "import time\n"
     "from celery.exceptions import SoftTimeLimitExceeded\n"
-    "from inference import render_limits\n"
+    "from inference.workers import render_limits\n"
     "render_limits.enable(0.3, 1.0)\n"
 )
 
@@ -97,7 +97,7 @@ def test_a_killed_watchdog_is_replaced_before_the_next_task():
 def test_limits_are_off_unless_enabled_and_off_the_main_thread():
     code = (
         "import threading, time\n"
-        "from inference import render_limits\n"
+        "from inference.workers import render_limits\n"
         "with render_limits.task_time_limits():\n"  # not enabled: a test runner or shell calling a task body
         "    time.sleep(0.2)\n"
         "render_limits.enable(0.1, 0.2)\n"
@@ -141,12 +141,12 @@ def test_a_task_handed_back_twice_is_refused_on_its_second_copy():
 
 
 def test_copies_handed_back_or_sent_again_count_per_request(monkeypatch):
-    """``inference.tasks.run_task``: a request's render runs at most twice, whether its second copy came back from
+    """``inference.workers.tasks.run_task``: a request's render runs at most twice, whether its second copy came back from
     the broker (a lost worker) or from the api sending it again (its reply timer; render_client); the third copy of
     either kind is answered with the error, not run."""
     from types import SimpleNamespace
 
-    from inference import tasks
+    from inference.workers import tasks
 
     client = redis_or_skip()
     # the worker's reply client on the test Redis (it reads REDIS_URL, else the embedded Redis a platform starts)

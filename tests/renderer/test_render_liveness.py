@@ -1,4 +1,4 @@
-"""inference.render_liveness: the render workers' beats on the real Redis, and how long a render may still wait."""
+"""inference.api.render_liveness: the render workers' beats on the real Redis, and how long a render may still wait."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from inference.render_liveness import (NO_WORKER_SEEN, STALE_AFTER_S, RenderWorkersState, beat, liveness_key,
+from inference.api.render_liveness import (NO_WORKER_SEEN, STALE_AFTER_S, RenderWorkersState, beat, liveness_key,
                                        remaining_wait, workers_state)
 from tests.support.redis import TEST_REDIS_URL, fresh_prefix
 
@@ -76,7 +76,7 @@ def test_a_render_nobody_answers_is_refused_by_the_beats():
     after the timeout whatever the beats."""
     from celery import Celery
 
-    from inference.render_client import RenderReplyWaiter, RenderUnavailableError
+    from inference.api.render_client import RenderReplyWaiter, RenderUnavailableError
 
     client = redis.Redis.from_url(TEST_REDIS_URL)
     try:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from inference import mm_tasks, tasks
+from inference.workers import mm_tasks, tasks
 from inference.protocol.errors import ErrorCode
 from inference.protocol.render import (
     MM_QUEUE,

@@ -1,4 +1,4 @@
-"""inference.tasks: structured results in-process, and a real prefork Celery worker on Redis
+"""inference.workers.tasks: structured results in-process, and a real prefork Celery worker on Redis
 (time limits only work in a real worker: the soft limit is a signal in the pool child)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from inference.renderer.chat_template import render_chat
-from inference.tasks import render_chat_task, run_detokenize, run_render_chat, run_tokenize_prompt
+from inference.workers.tasks import render_chat_task, run_detokenize, run_render_chat, run_tokenize_prompt
 from tests.renderer.tokdirs import tok_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,7 +26,7 @@ def test_time_limit_blames_the_template_only_when_the_template_took_the_time(mon
     least half the limit is the client's: TemplateTimeoutError (400)."""
     from celery.exceptions import SoftTimeLimitExceeded
 
-    from inference import tasks
+    from inference.workers import tasks
     from inference.renderer.chat_template import render_template, reset_template_seconds, template_seconds
 
     monkeypatch.setattr(tasks, "RENDER_TIME_LIMIT_S", 0.02)
@@ -86,8 +86,8 @@ def test_task_objects_are_registered_with_their_names():
 def test_reply_json_reads_back_as_the_reply():
     import json
 
-    from inference.render_client import parse_reply
-    from inference.tasks import reply_json
+    from inference.api.render_client import parse_reply
+    from inference.workers.tasks import reply_json
 
     for reply in ({"id": "a", "result": {"ok": True, "prompt_text": "é 東京 \u2028 🙂", "prompt_token_ids": [1, 2]}},
                   {"id": "b", "result": {"ok": True, "prompt_text": "lone \ud800", "n": 2**70}}):  # stdlib path
@@ -104,7 +104,7 @@ def test_a_replied_task_returns_a_stand_in(monkeypatch):
 
     import redis
 
-    from inference import tasks
+    from inference.workers import tasks
     from tests.support.redis import TEST_REDIS_URL, fresh_prefix
 
     client = redis.Redis.from_url(TEST_REDIS_URL)
@@ -151,7 +151,7 @@ def worker(request):
         PYTHONPATH=f"{REPO}:{REPO / 'platform'}",
     )
     proc = subprocess.Popen(
-        # solo: the worker enforces the limits itself (inference.render_limits; D-296)
+        # solo: the worker enforces the limits itself (inference.workers.render_limits; D-296)
         [sys.executable, "-m", "celery", "-A", "tests.renderer.render_worker_app", "worker", "-P", request.param,
          "-c", "1", "-Q", queue, "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "warning"],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -197,12 +197,12 @@ def test_real_worker_renders_and_abandons_hanging_template(worker):
 
 def test_data_plane_modules_import_without_django_torch_transformers():
     code = (
-        "import sys, inference.renderer.chat_template, inference.output_processor\n"
+        "import sys, inference.renderer.chat_template, inference.api.output_processor\n"
         "from inference.renderer.chat_template import render_chat\n"
         f"render_chat({tok_dir('qwen3')!r}, [{{'role': 'user', 'content': 'x'}}])\n"
         "bad = [m for m in ('django', 'torch', 'transformers', 'celery') if m in sys.modules]\n"
         "assert not bad, bad\n"
-        "import inference.tasks\n"
+        "import inference.workers.tasks\n"
         # kombu.utils.json imports django.utils.functional when Django is installed; that is all.
         "bad = [m for m in ('django.conf', 'django.db', 'torch', 'transformers') if m in sys.modules]\n"
         "assert not bad, bad\n"

@@ -371,7 +371,7 @@ def test_reply_writes_the_tier_in_its_pipeline_or_to_the_tiers_own_redis(shared_
     with ``SEGMENT_CACHE_REDIS_URL`` set, to that Redis (here another database of the test server) after it."""
     import redis
 
-    from inference import tasks
+    from inference.workers import tasks
 
     tier, namespace, client = shared_tier
     kwargs = dict(client.connection_pool.connection_kwargs)
@@ -408,7 +408,7 @@ def test_reply_writes_the_tier_in_its_pipeline_or_to_the_tiers_own_redis(shared_
 def test_a_tier_url_that_is_not_a_redis_url_leaves_the_tier_off(shared_tier, monkeypatch, caplog):
     """A malformed ``SEGMENT_CACHE_REDIS_URL`` turns the tier off at the worker's start (logged) instead of failing
     renders; a client factory that raises ``ValueError`` later only makes misses and a back-off."""
-    from inference import tasks
+    from inference.workers import tasks
     from inference.renderer import segment_cache
 
     monkeypatch.setattr(tasks, "SETTINGS", dataclasses.replace(tasks.SETTINGS, segment_cache_redis_url="tier:6379"))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from inference.input_processor import GenerationDefaults, process_inputs
+from inference.api.input_processor import GenerationDefaults, process_inputs
 from inference.protocol import engine as engine_proto
 from inference.protocol import openai as oa
 from inference.protocol.openai import RequestValidationError, parse_json_body, validate_request
@@ -39,7 +39,7 @@ MAX_MESSAGES, MAX_TOOLS, MAX_DOCUMENTS, MAX_CONTENT_PARTS, MAX_REQUEST_ID_LEN = 
 @pytest.fixture(autouse=True, scope="module")
 def _imported():
     """Import the gateway modules before any measurement (their import is not the request's cost)."""
-    import gateway.embeddings
+    import gateway.endpoints.embeddings
     import gateway.pipeline.preamble
     import gateway.model_cache  # noqa: F401
 
@@ -80,7 +80,7 @@ def generation_pipeline(body: bytes, schema=oa.CompletionRequest, prompt_ids=Non
 def embeddings_pipeline(body: bytes):
     """parse + validate + normalize + request id + one pooling request per input, as ``/v1/embeddings`` runs
     them (token ids stand in for the tokenizer's output)."""
-    from gateway import embeddings as emb
+    from gateway.endpoints import embeddings as emb
     from gateway.pipeline.preamble import client_request_id
 
     req = validate_request(emb.EmbeddingRequest, parse_json_body(body))
@@ -252,7 +252,7 @@ def test_over_cap_chat_field_is_400_naming_it(name):
 
 
 def test_over_cap_generate_and_embeddings_fields():
-    from gateway.embeddings import EmbeddingRequest
+    from gateway.endpoints.embeddings import EmbeddingRequest
 
     for body, param in [
         ({"token_ids": [1], "request_id": "a\nb"}, "request_id"),

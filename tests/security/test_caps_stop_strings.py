@@ -1,7 +1,7 @@
 """Issue 14, stop strings: the partial-match check no longer re-scans the held-back window per candidate
 start, so the work per pushed text does not grow with the stop strings' length; outputs are unchanged.
 
-Work is counted as Python line events inside ``inference.output_processor`` (``sys.settrace``), not timed:
+Work is counted as Python line events inside ``inference.api.output_processor`` (``sys.settrace``), not timed:
 the same output pushed token by token through the real qwen3 detokenizer, with two stop strings of 16 and of
 1,024 characters (the cap) that never match."""
 
@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-import inference.output_processor as op
-from inference.output_processor import IncrementalDetokenizer, StopChecker
+import inference.api.output_processor as op
+from inference.api.output_processor import IncrementalDetokenizer, StopChecker
 from inference.renderer.tokenizer_cache import get_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def line_events(fn) -> int:
-    """Line events executed in ``inference/output_processor.py`` while ``fn()`` runs."""
+    """Line events executed in ``inference/api/output_processor.py`` while ``fn()`` runs."""
     count = 0
 
     def tracer(frame, event, _arg):

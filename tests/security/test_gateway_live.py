@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from inference.tasks import render_tasks_counter_key
+from inference.workers.tasks import render_tasks_counter_key
 from harness.assets import MODEL_DIR
 from tests.support.live import ensure_model, limited_key, stop_child
 

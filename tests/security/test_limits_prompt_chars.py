@@ -1,7 +1,7 @@
 """Issue 14 follow-up: the render worker refuses, before encoding, text that cannot fit the model's context
 whatever its tokenization (``max_model_len × longest token string``), and its memory for a prompt at that bound
 stays within 10× the prompt's size plus a constant. Measured in a fresh process (the tokenizer allocates in Rust,
-outside tracemalloc: peak RSS, ``ru_maxrss``), through the real task body ``inference.tasks.run_tokenize_prompt``."""
+outside tracemalloc: peak RSS, ``ru_maxrss``), through the real task body ``inference.workers.tasks.run_tokenize_prompt``."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ CONSTANT_BYTES = 64 << 20
 _PROBE = """
 import json, resource, sys
 sys.path[:0] = ["platform", "."]
-from inference.tasks import prompt_char_bound, run_tokenize_prompt
+from inference.workers.tasks import prompt_char_bound, run_tokenize_prompt
 d, mml, factor = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 bound = prompt_char_bound(d, mml)
 run_tokenize_prompt({"tokenizer_dir": d, "prompt": "hello " * 100, "max_model_len": mml})  # warm

@@ -28,9 +28,9 @@ from typing import Any, Callable
 
 import pytest
 
-from inference.chat_output import ChatOutputParser, ChatOutputSpec
-from inference.config import SETTINGS
-from inference.output_processor import OutputProcessor, RequestState
+from inference.api.chat_output import ChatOutputParser, ChatOutputSpec
+from inference.shared.config import SETTINGS
+from inference.api.output_processor import OutputProcessor, RequestState
 from inference.protocol.engine import EngineCoreOutput
 from inference.reasoning.think import DeepSeekR1ReasoningParser, Qwen3ReasoningParser
 from inference.renderer.tokenizer_cache import get_tokenizer
@@ -419,7 +419,7 @@ def test_text_buffer_keeps_the_text_in_about_its_length():
     the deltas would keep one string object of ~50 bytes per delta: some 20 times it)."""
     import tracemalloc
 
-    from inference.markers import TextBuffer
+    from inference.shared.markers import TextBuffer
 
     r = random.Random(1)
     source = filler(400_000)

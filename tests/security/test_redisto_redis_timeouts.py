@@ -15,8 +15,8 @@ import pytest
 from channels_redis.core import RedisChannelLayer
 from django.conf import settings
 
-from inference import engine_client
-from inference.redis_timeouts import SOCKET_TIMEOUT_MARGIN_S, blocking_socket_timeout
+from inference.api import engine_client
+from inference.shared.redis_timeouts import SOCKET_TIMEOUT_MARGIN_S, blocking_socket_timeout
 from harness.redis_keys import delete_matching, delete_prefix
 
 URL = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/4"

@@ -3,7 +3,7 @@ allows it) is never rendered in the api process, not even by an api running ``RE
 goes to a Celery render worker, whose time limit kills a render the sandbox's budgets do not stop.
 
 The shared live platform (``shared_live``, tests/conftest.py); the render workers count
-the tasks they answer in Redis (``inference.tasks.render_tasks_counter_key``)."""
+the tasks they answer in Redis (``inference.workers.tasks.render_tasks_counter_key``)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def inline(live):
 
 
 def _tasks_done(live) -> int:
-    from inference.tasks import render_tasks_counter_key
+    from inference.workers.tasks import render_tasks_counter_key
 
     return int(live.redis.get(render_tasks_counter_key(live.prefix)) or 0)
 

@@ -1,5 +1,5 @@
 """Issue 39: every client grammar, regex and schema is checked in linear time, with explicit caps, before any library
-sees it (``inference.structured_caps``), and the engine compiles only the gateway's engine form.
+sees it (``inference.shared.structured_caps``), and the engine compiles only the gateway's engine form.
 
 The reproductions of the review: llguidance's format sniffing (``(?m)^\\s*...``) backtracks quadratically over blank
 lines (9,000 of them: 1.7 s with the GIL held); our ``ref_cycle`` walked every ``$ref`` chain from every node (cubic:
@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from llguidance.gbnf_to_lark import is_lark_syntax
 
-from inference import structured_caps as caps
-from inference.structured import check, engine_grammar
-from inference.structured_caps import StructuredSpecError
+from inference.shared import structured_caps as caps
+from inference.shared.structured import check, engine_grammar
+from inference.shared.structured_caps import StructuredSpecError
 
 
 def cpu(fn, *args) -> float:

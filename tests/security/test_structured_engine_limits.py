@@ -29,7 +29,7 @@ from inference.protocol.engine import (
     EngineCoreRequest,
     SamplingParams,
 )
-from inference.structured import check
+from inference.shared.structured import check
 from harness.assets import DEMO_MODEL, MODEL_DIR, ensure_demo_assets
 
 EOS_IDS = [151645, 151643]

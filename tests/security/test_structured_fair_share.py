@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from inference import admission as adm
-from inference.admission import AdmissionRefused
+from inference.api import admission as adm
+from inference.api.admission import AdmissionRefused
 from tests.admission.test_admission_redis import REDIS_URL, make
 from tests.support.redis import fresh_prefix
 

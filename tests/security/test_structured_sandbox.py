@@ -1,4 +1,4 @@
-"""Issue 39, the grammar sandbox (``inference.structured_sandbox``): client grammars, regexes and schemas are compiled
+"""Issue 39, the grammar sandbox (``inference.api.structured_sandbox``): client grammars, regexes and schemas are compiled
 in worker processes, each under a CPU-time budget, a few per tenant at once, results cached per cache scope; the
 event loop that asks never stalls, however bad the input. Real worker processes, real llguidance."""
 
@@ -15,8 +15,8 @@ import time
 import psutil
 import pytest
 
-from inference.structured import spec_key
-from inference.structured_sandbox import GrammarSandbox
+from inference.shared.structured import spec_key
+from inference.api.structured_sandbox import GrammarSandbox
 
 # GBNF whose rules each wait on the next (the library converter's fixpoint marks one per pass: quadratic), within
 # every cap (512 rules, under 64 KiB): ~0.5 s of CPU, so over a 0.05 s budget
@@ -99,7 +99,7 @@ def test_workers_die_with_the_api_process(tmp_path):
     script = tmp_path / "owner.py"
     script.write_text(textwrap.dedent("""
         import asyncio, sys, time
-        from inference.structured_sandbox import GrammarSandbox
+        from inference.api.structured_sandbox import GrammarSandbox
 
         async def main():
             box = GrammarSandbox(processes=2)

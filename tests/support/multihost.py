@@ -40,7 +40,7 @@ from pathlib import Path
 import httpx
 import redis
 
-from inference import admission as adm
+from inference.api import admission as adm
 from inference.protocol.engine import (HEARTBEAT_TTL_S, REPLICAS_INDEX_TTL_MS, EngineStats, replica_pattern,
                                        replicas_index_key)
 from harness.assets import DEMO_MODEL, MODEL_DIR, ensure_demo_assets

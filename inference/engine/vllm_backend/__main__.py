@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 
-from inference.config import SETTINGS, set_engine_environ
+from inference.shared.config import SETTINGS, set_engine_environ
 
 from ..core import EngineCore, install_signal_handlers, new_engine_id, replica_stats
 from ..replica_link import ReplicaLink

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from inference.protocol.engine import STRUCTURED_KINDS, EngineCoreRequest, SamplingParams
-from inference.structured_caps import LARK_HEADER
+from inference.shared.structured_caps import LARK_HEADER
 
 
 class UnsupportedRequestError(ValueError):
@@ -29,7 +29,7 @@ def tokens_prompt(req: EngineCoreRequest) -> dict[str, Any]:
     The salt is the gateway's per-cache-scope one (``gateway.pipeline.inputs.cache_salt_for``: the tenant or its
     cache group, and the request's own ``cache_salt``). vLLM mixes it into the hash of a prompt's first KV block
     only, and only when non-empty (``generate_block_hash_extra_keys`` in ``vllm/v1/core/kv_cache_utils.py``), as
-    our engine does (``inference.prefix_hash.block_hashes``): so on both backends prefix-cache blocks, and the
+    our engine does (``inference.shared.prefix_hash.block_hashes``): so on both backends prefix-cache blocks, and the
     ``cached_tokens`` a caller sees, are shared only within one scope. ``None`` or ``""``: unsalted on both.
     """
     prompt: dict[str, Any] = {"prompt_token_ids": req.prompt_token_ids}

@@ -10,11 +10,11 @@ import logging
 from gateway.model_cache import ModelSnapshot
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
-from gateway.pipeline.clients import admission, retry_later
+from gateway.clients import admission, retry_later
 from gateway.pipeline.failures import api_error_from
-from inference.admission import TIER_STANDARD, AdmissionRefused, Reservation, estimate_prompt_tokens
-from inference.config import SETTINGS
-from inference.output_processor import FirstTokenLatency
+from inference.api.admission import TIER_STANDARD, AdmissionRefused, Reservation, estimate_prompt_tokens
+from inference.shared.config import SETTINGS
+from inference.api.output_processor import FirstTokenLatency
 from tenancy.selectors import AuthContext
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """Step 7 (DESIGN.md §2 steps 8-10): the engine link. Register the request's output queue, hand its children to
-a replica, and run the engine outputs through ``inference.output_processor`` (detokenize, stop strings, n > 1
+a replica, and run the engine outputs through ``inference.api.output_processor`` (detokenize, stop strings, n > 1
 reassembly); abort what is unfinished at the end. Pooling (embeddings) requests take the same link."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from gateway.disconnect import raise_if_client_gone
 from gateway.errors import ErrorCode, bad_request, engine_error
 from gateway.model_cache import ModelSnapshot
 from gateway.pipeline import admission
-from gateway.pipeline.clients import background, link
+from gateway.clients import background, link
 from gateway.pipeline.failures import api_error_from, pooling_error
-from inference.admission import Reservation
-from inference.engine_client import EngineUnavailableError
-from inference.input_processor import ProcessedInput
-from inference.output_processor import ChoiceDelta, ChoiceState, OutputProcessor, RequestState
+from inference.api.admission import Reservation
+from inference.api.engine_client import EngineUnavailableError
+from inference.api.input_processor import ProcessedInput
+from inference.api.output_processor import ChoiceDelta, ChoiceState, OutputProcessor, RequestState
 from inference.protocol.engine import ERROR_STRUCTURED_OUTPUT, FINISH_STOP, EngineCoreOutput, EngineCoreRequest
 from inference.renderer.tokenizer_cache import LoadedTokenizer
 

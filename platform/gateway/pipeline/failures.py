@@ -4,12 +4,12 @@ the HTTP errors clients see."""
 from __future__ import annotations
 
 from gateway.errors import ApiError, ErrorCode, ErrorType, bad_request, engine_error, unavailable
-from inference.admission import AdmissionRefused
-from inference.engine_client import EngineUnavailableError
+from inference.api.admission import AdmissionRefused
+from inference.api.engine_client import EngineUnavailableError
 from inference.media.image import ImageError
 from inference.protocol.openai import RequestValidationError
 from inference.protocol.render import MM_QUEUE, RenderFailure
-from inference.render_client import RenderUnavailableError
+from inference.api.render_client import RenderUnavailableError
 from tenancy.limits import RateLimitExceeded
 
 # render/mm failure codes that are a worker's defect (500), with the message the client sees

@@ -10,8 +10,8 @@ from gateway.pipeline import admission, inputs, limits, rendering
 from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.media import RenderedChat, render_chat_media
 from gateway.pipeline.scope import RequestScope
-from inference.admission import engine_priority
-from inference.input_processor import ProcessedInput
+from inference.api.admission import engine_priority
+from inference.api.input_processor import ProcessedInput
 from inference.protocol.openai import ChatCompletionRequest
 from inference.renderer.tokenizer_cache import LoadedTokenizer
 from tenancy.selectors import AuthContext

@@ -1,5 +1,5 @@
 """Step 6 (DESIGN.md §2 step 6): input processing. The prompt ids and the validated request become ``n``
-``EngineCoreRequest`` s (``inference.input_processor.process_inputs``: lengths vs ``max_model_len``, ids in the
+``EngineCoreRequest`` s (``inference.api.input_processor.process_inputs``: lengths vs ``max_model_len``, ids in the
 vocabulary, sampling parameters, seeds ``seed + i``), with the caller's prefix-cache salt and its validated
 structured-output constraint (``structured_constraint``, before the render)."""
 
@@ -14,31 +14,31 @@ from tenancy.selectors import AuthContext
 from django.conf import settings
 
 from gateway.errors import ErrorCode, bad_request, unavailable
-from gateway.pipeline.clients import background, redis
+from gateway.clients import background, redis
 from gateway.model_cache import ModelSnapshot
 from gateway.pipeline.failures import api_error_from
-from inference.input_processor import (
+from inference.api.input_processor import (
     GenerationDefaults,
     ProcessedInput,
     generation_defaults,
     model_vocab_size,
     process_inputs,
 )
-from inference.chat_output import ChatOutputSpec, resolve_parser_name
+from inference.api.chat_output import ChatOutputSpec, resolve_parser_name
 from inference.protocol.openai import ChatCompletionRequest, RequestValidationError, StructuredOutputs
 from inference.renderer.tokenizer_cache import LoadedTokenizer
-from inference import structured_sandbox
+from inference.api import structured_sandbox
 from inference.tool_parsers.forced import tool_choice_constraint
-from inference.structured import Constraint, constraint_of, spec_key
-from inference.structured_caps import StructuredSpecError, check_size
+from inference.shared.structured import Constraint, constraint_of, spec_key
+from inference.shared.structured_caps import StructuredSpecError, check_size
 from registry.backends import STRUCTURED_AFTER_REASONING
 
 
 class SamplingRequest(Protocol):
-    """What input processing reads of a validated request (``inference.input_processor.process_inputs``) and what
+    """What input processing reads of a validated request (``inference.api.input_processor.process_inputs``) and what
     the constraint checks read: a ``ChatCompletionRequest``, a ``CompletionRequest`` or ``/inference/v1/generate``'s
     ``GenerateSamplingParams``. A chat request's ``response_format``, ``tools`` and ``tool_choice`` are read when
-    present (``inference.structured.constraint_of``, ``tool_choice_constraint``)."""
+    present (``inference.shared.structured.constraint_of``, ``tool_choice_constraint``)."""
 
     @property
     def n(self) -> int | None: ...
@@ -103,7 +103,7 @@ def eos_ids_of(tokenizer: LoadedTokenizer) -> list[int]:
 async def structured_constraint(req: SamplingRequest, ctx: AuthContext, param_prefix: str = "") -> Constraint | None:
     """The request's output constraint (``response_format`` / ``structured_outputs``, or the schema a ``tool_choice``
     required/named forces), compiled into its engine form in this process's grammar sandbox
-    (``inference.structured_sandbox``: worker processes, a CPU-time budget per compile, a few compiles per tenant at
+    (``inference.api.structured_sandbox``: worker processes, a CPU-time budget per compile, a few compiles per tenant at
     once, results cached per cache scope). ``None`` without one. Serialising and sizing the constraint runs in a
     thread (linear in the body); nothing of the grammar work runs in this process.
 
@@ -229,7 +229,7 @@ def model_template_text(model: ModelSnapshot, tokenizer: LoadedTokenizer) -> str
 def chat_output_spec(req: ChatCompletionRequest, model: ModelSnapshot, tokenizer: LoadedTokenizer,
                      prompt_token_ids: list[int]) -> ChatOutputSpec:
     """How the choices of chat request ``req`` are parsed on ``model`` (its registry ``reasoning_parser`` and
-    ``tool_call_parser``, ``auto`` resolved from its template; ``inference.chat_output``)."""
+    ``tool_call_parser``, ``auto`` resolved from its template; ``inference.api.chat_output``)."""
     template = model_template_text(model, tokenizer)
     return ChatOutputSpec.for_request(
         req, tokenizer=tokenizer, prompt_token_ids=prompt_token_ids,

@@ -15,11 +15,11 @@ from django.conf import settings
 from gateway.model_cache import ModelSnapshot
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
-from gateway.pipeline.clients import redis, retry_later
+from gateway.clients import redis, retry_later
 from gateway.errors import redis_unavailable
 from gateway.pipeline.failures import api_error_from
-from inference.admission import estimate_prompt_tokens
-from inference.cancel_safe import take_or_undo
+from inference.api.admission import estimate_prompt_tokens
+from inference.api.cancel_safe import take_or_undo
 from gateway.http import GatewayConsumer
 from tenancy.limits import (
     LEASE_TTL_S,

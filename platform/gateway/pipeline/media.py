@@ -31,13 +31,13 @@ from config.celery import app as celery_app
 from gateway.errors import ApiError, ErrorCode, ErrorType, bad_request
 from registry.backends import IMAGES
 from gateway.model_cache import ModelSnapshot
-from gateway.pipeline.clients import redis
+from gateway.clients import redis
 from gateway.pipeline.failures import api_error_from
 from gateway.pipeline.rendering import call_render
 from inference.media.cache import feature_meta_decode, feature_meta_key
 from inference.media.image import ImageError
 from inference.protocol.render import ChatRenderRequest, ImageFeatures, ImagesRequest, ImageWorkItem, RenderFailure
-from inference.render_client import RenderReplyWaiter, RenderUnavailableError
+from inference.api.render_client import RenderReplyWaiter, RenderUnavailableError
 from inference.renderer.multimodal import (
     MM_BLOB_TTL_S,
     ImageItem,

@@ -8,7 +8,7 @@ Rendering route, per api process (``settings.RENDER_ROUTE``):
 * ``celery`` (default): the ``inference.*`` tasks on the Celery ``render`` queue; workers may live on other
   machines, a runaway template is bounded by the sandbox budget and by the task's soft/hard time limits (the
   worker child is replaced).
-* ``inline``: the same task bodies (``inference.tasks.run_*``) on this process's thread pool. No broker round
+* ``inline``: the same task bodies (``inference.workers.tasks.run_*``) on this process's thread pool. No broker round
   trip; runaway templates are bounded by the sandbox's operation and output budgets only. A client-supplied
   ``chat_template`` (payload flag ``client_chat_template``) is never run here, whatever the route: it always goes
   to the Celery workers, whose time limit kills a render stuck where the sandbox's budgets do not reach.
@@ -31,10 +31,10 @@ from redis.exceptions import RedisError
 from config.celery import app as celery_app
 from gateway.errors import ErrorCode, bad_request
 from gateway.model_cache import ModelSnapshot
-from gateway.pipeline import clients
+from gateway import clients
 from gateway.pipeline.failures import api_error_from
-from inference import tasks as render_tasks
-from inference.render_client import RenderReplyWaiter, RenderUnavailableError
+from inference.workers import tasks as render_tasks
+from inference.api.render_client import RenderReplyWaiter, RenderUnavailableError
 from inference.protocol.openai import ChatCompletionRequest, ChatMessage, CompletionRequest, TokenizeChatRequest
 from inference.protocol.render import (
     TASK_DETOKENIZE,
@@ -49,7 +49,7 @@ from inference.protocol.render import (
 )
 from inference.renderer.tokenizer_cache import LoadedTokenizer, cached_tokenizer, get_tokenizer
 
-# the wire body each render task runs (``inference.tasks``): what the inline route runs in-process
+# the wire body each render task runs (``inference.workers.tasks``): what the inline route runs in-process
 _INLINE: dict[str, Callable[[Any], dict[str, Any]]] = {
     TASK_RENDER_CHAT: render_tasks.run_render_chat,
     TASK_TOKENIZE_PROMPT: render_tasks.run_tokenize_prompt,
@@ -113,7 +113,7 @@ async def call_render(request: RenderTask[ResultT]) -> ResultT:
     A worker's ``RenderFailure`` becomes its HTTP error (``failures.api_error_from``: 400 with the renderer's
     ``param`` and code; 503 for a worker that ran out of time outside the template; 500 for a renderer defect); no
     answer within ``RENDER_WAIT_TIMEOUT_S`` while a render worker is alive, or no render worker back within
-    ``RENDER_WORKER_RETURN_S`` (``inference.render_liveness.remaining_wait``), becomes 503.
+    ``RENDER_WORKER_RETURN_S`` (``inference.api.render_liveness.remaining_wait``), becomes 503.
     """
     if runs_inline(request):
         reply = await call_inline(request)
@@ -132,7 +132,7 @@ async def call_render(request: RenderTask[ResultT]) -> ResultT:
 
 
 def _count_inline(stats: dict[str, int]) -> None:
-    """Add an inline task's segment-cache tallies to the shared Redis counters (``inference.tasks.
+    """Add an inline task's segment-cache tallies to the shared Redis counters (``inference.workers.tasks.
     count_segment_cache``; the workers count theirs in their reply) in the background: a metric never delays or
     fails the request."""
     async def count() -> None:
@@ -212,7 +212,7 @@ def chat_render_payload(model: ModelSnapshot, req: ChatCompletionRequest | Token
         add_special_tokens=bool(req.add_special_tokens),
         # control-token strings in request text stay text unless the operator opted this model out
         allow_control_tokens=bool(model.allow_control_tokens_in_content),
-        max_model_len=int(model.max_model_len),  # the worker's character backstop (inference.tasks)
+        max_model_len=int(model.max_model_len),  # the worker's character backstop (inference.workers.tasks)
         return_prompt_text=False,  # the api uses only the ids: the rendered text would double the reply
     )
 

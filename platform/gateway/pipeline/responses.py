@@ -8,7 +8,7 @@ from typing import Callable, Iterable
 from gateway.http import GatewayConsumer
 from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.usage import Usage, usage_dict
-from inference.output_processor import ChoiceDelta, ChoiceState
+from inference.api.output_processor import ChoiceDelta, ChoiceState
 
 JsonObject = dict[str, object]
 """An OpenAI JSON object the gateway writes (a response body, a chunk, a choice): built here, sent as JSON."""

@@ -15,9 +15,9 @@ from tenancy.selectors import AuthContext
 
 from gateway.errors import ApiError, ErrorCode
 from gateway.pipeline import admission, limits
-from gateway.pipeline.clients import background
+from gateway.clients import background
 from gateway.pipeline.usage import RunUsage, UsageRecorder
-from inference.admission import Reservation
+from inference.api.admission import Reservation
 
 
 class Run(RunUsage, Protocol):
@@ -37,7 +37,7 @@ class RequestScope:
     """The request's held resources: set each attribute as soon as it is taken.
 
     ``reservation``: admission; ``grant``: key limits; ``run``: the engine work; ``priority``: the engine priority of
-    its requests (``inference.admission.engine_priority``: the key's tier, then the request's own ``priority``)."""
+    its requests (``inference.api.admission.engine_priority``: the key's tier, then the request's own ``priority``)."""
 
     recorder: UsageRecorder
     priority: int = 0

@@ -11,7 +11,7 @@ from typing import NotRequired, Protocol, TypedDict
 
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
-from gateway.pipeline.clients import redis, retry_later
+from gateway.clients import redis, retry_later
 from inference.protocol.engine import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP
 from tenancy.selectors import AuthContext
 from usage.events import usage_event_emit

@@ -14,6 +14,6 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name='servedmodel',
             name='num_replicas',
-            field=models.PositiveIntegerField(default=1, help_text='Engine processes `manage.py serve` runs for this model on this machine; the api routes each request to one of them by prompt-prefix cache hit and load (inference/router.py).', validators=[django.core.validators.MinValueValidator(1)]),
+            field=models.PositiveIntegerField(default=1, help_text='Engine processes `manage.py serve` runs for this model on this machine; the api routes each request to one of them by prompt-prefix cache hit and load (inference/api/router.py).', validators=[django.core.validators.MinValueValidator(1)]),
         ),
     ]

@@ -21,8 +21,8 @@ from ops.layout import (BACKGROUND_NICE, RENDER_POOLS, EngineLayout, engine_layo
                         render_worker_env)
 from ops.supervisor import (Child, RestartPolicy, Supervisor, http_ok, parse_cpu_list, python, redis_ping,
                             unix_socket_accepts, wait_until)
-from inference.admission import reap as admission_reap
-from inference.config import SETTINGS
+from inference.api.admission import reap as admission_reap
+from inference.shared.config import SETTINGS
 from inference.engine.watchdog import (EXIT_STEP_LOOP_WEDGED, STEP_WATCHDOG_MIN_S, STEP_WATCHDOG_S,
                                        check_watchdog_seconds)
 from inference.protocol.engine import replicas_index_key
@@ -242,7 +242,7 @@ class Command(BaseCommand):
 
         Engines, workers and the api processes are restartable. Requests an engine held fail with a clear error
         (the api notices a dead replica by its heartbeat); the clients of a dead api see their connection closed,
-        its admission reservations are reaped once its lease lapses (≈ 6 s, inference/admission.py; by serve itself
+        its admission reservations are reaped once its lease lapses (≈ 6 s, inference/api/admission.py; by serve itself
         in ``_supervise``, and by every api from its start), its key-limit concurrency leases expire (6 s,
         tenancy/limits.py) and the engines abort its requests when its liveness key lapses (DESIGN.md §6); new
         requests are served once it is back on its port. Redis is not: without it nothing can be served (and an
@@ -318,7 +318,7 @@ class Command(BaseCommand):
 
 
 def _reap_dead_holders(client: redis.Redis) -> None:
-    """Release the admission reservations of api processes whose lease lapsed (``inference.admission.reap``, one
+    """Release the admission reservations of api processes whose lease lapsed (``inference.api.admission.reap``, one
     Lua call). The api processes do it too, from their start (``gateway/lifespan.py``); serve does it as well so
     that a killed api's reservations are gone within the lease (≈ 6 s) even while its replacement is still
     starting and no other api runs (DECISIONS D-180). A Redis error is ignored: the next second tries again."""

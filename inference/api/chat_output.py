@@ -16,8 +16,8 @@ call as two deltas: ``{index, id, type, function: {name, arguments: ""}}``, then
 {arguments}}``.
 
 It runs on the api's event loop for every delta of every choice: each ``push`` is O(len(text)) (the parsers are
-linear, ``inference.markers``; the message's texts are ``TextBuffer`` s, joined once when read), and the
-leading whitespace held before calls is bounded by ``inference.markers.MAX_HELD_CHARS``: past it, it is released
+linear, ``inference.shared.markers``; the message's texts are ``TextBuffer`` s, joined once when read), and the
+leading whitespace held before calls is bounded by ``inference.shared.markers.MAX_HELD_CHARS``: past it, it is released
 as content (then kept even when calls follow).
 """
 
@@ -27,7 +27,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference.markers import MAX_HELD_CHARS, TextBuffer
+from inference.shared.markers import MAX_HELD_CHARS, TextBuffer
 from inference.protocol.engine import FINISH_STOP
 from inference.reasoning import REASONING_PARSERS, ReasoningParser, default_reasoning_parser, get_reasoning_parser
 from inference.reasoning.base import TokenizerLike

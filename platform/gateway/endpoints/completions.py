@@ -17,14 +17,14 @@ from gateway.errors import engine_error
 from gateway.http import GatewayConsumer
 from gateway.logprobs import completion_logprobs
 from gateway.pipeline import inputs, limits, preamble, rendering, responses
-from gateway.pipeline.clients import link
+from gateway.clients import link
 from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.flow import admit_and_start, hold_before_render
 from gateway.pipeline.scope import record_refusal, request_scope
 from gateway.pipeline.usage import public_finish_reason
-from inference.admission import estimate_prompt_tokens
-from inference.input_processor import generation_defaults, merge_batch, new_internal_id
-from inference.output_processor import ChoiceDelta, ChoiceState
+from inference.api.admission import estimate_prompt_tokens
+from inference.api.input_processor import generation_defaults, merge_batch, new_internal_id
+from inference.api.output_processor import ChoiceDelta, ChoiceState
 from inference.protocol.openai import CompletionRequest
 from inference.renderer.tokenizer_cache import LoadedTokenizer
 

@@ -45,9 +45,9 @@ from dataclasses import dataclass
 
 from pebble import ProcessExpired, ProcessPool
 
-from inference.config import SETTINGS
-from inference.structured import check
-from inference.structured_caps import StructuredSpecError
+from inference.shared.config import SETTINGS
+from inference.shared.structured import check
+from inference.shared.structured_caps import StructuredSpecError
 
 CPU_BUDGET_S = SETTINGS.structured_compile_cpu_s
 PROCESSES = SETTINGS.structured_compile_processes
@@ -76,7 +76,7 @@ class SandboxUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class CompileResult:
-    """One compile's outcome: ``engine_form`` (``inference.structured.check``'s result) or ``error`` (the
+    """One compile's outcome: ``engine_form`` (``inference.shared.structured.check``'s result) or ``error`` (the
     ``StructuredSpecError`` message); ``cpu_s`` the CPU seconds it took (the budget when it was ended for it);
     ``outcome`` ``ok``, ``invalid`` or ``budget``; ``cached`` whether it came from the cache."""
 
@@ -111,7 +111,7 @@ def _init_worker(max_bytes: int) -> None:
 
 
 def _compile(kind: str, spec: str, budget_s: float) -> tuple[str | None, str | None, float]:
-    """In a worker: ``inference.structured.check(kind, spec)`` under a CPU-time timer of ``budget_s`` seconds.
+    """In a worker: ``inference.shared.structured.check(kind, spec)`` under a CPU-time timer of ``budget_s`` seconds.
     Returns ``(engine form, None, cpu_s)`` or ``(None, error message, cpu_s)``; past the budget the process is
     ended by ``SIGPROF`` (the parent sees the worker expire)."""
     start = time.process_time()
@@ -203,7 +203,7 @@ class GrammarSandbox:
 
     # ------------------------------------------------------------------ compile
     async def compile(self, kind: str, spec: str, *, key: str, tenant: str) -> CompileResult:
-        """The compile result of ``(kind, spec)`` (``inference.structured.check``) for a caller of tenant ``tenant``
+        """The compile result of ``(kind, spec)`` (``inference.shared.structured.check``) for a caller of tenant ``tenant``
         whose cache key is ``key`` (``spec_key(kind, spec, cache scope)``): from the cache, or from a worker once
         the tenant has a free slot. A compile ended for its budget is an ``error`` result (outcome ``budget``).
         Raises ``SandboxUnavailable`` when the pool cannot run it. Cancelling the caller leaves a running compile

@@ -36,13 +36,13 @@ from gateway.errors import ErrorCode, bad_request, engine_error
 from gateway.http import GatewayConsumer
 from gateway.model_cache import ModelSnapshot
 from gateway.pipeline import admission, preamble, rendering
-from gateway.pipeline.clients import link
+from gateway.clients import link
 from gateway.pipeline.engine import run_pooling
 from gateway.pipeline.failures import api_error_from
 from gateway.pipeline.flow import hold_before_render
 from gateway.pipeline.scope import record_refusal, request_scope
-from inference.admission import estimate_prompt_tokens
-from inference.embeddings import (  # noqa: F401 - EmbeddingRequest, normalize_input: this route's public names
+from inference.api.admission import estimate_prompt_tokens
+from inference.api.embeddings import (  # noqa: F401 - EmbeddingRequest, normalize_input: this route's public names
     MAX_EMBEDDING_INPUTS,
     EmbeddingRequest,
     encode_vector,
@@ -52,7 +52,7 @@ from inference.embeddings import (  # noqa: F401 - EmbeddingRequest, normalize_i
     tokenize_inputs,
     validate_embeddings,
 )
-from inference.input_processor import new_internal_id
+from inference.api.input_processor import new_internal_id
 from inference.protocol.engine import FINISH_STOP
 from inference.protocol.openai import RequestValidationError
 

@@ -7,13 +7,13 @@ a possible stop string, so no part of a marker ever leaks into a field.
 The parsers run on the api's event loop, once per text delta of every choice, so each is linear in the output:
 a delta's work is proportional to the delta plus a bounded look-back (the longest marker), never a rescan of
 the text so far. What a parser holds back undecided is bounded by ``MAX_HELD_CHARS`` (the
-``OUTPUT_PARSER_MAX_HELD_CHARS`` setting, ``inference.config``); each parser's docstring says what it does past
+``OUTPUT_PARSER_MAX_HELD_CHARS`` setting, ``inference.shared.config``); each parser's docstring says what it does past
 the bound. A text that grows with the output is a ``TextBuffer``.
 """
 
 from __future__ import annotations
 
-from inference.config import SETTINGS
+from inference.shared.config import SETTINGS
 
 MAX_HELD_CHARS = SETTINGS.output_parser_max_held_chars
 """Characters an output parser may hold back undecided (default 262144 = 256 Ki). A tool call's markup and

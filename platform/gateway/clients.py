@@ -12,8 +12,8 @@ import redis.asyncio as aioredis
 from django.conf import settings
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
-from inference.admission import Admission
-from inference.engine_client import EngineLink
+from inference.api.admission import Admission
+from inference.api.engine_client import EngineLink
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 Two sides use it, and neither runs client text through Python-side grammar code on a thread that matters:
 
-* the gateway's grammar sandbox (``inference.structured_sandbox``, a separate process with a CPU-time budget) runs
-  ``check``: the linear caps (``inference.structured_caps``), the conversion of the client's text into its
+* the gateway's grammar sandbox (``inference.api.structured_sandbox``, a separate process with a CPU-time budget) runs
+  ``check``: the linear caps (``inference.shared.structured_caps``), the conversion of the client's text into its
   *engine form* (``normalize``: a GBNF grammar becomes Lark) and llguidance's validation; the request then carries
   the engine form;
 * the engines compile only an engine form (``engine_grammar``: llguidance's own compile, which releases the GIL,
@@ -46,10 +46,10 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from inference.config import SETTINGS
+from inference.shared.config import SETTINGS
 from inference.protocol.engine import STRUCTURED_KINDS
 from inference.protocol.openai import RequestValidationError
-from inference.structured_caps import (
+from inference.shared.structured_caps import (
     LARK_HEADER,
     MAX_CHOICES,
     MAX_SCHEMA_DEPTH,
@@ -107,7 +107,7 @@ def spec_key(kind: str, spec: str, *scope: str) -> str:
 
 def normalize(kind: str, spec: str) -> str:
     """The engine form of the client's constraint ``(kind, spec)`` (module docstring), within the caps of
-    ``inference.structured_caps``. A GBNF grammar is converted with llguidance's converter (pure Python: its
+    ``inference.shared.structured_caps``. A GBNF grammar is converted with llguidance's converter (pure Python: its
     fixpoint is quadratic in the rules, which the rule cap and the sandbox's budget bound). Raises
     ``StructuredSpecError``. Call it in the grammar sandbox, not on a shared thread."""
     if kind not in STRUCTURED_KINDS:
@@ -172,7 +172,7 @@ def check(kind: str, spec: str) -> str:
     except an unknown string ``format``, which is ignored, as JSON Schema says of unknown formats). Raises
     ``StructuredSpecError``. Tokenizer-independent: a grammar that passes can still fail the engine's compile on
     its tokenizer (rare; that request then finishes with an error). CPU work of up to the sandbox's budget: run it
-    there (``inference.structured_sandbox``)."""
+    there (``inference.api.structured_sandbox``)."""
     check_size(spec)
     engine_form = normalize(kind, spec)
     # a client's Lark grammar is validated as written (its error messages' line numbers are the client's)

@@ -1,6 +1,6 @@
 """``GET /v1/openapi.json``: an OpenAPI 3.1 description of the OpenAI-compatible routes this gateway serves.
 
-Request bodies are the gateway's own pydantic models (``inference.protocol.openai``, ``inference.embeddings``)
+Request bodies are the gateway's own pydantic models (``inference.protocol.openai``, ``inference.api.embeddings``)
 through pydantic's ``models_json_schema``, so the description cannot drift from what is validated; what JSON
 Schema cannot say (token ids in the model's vocabulary, chat-template rules, cross-field rules) is still
 answered 400 at run time. Responses are written here as the endpoints answer them; every error is the OpenAI
@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from gateway.http import GatewayConsumer
-from inference.embeddings import EmbeddingRequest
+from inference.api.embeddings import EmbeddingRequest
 from inference.protocol.openai import (
     SERVED_MODEL_NAME_RE,
     AbortRequestsRequest,
@@ -51,7 +51,7 @@ _USAGE = {"type": "object", "required": ["prompt_tokens", "total_tokens"], "prop
 }}
 _TOKEN_IDS = {"type": "array", "items": _INT}
 
-# Response components, as the endpoints write them (gateway/chat.py, completions.py, embeddings.py, ...).
+# Response components, as the endpoints write them (gateway/endpoints/chat.py, completions.py, embeddings.py, ...).
 _RESPONSES: dict[str, dict[str, Any]] = {
     "Error": {
         "type": "object", "required": ["error"], "additionalProperties": False,

@@ -22,7 +22,7 @@ from gateway.errors import bad_request
 from gateway.http import GatewayConsumer
 from gateway.pipeline import flow, inputs, limits, preamble, rendering
 from gateway.model_cache import ModelSnapshot
-from inference.input_processor import ProcessedInput, generation_defaults
+from inference.api.input_processor import ProcessedInput, generation_defaults
 from inference.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 

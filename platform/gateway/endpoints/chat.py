@@ -9,14 +9,14 @@ from typing import Any
 from gateway.http import GatewayConsumer
 from gateway.logprobs import chat_logprobs
 from gateway.pipeline import flow, inputs, preamble, responses
-from gateway.pipeline.clients import link
+from gateway.clients import link
 from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.flow import admit_and_start, hold_before_render
 from gateway.pipeline.scope import record_refusal, request_scope
 from gateway.pipeline.usage import public_finish_reason
-from inference.chat_output import ChatDelta, ChatOutputParser, ChatOutputSpec
-from inference.input_processor import new_internal_id
-from inference.output_processor import ChoiceDelta, ChoiceState
+from inference.api.chat_output import ChatDelta, ChatOutputParser, ChatOutputSpec
+from inference.api.input_processor import new_internal_id
+from inference.api.output_processor import ChoiceDelta, ChoiceState
 from inference.protocol.openai import ChatCompletionRequest
 from inference.renderer.tokenizer_cache import LoadedTokenizer
 
@@ -81,7 +81,7 @@ class ChatCompletionsConsumer(GatewayConsumer):
 
 
 def choice_parsers(run: GenerationRun) -> list[ChatOutputParser]:
-    """One ``ChatOutputParser`` per choice of ``run`` (reasoning, answer, tool calls; ``inference.chat_output``)."""
+    """One ``ChatOutputParser`` per choice of ``run`` (reasoning, answer, tool calls; ``inference.api.chat_output``)."""
     spec: ChatOutputSpec | None = run.processed.chat_output
     return [spec.parser() if spec is not None else ChatOutputParser() for _ in run.choices]
 

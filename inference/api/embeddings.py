@@ -1,4 +1,4 @@
-"""Embeddings request handling that needs no Django (``/v1/embeddings``, gateway/embeddings.py): the request
+"""Embeddings request handling that needs no Django (``/v1/embeddings``, gateway/endpoints/embeddings.py): the request
 schema, input normalization, tokenizing with truncation, pooling engine requests, and response vectors."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Every value comes from Redis, so all api processes answer the same numbers (DESI
   for bounded limits);
 * ``engine_prefill_tokens_per_second{model}`` (gauge) — summed measured prefill throughput;
 * ``time_to_first_token_seconds{model}`` (histogram) — TTFT of admitted requests, shared across processes
-  (bucket counts kept in Redis by ``inference.admission``);
+  (bucket counts kept in Redis by ``inference.api.admission``);
 * ``request_frontend_time_seconds{model}``, ``request_queue_time_seconds{model}``,
   ``request_prefill_time_seconds{model}`` (histograms) — where that TTFT went: arrival to hand-off to the engine
   (validation, template, tokenization, admission), waiting in a replica's queue, and scheduled to first token
@@ -17,7 +17,7 @@ Every value comes from Redis, so all api processes answer the same numbers (DESI
 * ``admission_tenant_admitted_total{model,tenant}`` / ``admission_tenant_refused_total{model,tenant}``
   (counters) and ``admission_tenant_queued_requests{model,tenant}`` /
   ``admission_tenant_queued_prompt_tokens{model,tenant}`` (gauges) — per tenant (label: the tenant id; at most
-  ``inference.admission.TENANT_SERIES_MAX`` per model, the rest as ``tenant="other"``);
+  ``inference.api.admission.TENANT_SERIES_MAX`` per model, the rest as ``tenant="other"``);
 * ``gateway_handoffs_total{outcome}`` (counter) — image requests the front api relayed to the multimodal api
   (``forwarded``), served itself because that api was down (``fallback``), or lost with it (``failed``):
   gateway/handoff.py;
@@ -27,14 +27,14 @@ Every value comes from Redis, so all api processes answer the same numbers (DESI
   (gateway/auth.py ``REFUSAL_PREFIX_LABELS_MAX``, then ``key_prefix="other"``);
 * ``render_segment_cache_hits_total`` / ``render_segment_cache_misses_total`` (counters) — prompt segments
   whose ids came from / were stored in the segment tokenization cache, summed over the render workers and the
-  inline route (``inference.renderer.segment_cache``; Redis hash ``inference.tasks.segment_cache_counter_key``);
+  inline route (``inference.renderer.segment_cache``; Redis hash ``inference.workers.tasks.segment_cache_counter_key``);
   ``render_segment_cache_shared_hits_total``: of the hits, those read from the render workers' shared tier in Redis.
 * ``structured_compiles_total{outcome}`` (counter) / ``structured_compile_cpu_seconds_total`` (counter) — output
   constraints (grammars, regexes, schemas) compiled in the api processes' grammar sandboxes: ``ok``, ``invalid``,
-  ``budget`` (ended at its CPU-time budget), and the CPU seconds they took (``inference.structured_sandbox``);
+  ``budget`` (ended at its CPU-time budget), and the CPU seconds they took (``inference.api.structured_sandbox``);
 * ``engine_routed_requests_total{model,engine_id}`` / ``engine_routed_prefix_hit_tokens_total{model,engine_id}``
   (counters) — requests the api processes routed to each replica, and the prompt tokens the router expected
-  that replica's prefix cache to serve (``inference/router.py``; the replicas ever routed to);
+  that replica's prefix cache to serve (``inference/api/router.py``; the replicas ever routed to);
 * ``engine_prompt_tokens_total{model,engine_id}`` / ``engine_prefix_cache_hit_tokens_total{model,engine_id}``
   (counters since the replica started) — prompt tokens each live replica prefilled, and of those the ones its
   prefix cache served (the ``cached_tokens`` of usage); ``engine_running_requests{model,engine_id}`` /
@@ -56,11 +56,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from gateway import auth, handoff
 from gateway.errors import forbidden
-from gateway.pipeline.clients import admission
+from gateway.clients import admission
 from gateway.http import GatewayConsumer
-from inference import admission as adm
-from inference import structured_sandbox
-from inference import tasks as render_tasks
+from inference.api import admission as adm
+from inference.api import structured_sandbox
+from inference.workers import tasks as render_tasks
 from inference.protocol.engine import EngineStats, live_replica_keys, replicas_index_key, routing_key
 
 METRICS_SCOPES = ("metrics", "operator")
@@ -76,7 +76,7 @@ class _Snapshot:
         return iter(self.families)
 
 
-# The phases of TTFT (``inference.admission.LATENCY_PHASES``, ``output_processor.FirstTokenLatency``): their
+# The phases of TTFT (``inference.api.admission.LATENCY_PHASES``, ``output_processor.FirstTokenLatency``): their
 # histograms add up, with the engine link's transit, to ``time_to_first_token_seconds``.
 PHASE_HELP = {
     "frontend": "Arrival to hand-off to the engine of admitted requests: validation, chat template and "

@@ -3,7 +3,7 @@
 Pure Python and the standard library: no llguidance, no torch. Every function here costs time linear in the text
 it reads (one pass, or a regular expression that cannot backtrack more than once over a character), so it may run
 on any thread; whatever it lets through then goes to a compile with a CPU-time budget
-(``inference.structured_sandbox``). Caps (``inference.config``; over one → ``StructuredSpecError``, which the
+(``inference.api.structured_sandbox``). Caps (``inference.shared.config``; over one → ``StructuredSpecError``, which the
 gateway turns into a 400 naming the field):
 
 =======================================  =========================================================================
@@ -29,7 +29,7 @@ import json
 import re
 from typing import Any
 
-from inference.config import SETTINGS
+from inference.shared.config import SETTINGS
 
 MAX_SPEC_BYTES = SETTINGS.structured_max_spec_bytes
 MAX_SCHEMA_DEPTH = SETTINGS.structured_max_schema_depth
@@ -41,7 +41,7 @@ MAX_SCHEMA_REFS = SETTINGS.structured_max_schema_refs
 MAX_SCHEMA_DEFS = SETTINGS.structured_max_schema_defs
 
 
-# the first line of every grammar's engine form (``inference.structured.normalize``): Lark with llguidance's options,
+# the first line of every grammar's engine form (``inference.shared.structured.normalize``): Lark with llguidance's options,
 # recognised as Lark at the first character by any format sniffing (vLLM's guidance backend runs llguidance's)
 LARK_HEADER = "%llguidance {}"
 
@@ -164,12 +164,15 @@ def check_value_size(value: Any) -> None:
             size += len(item) + 2
         elif isinstance(item, dict):  # '{"k": v, "k2": v2}': braces and separators, 4 a key, 2 when empty
             size += 4 * len(item) if item else 2
-            for k, v in item.items():
+            for k, v in item.items():  # stops inside a wide object too: its width is not a cost
                 size += len(k) + 2
+                if size > MAX_SPEC_BYTES:
+                    break
                 stack.append(v)
         elif isinstance(item, list):  # '[a, b]': 2 an item, 2 when empty
             size += 2 * len(item) if item else 2
-            stack.extend(item)
+            if size <= MAX_SPEC_BYTES:
+                stack.extend(item)
         else:
             size += 1
         if size > MAX_SPEC_BYTES:

@@ -2,7 +2,7 @@
 ``mm`` tasks and the gateway all import it; no other module under ``inference/`` reads ``os.environ``).
 
 Read once, at import, into the frozen ``SETTINGS``; the modules that use a value keep a module-level name for it
-(e.g. ``inference.tasks.RENDER_TIME_LIMIT_S``). Every variable is optional; an unset or empty one takes its default.
+(e.g. ``inference.workers.tasks.RENDER_TIME_LIMIT_S``). Every variable is optional; an unset or empty one takes its default.
 The Django side reads its own settings in ``platform/config/settings.py`` (``tests/test_architecture.py`` checks
 that nothing else reads the environment).
 

@@ -1,5 +1,5 @@
 """Prefix-cache block naming, shared by the engine's prefix cache (``inference/engine/prefix_cache.py``) and the
-api's replica router (``inference/router.py``, ``inference/engine_client.py``): both must name a prompt's blocks
+api's replica router (``inference/api/router.py``, ``inference/api/engine_client.py``): both must name a prompt's blocks
 the same way, so this is the one definition. Torch-free (the api imports it).
 
 vLLM's automatic prefix caching (``vllm/v1/core/kv_cache_utils.py``): a prompt is split into blocks of

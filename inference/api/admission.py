@@ -85,8 +85,8 @@ from redis.asyncio.client import Pipeline as AsyncPipeline
 from redis.client import Pipeline
 from redis.typing import EncodableT, FieldT
 
-from inference.cancel_safe import take_or_undo
-from inference.config import SETTINGS
+from inference.api.cancel_safe import take_or_undo
+from inference.shared.config import SETTINGS
 from inference.protocol.engine import EngineStats, live_replica_keys, replicas_index_key
 
 log = logging.getLogger(__name__)

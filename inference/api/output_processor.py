@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from inference.markers import TextBuffer
+from inference.shared.markers import TextBuffer
 from inference.protocol.engine import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, EngineCoreOutput
 from inference.renderer.tokenizer_cache import LoadedTokenizer
 

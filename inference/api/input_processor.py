@@ -19,7 +19,7 @@ from typing import Any
 
 from inference.protocol.engine import EngineCoreRequest, SamplingParams
 from inference.protocol.openai import RequestValidationError
-from inference.structured import Constraint
+from inference.shared.structured import Constraint
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class ProcessedInput:
     ``requests`` holds one ``EngineCoreRequest`` per choice (``n`` children, seeds ``seed + i``);
     ``constraint_param``: the field the request's output constraint came from (``response_format...``, ``tools``);
     ``max_tokens`` is the resolved output cap; ``external_id`` the id shown to the client; ``chat_output`` how a
-    chat request's choices are parsed (``inference.chat_output.ChatOutputSpec``), set by the chat path.
+    chat request's choices are parsed (``inference.api.chat_output.ChatOutputSpec``), set by the chat path.
     ``batch_prompts``: set for a batch of completions prompts (``merge_batch``): the prompts in order, the
     ``requests`` prompt by prompt; ``prompt_token_ids`` is then the first prompt.
     """
@@ -188,7 +188,7 @@ def build_sampling_params(req: Any, *, max_tokens: int, defaults: GenerationDefa
                           constraint: Constraint | None = None) -> SamplingParams:
     """Merge request values over model defaults over OpenAI defaults into ``SamplingParams``.
 
-    ``constraint``: the output constraint the gateway compiled (``inference.structured.Constraint`` in its engine
+    ``constraint``: the output constraint the gateway compiled (``inference.shared.structured.Constraint`` in its engine
     form: the request's ``response_format`` / ``structured_outputs``, or the schema a ``tool_choice`` required/named
     forces), copied to the structured fields; ``None``: unconstrained (a request's own constraint fields are never
     sent to an engine unchecked).

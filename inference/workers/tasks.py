@@ -17,7 +17,7 @@ Time limits: ``soft_time_limit`` = ``RENDER_TIME_LIMIT_S`` (default 5 s) raises
 ``SoftTimeLimitExceeded`` inside the task (-> ``TemplateTimeoutError``); the hard ``time_limit``
 (soft + ``RENDER_HARD_TIME_LIMIT_EXTRA_S``, default 2 s) kills a prefork child stuck in C code or
 ignoring the soft signal, and Celery replaces it. A ``solo`` worker (``serve``'s default) runs tasks in
-its main process, where Celery enforces neither: ``inference.render_limits`` gives it the same two limits
+its main process, where Celery enforces neither: ``inference.workers.render_limits`` gives it the same two limits
 (the hard one exits the worker) and refuses a task handed back twice. The sandbox's operation budget
 normally stops runaway templates well before either limit.
 """
@@ -41,9 +41,9 @@ from celery.concurrency.solo import TaskPool as SoloPool
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import worker_init
 
-from inference import render_limits
+from inference.workers import render_limits
 
-from inference.config import SETTINGS
+from inference.shared.config import SETTINGS
 from inference.protocol.render import (
     ChatRenderRequest,
     DetokenizeRenderRequest,
@@ -292,7 +292,7 @@ def reply_if_requested(payload: Any, result: dict[str, Any]) -> dict[str, Any]:
     the same pipeline, before the reply, so that they are there for any request sent after it; with
     ``SEGMENT_CACHE_REDIS_URL`` (a Redis of the tier's own), in a pipeline of their own after the reply.
 
-    The api process subscribes once to its own channel (``inference.render_client``) and sends tasks with
+    The api process subscribes once to its own channel (``inference.api.render_client``) and sends tasks with
     ``ignore_result``, so no Celery result is stored and no per-request subscription is made. Redis is
     ``REDIS_URL`` (every platform process gets it), else the Celery app's result backend URL. The task's own return
     value then goes nowhere, but a prefork child still builds a ``saferepr`` of it (1 KiB of a ~1,000-id list, Python

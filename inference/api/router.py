@@ -19,7 +19,7 @@ while that replica's queue is shorter than what the cache saves; beyond that the
 replica, which caches the prefix in turn (no pile-up on one replica). A prompt no replica holds goes to the least
 loaded one. Ties go to the replica with fewer requests, then at random.
 
-Pure functions, no I/O: ``inference.engine_client.EngineLink`` gathers the views (its own in-flight counts, the
+Pure functions, no I/O: ``inference.api.engine_client.EngineLink`` gathers the views (its own in-flight counts, the
 replicas' heartbeats, their stream lengths and block sets) and sends.
 """
 

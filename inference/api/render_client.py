@@ -4,9 +4,9 @@ Celery's ``AsyncResult.get`` blocks a thread while it waits, and its Redis resul
 write, a Pub/Sub subscription per task in the sending process and a result key per request. Instead, each
 api process (event loop) subscribes once to its own reply channel; a task is sent with ``ignore_result`` and
 the channel name plus a reply id in its payload, and the worker publishes the task's return value there
-(``inference.tasks.reply_if_requested``). One Pub/Sub connection per process serves any number of waiting requests
+(``inference.workers.tasks.reply_if_requested``). One Pub/Sub connection per process serves any number of waiting requests
 (DESIGN.md §2: "awaiting a Celery result must not hold a thread per waiting request"). On a Redis broker the task
-message (Celery's own, ``inference.celery_publish``) is pushed from the loop with its asyncio client; on any other
+message (Celery's own, ``inference.api.celery_publish``) is pushed from the loop with its asyncio client; on any other
 broker ``send_task`` runs on a small thread pool, because kombu's producer is synchronous.
 
 This is the one piece here that a library should have provided; Celery has no asyncio result API.
@@ -29,9 +29,9 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from inference.celery_publish import RedisTaskPublisher
+from inference.api.celery_publish import RedisTaskPublisher
 from inference.protocol.render import RENDER_QUEUE, RenderFailure, RenderTask, ResultT
-from inference.render_liveness import NO_WORKER_SEEN, RenderWorkersState, remaining_wait, workers_state
+from inference.api.render_liveness import NO_WORKER_SEEN, RenderWorkersState, remaining_wait, workers_state
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -64,7 +64,7 @@ def expires_at(after_s: float) -> str:
 
 
 def parse_reply(data: bytes | str) -> Any:
-    """A worker's reply message (``inference.tasks.reply_json``) as Python values: orjson (a ~1,000-id render reply
+    """A worker's reply message (``inference.workers.tasks.reply_json``) as Python values: orjson (a ~1,000-id render reply
     ~10x faster than the standard library; 8 % of the api's CPU samples under a ``/tokenize`` load went to
     ``json.loads`` here), else the standard library for what orjson refuses (integers past 64 bits, lone surrogate
     escapes, which the worker writes with ``json.dumps``). Raises ``ValueError`` for text that is not JSON."""
@@ -151,7 +151,7 @@ class RenderReplyWaiter:
         """Send ``task_name(payload)`` to ``queue`` and await the value the worker publishes back.
 
         ``timeout``: seconds to wait while a render worker is alive; ``worker_return``: seconds to wait, from the
-        send, for one to come back while none is (its beats, ``inference.render_liveness``; 0: a fixed
+        send, for one to come back while none is (its beats, ``inference.api.render_liveness``; 0: a fixed
         ``timeout``). The beats are read only once ``timeout`` has passed, and again at each later deadline of
         ``render_liveness.remaining_wait``. The message expires (Celery ``expires``) once nobody waits for it, so a
         redelivered copy is never rendered for a request already refused. The first answer wins; a second one (a
@@ -174,7 +174,7 @@ class RenderReplyWaiter:
 
         async def publish(resent: bool = False) -> None:
             # a copy sent again is marked: the worker counts it with the copies the broker handed back
-            # (inference.render_limits.redelivery_refusal), so a render that kills its worker runs at most twice
+            # (inference.workers.render_limits.redelivery_refusal), so a render that kills its worker runs at most twice
             args = [{**body, "resent": True} if resent else body]
             if publisher is not None:
                 await publisher.send(task_name, args, queue=queue, expires=expires_at(longest), argsrepr=argsrepr)

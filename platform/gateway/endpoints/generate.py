@@ -1,7 +1,7 @@
 """Tokens in, tokens out: ``POST /inference/v1/generate`` and ``POST /inference/v1/abort_requests``
 (vLLM's tokens-in/tokens-out serving, ``vllm/entrypoints/serve/``).
 
-``/inference/v1/generate`` takes what the render routes return (``gateway.render``):
+``/inference/v1/generate`` takes what the render routes return (``gateway.endpoints.render``):
 ``{"request_id"?, "token_ids": [int, ...], "sampling_params": {...}, "model", "stream"?, "stream_options"?}``.
 The same checks as chat/completions run before any byte is sent (ids in the vocabulary, prompt length vs
 ``max_model_len``, ``max_tokens`` vs the room left, sampling ranges); ``max_tokens`` omitted → the room
@@ -38,14 +38,14 @@ from django.conf import settings
 from gateway.http import GatewayConsumer
 from gateway.logprobs import generate_logprobs
 from gateway.pipeline import inputs, limits, preamble, rendering, responses
-from gateway.pipeline.clients import link, redis
+from gateway.clients import link, redis
 from gateway.pipeline.engine import GenerationRun
 from gateway.pipeline.flow import admit_and_start, hold_before_render
 from gateway.pipeline.responses import JsonObject
 from gateway.pipeline.scope import record_refusal, request_scope
 from gateway.pipeline.usage import Usage
-from inference.input_processor import GenerationDefaults, ProcessedInput, generation_defaults, new_internal_id
-from inference.output_processor import ChoiceDelta, ChoiceState
+from inference.api.input_processor import GenerationDefaults, ProcessedInput, generation_defaults, new_internal_id
+from inference.api.output_processor import ChoiceDelta, ChoiceState
 from inference.protocol.openai import AbortRequestsRequest, GenerateRequest
 
 ABORT_MAP_TTL_S = 3600

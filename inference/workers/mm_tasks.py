@@ -3,9 +3,9 @@
 Runs on its own queue so text rendering (queue ``render``) never waits behind an image; start workers with
 ``celery -A config worker -Q mm -c 1`` (concurrency 1 per worker, as many workers as wanted). The app must
 import this module and route ``inference.mm_*`` to ``mm``: in ``config/settings.py``
-``CELERY_IMPORTS = ["inference.mm_tasks"]`` and ``CELERY_TASK_ROUTES["inference.mm_*"] = {"queue": "mm"}``
+``CELERY_IMPORTS = ["inference.workers.mm_tasks"]`` and ``CELERY_TASK_ROUTES["inference.mm_*"] = {"queue": "mm"}``
 (callers also pass ``queue="mm"`` explicitly, so routing is belt and braces). A worker can also load it with
-``-I inference.mm_tasks``.
+``-I inference.workers.mm_tasks``.
 
 The task takes an ``inference.protocol.render.ImagesRequest`` on the wire and answers ``PreprocessedImages``
 (``{"ok": True, "items": [{"key", "num_tokens", "cached"}]}``) or a ``RenderFailure`` (``{"ok": False, "error":
@@ -21,7 +21,7 @@ from typing import Any
 import redis
 from celery import current_app, shared_task
 
-from inference.config import SETTINGS
+from inference.shared.config import SETTINGS
 from inference.protocol.errors import ErrorCode
 from inference.protocol.render import (
     MM_QUEUE,
@@ -32,7 +32,7 @@ from inference.protocol.render import (
     RenderFailure,
     Wire,
 )
-from inference.tasks import reply_if_requested
+from inference.workers.tasks import reply_if_requested
 from celery.exceptions import SoftTimeLimitExceeded
 
 from inference.media.image import ImageError

@@ -13,7 +13,7 @@ loop. It owns:
   this process's own liveness key so engines can drop requests of a dead api process.
 
 Routing (``ENGINE_ROUTING``, default ``prefix``; ``ReplicaRouter``, the link's ``router``): a generate request goes
-to the request stream of the replica ``inference.router`` chooses from the prompt's prefix-cache block hashes and the replicas' load (this process's
+to the request stream of the replica ``inference.api.router`` chooses from the prompt's prefix-cache block hashes and the replicas' load (this process's
 own in-flight requests and the replicas' heartbeats and stream lengths); pooling (embeddings) requests, and
 every request with ``ENGINE_ROUTING=shared``, go to the model's shared stream, which any replica pulls from.
 
@@ -36,8 +36,8 @@ from typing import Any, ClassVar, cast
 import msgpack
 import redis.asyncio as aioredis
 
-from inference.config import SETTINGS
-from inference.prefix_hash import BLOCK_SIZE, block_hashes
+from inference.shared.config import SETTINGS
+from inference.shared.prefix_hash import BLOCK_SIZE, block_hashes
 from inference.protocol.engine import (
     API_ALIVE_TTL_S,
     api_alive_key,
@@ -57,8 +57,8 @@ from inference.protocol.engine import (
     requests_stream,
     routing_key,
 )
-from inference.router import ReplicaView, choose_replica, hit_tokens, request_cost_tokens
-from inference.redis_timeouts import blocking_socket_timeout
+from inference.api.router import ReplicaView, choose_replica, hit_tokens, request_cost_tokens
+from inference.shared.redis_timeouts import blocking_socket_timeout
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class _Load:
 class ReplicaRouter:
     """Which replica of a model gets a request, for one api process: the live replicas (their heartbeats, seen at
     most ``REPLICA_CHECK_TTL_S`` ago), this process's own load on each (requests unfinished, prompt tokens without a
-    first token) and ``inference.router``'s choice over both. ``routing``: ``prefix`` (route generate requests by
+    first token) and ``inference.api.router``'s choice over both. ``routing``: ``prefix`` (route generate requests by
     prefix-cache hits and load) or ``shared`` (everything to the model's shared stream); ``request_cost_tokens``: the
     router's weight of a request (None: from the replicas' measured throughputs)."""
 
@@ -159,7 +159,7 @@ class ReplicaRouter:
         return None, 0
 
     async def _route(self, model: str, req: EngineCoreRequest, replicas: list[EngineStats]) -> tuple[str, int]:
-        """``(engine id, expected cached prompt tokens)`` of the replica ``inference.router`` picks for ``req``.
+        """``(engine id, expected cached prompt tokens)`` of the replica ``inference.api.router`` picks for ``req``.
 
         One round trip: each replica's stream length and, for a prompt of at least one full block, which of the
         prompt's block hashes its published set holds. A prompt with images is chosen by load alone (its block
