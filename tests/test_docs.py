@@ -8,6 +8,10 @@ Checked on the file as committed, no process started:
   listing all their ids (``- **D-190/D-193** (...)``), and no id heads two entries;
 * every ``D-nnn`` cited anywhere in the repository (code, tests, docs, deploy files, DECISIONS itself: ``git grep``
   over tracked and untracked, not ignored, files) heads an entry, so a citation never dangles.
+
+And the repository's documents are its own: no tracked file cites a document that lives outside it (the design
+brief and reference notes beside a checkout), so a reader can follow every citation (issue 40). Architecture is
+``docs/ARCHITECTURE.md``; vLLM is cited by its source paths.
 """
 
 from __future__ import annotations
@@ -88,3 +92,38 @@ def test_every_cited_decision_has_an_entry() -> None:
     dangling = [f"{where}: {cited}" for where, cited in _citations() if cited not in known]
     assert not dangling, "D-ids cited but heading no entry of docs/DECISIONS.md (merged entries list every id " \
                          "they hold):\n" + "\n".join(dangling)
+
+
+# Citations of documents outside the repository: the design brief, the reference notes beside a checkout (by path or
+# by name), and the reference notes' section numbers ("vLLM's frontend, §3.3", "vLLM's processor cache, §5.2").
+OUTSIDE_NOTES = ("feature_anchors", "structure_review", "platform_anchors", "next_surface", "peer_vllm", "vllm_frontend")
+OUTSIDE_DOCS = re.compile(r"DESIGN\.md|\.\./shared/|/work/shared\b|\breference/\w+\.md|"
+                          r"\b(?:" + "|".join(OUTSIDE_NOTES) + r")\b|\bvLLM's [\w ]+, §\d")
+# What may still point outside, with its reason: the shared conformance cases are test data, not a document (their
+# tests skip when the file is not beside the checkout).
+OUTSIDE_ALLOWED = re.compile(r"\.\./shared/conformance/cases\.jsonl")
+
+
+def _tracked_files() -> list[str]:
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: the files are listed with git ls-files")
+    result = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [p for p in result.stdout.decode().split("\0") if p]
+
+
+def test_no_file_cites_a_document_outside_the_repository() -> None:
+    this = Path(__file__).resolve().relative_to(ROOT).as_posix()
+    found: list[str] = []
+    for rel in _tracked_files():
+        if rel == this:
+            continue
+        try:
+            text = (ROOT / rel).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
+            continue  # binary, or deleted in the working tree
+        for no, line in enumerate(text.splitlines(), 1):
+            if OUTSIDE_DOCS.search(OUTSIDE_ALLOWED.sub("", line)):
+                found.append(f"{rel}:{no}: {line.strip()[:120]}")
+    assert not found, "citations of documents outside the repository (cite docs/ARCHITECTURE.md §N, another file " \
+                      "under docs/, or a public source such as a vLLM source path):\n" + "\n".join(found)

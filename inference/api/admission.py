@@ -1,4 +1,5 @@
-"""Shared admission control in Redis (DESIGN.md §3; better than vLLM's, vLLM's frontend, §8).
+"""Shared admission control in Redis (docs/ARCHITECTURE.md §3; better than vLLM's, ``AsyncLLM.check_admission`` in
+``vllm/v1/engine/async_llm.py``).
 
 Django-free (``redis.asyncio`` for the api processes, plain ``redis`` for the control plane). Every check
 and every counter change is one Lua script, so it is atomic across all api processes on all machines and
@@ -18,7 +19,7 @@ The scripts read that hash on every check, so an admin change is in force at onc
   always admissible when no other prompt tokens are queued for the model (otherwise a long prompt could
   never run).
 
-Tiers and fairness (DESIGN.md §12; operator settings published into the same limits hash), checked after
+Tiers and fairness (docs/ARCHITECTURE.md §3; operator settings published into the same limits hash), checked after
 the hard limits in the same script, so atomic with them:
 
 * Priority tier (``TIER_HIGH`` 0, ``TIER_STANDARD`` 1, ``TIER_LOW`` 2; from the API key's tenant, a key can only
@@ -63,7 +64,7 @@ engines, at least 1 s, at most ``RETRY_AFTER_MAX_S``) and are counted per model 
 Redis keys (``{p}`` = LINK_PREFIX): ``{p}:adm:m:{model}:limits|state|refused|ttft|tenants|tcount``,
 ``{p}:adm:m:{model}:lat:{phase}`` (the TTFT phases' histograms),
 ``{p}:adm:r:{reservation_id}``, ``{p}:adm:h:{holder}``, ``{p}:adm:holders``, ``{p}:adm:models``.
-Scripts build keys from the prefix (not Redis-Cluster safe; one Redis, as DESIGN.md §1).
+Scripts build keys from the prefix (not Redis-Cluster safe; one Redis, as docs/ARCHITECTURE.md §1).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Api-side end of the engine link (DESIGN.md §6): send requests, read batched outputs, abort, watch replicas.
+"""Api-side end of the engine link (docs/ARCHITECTURE.md §6): send requests, read batched outputs, abort, watch
+replicas.
 
 One ``EngineLink`` per api process (``EngineLink.for_current_process``), bound to that process's asyncio
 loop. It owns:
@@ -17,7 +18,7 @@ to the request stream of the replica ``inference.api.router`` chooses from the p
 own in-flight requests and the replicas' heartbeats and stream lengths); pooling (embeddings) requests, and
 every request with ``ENGINE_ROUTING=shared``, go to the model's shared stream, which any replica pulls from.
 
-The per-request queue is registered before the request is sent (DESIGN.md §2 step 8), so no output can
+The per-request queue is registered before the request is sent (docs/ARCHITECTURE.md §2 step 9), so no output can
 be lost between sending and listening.
 """
 

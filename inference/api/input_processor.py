@@ -1,10 +1,11 @@
 """InputProcessor: prompt lengths and sampling parameters → ``EngineCoreRequest``(s).
 
-Runs in the api process after render+tokenize and before admission (DESIGN.md §2 step 6). Pure CPU work on
-small inputs (no I/O), cheap enough for the event loop. Rules (vLLM's frontend, §3.3 and §6,
-conformance C11, C16, C17), with one deliberate difference from vLLM 0.33: an explicit ``max_tokens`` that
-does not fit beside the prompt is refused with the real numbers instead of being silently clamped (always
-``prompt_len + max_tokens ≤ max_model_len``).
+Runs in the api process after render+tokenize and before admission (docs/ARCHITECTURE.md §2 step 8). Pure CPU
+work on small inputs (no I/O), cheap enough for the event loop. Rules (vLLM's ``get_max_tokens`` in
+``vllm/entrypoints/serve/utils/api_utils.py`` and ``vllm/v1/engine/input_processor.py``, conformance C11, C16, C17),
+with one deliberate difference from vLLM 0.33: an explicit ``max_tokens`` that does not fit beside the prompt is
+refused with the real numbers instead of being silently clamped (always ``prompt_len + max_tokens ≤
+max_model_len``).
 """
 
 from __future__ import annotations

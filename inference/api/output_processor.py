@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop strings for streamed engine output (DESIGN.md §4, §2 step 10).
+"""Incremental detokenization and stop strings for streamed engine output (docs/ARCHITECTURE.md §4, §2 step 10).
 
 Importable without Django and torch. Two pieces, used per request (per choice) in the api process:
 

@@ -5,9 +5,9 @@ write, a Pub/Sub subscription per task in the sending process and a result key p
 api process (event loop) subscribes once to its own reply channel; a task is sent with ``ignore_result`` and
 the channel name plus a reply id in its payload, and the worker publishes the task's return value there
 (``inference.workers.tasks.reply_if_requested``). One Pub/Sub connection per process serves any number of waiting requests
-(DESIGN.md §2: "awaiting a Celery result must not hold a thread per waiting request"). On a Redis broker the task
-message (Celery's own, ``inference.api.celery_publish``) is pushed from the loop with its asyncio client; on any other
-broker ``send_task`` runs on a small thread pool, because kombu's producer is synchronous.
+(docs/ARCHITECTURE.md §2, "nothing slow on the event loop": no thread held per waiting request). On a Redis broker the
+task message (Celery's own, ``inference.api.celery_publish``) is pushed from the loop with its asyncio client; on any
+other broker ``send_task`` runs on a small thread pool, because kombu's producer is synchronous.
 
 This is the one piece here that a library should have provided; Celery has no asyncio result API.
 """

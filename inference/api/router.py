@@ -1,4 +1,4 @@
-"""Prefix-aware replica choice (DESIGN.md §12 "Routing"): which replica of a model serves a generate request.
+"""Prefix-aware replica choice (docs/ARCHITECTURE.md §6, §12): which replica of a model serves a generate request.
 
 The api process knows a prompt's token ids before it sends the request, so it can send it to the replica that
 already holds the longest part of it in its prefix cache (``inference/engine/prefix_cache.py``: 16-token blocks

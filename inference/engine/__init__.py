@@ -1,4 +1,4 @@
-"""The engine worker process (DESIGN.md §5): ``python -m inference.engine --model NAME ...``.
+"""The engine worker process (docs/ARCHITECTURE.md §5): ``python -m inference.engine --model NAME ...``.
 
 Django-free. Split by job, as vLLM's engine is:
 

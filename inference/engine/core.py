@@ -1,6 +1,6 @@
 """EngineCore: an engine replica's loop, joining its Redis link (``replica_link.ReplicaLink``) to its scheduler
 (``base_scheduler.BaseScheduler``: the native ``scheduler.Scheduler``, ``pooling.PoolingScheduler`` or vLLM's
-``vllm_backend.scheduler.VllmScheduler``) (DESIGN.md §5, §6).
+``vllm_backend.scheduler.VllmScheduler``) (docs/ARCHITECTURE.md §5, §6).
 
 One iteration:
 

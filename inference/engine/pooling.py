@@ -1,6 +1,6 @@
 """Pooling mode of the engine worker: embedding models (``python -m inference.engine --task embed ...``).
 
-A pooling replica reads the same request stream as a generation replica (DESIGN.md §6) and answers every
+A pooling replica reads the same request stream as a generation replica (docs/ARCHITECTURE.md §6) and answers every
 ``EngineCoreRequest`` (``pooling=True``) with exactly one ``EngineCoreOutput`` that carries the pooled
 vector (``pooled``: float32 little-endian bytes) and ``finish_reason="stop"``. Concurrent requests (the
 inputs of one ``/v1/embeddings`` call, and those of concurrent calls) are batched: each step takes up to

@@ -209,7 +209,7 @@ class ReplicaLink:
 
     def withdraw(self, client: redis.Redis | None = None) -> None:
         """Leave the link through ``client`` (default the link's own): the heartbeat and block set go at once (api
-        processes fail or resend what this replica held, DESIGN.md §6) and the replica is marked expired, not
+        processes fail or resend what this replica held, docs/ARCHITECTURE.md §6) and the replica is marked expired, not
         removed, in the index, so a live replica takes the requests still unread in its own stream
         (``_take_over``). Raises ``redis.RedisError``."""
         pipe = (client or self.redis).pipeline(transaction=False)
@@ -282,8 +282,8 @@ class ReplicaLink:
     def dead_clients(self, held_clients: Callable[[], Iterable[str]]) -> set[str]:
         """The api processes (``client_id``) among ``held_clients()`` whose liveness key lapsed (killed or
         restarted), checked at most every ``CLIENT_CHECK_INTERVAL_S`` (else the empty set): the requests they sent
-        are to be aborted, so their slots never stay occupied for an output stream nobody reads (DESIGN.md §6).
-        Raises ``redis.RedisError``."""
+        are to be aborted, so their slots never stay occupied for an output stream nobody reads (docs/ARCHITECTURE.md
+        §6). Raises ``redis.RedisError``."""
         t = time.monotonic()
         if t < self._next_client_check:
             return set()

@@ -1,4 +1,4 @@
-"""Shared, bounded cache of processed image features in Redis (vLLM's processor cache, §5.2).
+"""Shared, bounded cache of processed image features in Redis (vLLM's processor cache, ``vllm/multimodal/cache/``).
 
 Key: ``mm_cache_key(image_bytes, processor_settings, cache_salt)`` = SHA-256 over the processor settings
 (canonical JSON), the caller's cache salt and the image bytes, so the same image sent twice by one tenant (or

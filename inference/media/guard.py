@@ -1,7 +1,7 @@
 """Fetching image URLs that cannot be turned against the platform (SSRF-safe by construction).
 
 vLLM checks an allowlist on the first URL only and follows redirects unchecked, with no address blocking
-(vLLM's frontend, §5.3). Here:
+(vLLM's ``vllm/multimodal/media/connector.py``). Here:
 
 * ``address_decision(ip, allow_nets)`` is the one rule: an address is refused when it is loopback,
   private (RFC 1918, ULA ``fc00::/7``), link-local (incl. ``169.254.169.254`` and other cloud metadata

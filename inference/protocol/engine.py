@@ -4,7 +4,7 @@ Importable without Django and without torch. Every type is a plain dataclass tha
 msgpack (``to_wire`` / ``from_wire``); field names follow vLLM's v1 engine (``EngineCoreRequest``,
 ``EngineCoreOutput``, ``SamplingParams``), see ``vllm/v1/engine/__init__.py``.
 
-Link layout (DESIGN.md §6), all keys prefixed by ``link_prefix`` (default ``llmp``):
+Link layout (docs/ARCHITECTURE.md §6), all keys prefixed by ``link_prefix`` (default ``llmp``):
 
 * ``{p}:engine:{model}:requests``  Redis Stream, consumer group ``engines``; one entry per
   ``EngineCoreRequest`` (field ``r`` = msgpack bytes), or one per group of ``n`` children of one API
@@ -358,7 +358,7 @@ class EngineStats:
     """A replica's heartbeat payload.
 
     ``prefill_tokens_per_s``: exponentially averaged prompt tokens per second during prefill
-    (admission sizing, DESIGN.md §3); ``num_running`` / ``num_waiting``: sequences in the batch and
+    (admission sizing, docs/ARCHITECTURE.md §3); ``num_running`` / ``num_waiting``: sequences in the batch and
     queued inside the engine; ``num_waiting_tokens``: prompt tokens of the waiting ones; ``max_num_seqs``:
     batch capacity; ``device``: ``cpu`` or ``cuda``. Counters since start: ``prompt_tokens`` (prompt tokens of
     the requests it prefilled) and ``prefix_hit_tokens`` (of those, the ones read from its prefix cache).

@@ -4,7 +4,7 @@ Types are strict as in the OpenAI API: a string where an integer or number is ex
 integer is expected, or a boolean where a number is expected is a 400 naming the field (conformance C14,
 C29). ``null`` means "not provided" for every optional field (C15). Unknown top-level fields are accepted
 and ignored (C28, vLLM's ``OpenAIBaseModel``). Ranges follow OpenAI and vLLM's ``protocol.py``
-(vLLM's frontend, §2): temperature [0, 2], top_p (0, 1], penalties [-2, 2], n [1, 128],
+(vLLM's ``vllm/entrypoints/openai/*/protocol.py``): temperature [0, 2], top_p (0, 1], penalties [-2, 2], n [1, 128],
 logit_bias values [-100, 100], at most 4 stop strings, top_logprobs [0, 20].
 
 Size caps (no body under the 16 MB body cap may make a process allocate more than 10x its size,
@@ -321,7 +321,7 @@ def check_chat_template_kwargs(kwargs: dict[str, Any] | None) -> None:
 
 
 def check_tools(tools: list[ChatTool] | None, tool_choice: Any) -> None:
-    """Validate ``tools`` against ``tool_choice`` (OpenAI rules, vLLM's frontend, §2.1).
+    """Validate ``tools`` against ``tool_choice`` (OpenAI rules, vLLM's ``ChatCompletionRequest``).
 
     ``tool_choice``: ``"none"``, ``"auto"``, ``"required"`` or ``{"type": "function", "function":
     {"name": ...}}``; anything but ``"none"`` needs ``tools``; a named choice must name one of them; tool
@@ -526,7 +526,7 @@ class _SamplingFields(_Base):
 
 class _ChatTemplateFields(_Base):
     """Fields and checks every chat-style body shares (chat completions, ``/tokenize``, render): the messages
-    and the template arguments (vLLM's frontend, §2.1, conformance C02, C06, C35)."""
+    and the template arguments (vLLM's ``ChatCompletionRequest``, conformance C02, C06, C35)."""
 
     model: ModelName = None
     messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
@@ -707,7 +707,7 @@ def validate_request(model_cls: type[BaseModel], data: dict[str, Any]) -> Any:
 
 
 class TokenizeCompletionRequest(_Base):
-    """``POST /tokenize`` with a completion-style body (vLLM's frontend, §10.1)."""
+    """``POST /tokenize`` with a completion-style body (vLLM's ``vllm/entrypoints/serve/tokenize/protocol.py``)."""
 
     model: ModelName = None
     prompt: str

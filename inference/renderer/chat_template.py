@@ -1,5 +1,5 @@
 """Chat-template rendering and tokenization, equal token for token to transformers 5.24's
-``apply_chat_template`` (DESIGN.md §4), in a hardened sandbox (see ``sandbox.py``).
+``apply_chat_template`` (docs/ARCHITECTURE.md §4), in a hardened sandbox (see ``sandbox.py``).
 
 Pipeline of ``render_chat`` (sources in brackets):
 

@@ -1,4 +1,4 @@
-"""The Jinja2 sandbox chat templates run in (untrusted code, DESIGN.md §4).
+"""The Jinja2 sandbox chat templates run in (untrusted code, docs/ARCHITECTURE.md §4).
 
 Behaviour visible to a well-behaved template is that of transformers 5.24's chat-template
 environment (``transformers/utils/chat_template_utils.py::_cached_compile_jinja_template``):

@@ -1,4 +1,4 @@
-"""Celery tasks of queue ``mm``: multimodal preprocessing (DESIGN.md §1 and §4).
+"""Celery tasks of queue ``mm``: multimodal preprocessing (docs/ARCHITECTURE.md §1 and §4).
 
 Runs on its own queue so text rendering (queue ``render``) never waits behind an image; start workers with
 ``celery -A config worker -Q mm -c 1`` (concurrency 1 per worker, as many workers as wanted). The app must

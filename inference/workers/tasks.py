@@ -1,4 +1,4 @@
-"""Celery tasks of queue ``render``: thin wrappers over ``inference.renderer`` (DESIGN.md §4).
+"""Celery tasks of queue ``render``: thin wrappers over ``inference.renderer`` (docs/ARCHITECTURE.md §4).
 
 Django-free: they use ``celery.shared_task``; the app (``platform/config/celery.py``) routes
 ``inference.render_chat``, ``inference.tokenize_prompt`` and ``inference.detokenize`` to queue

@@ -1,4 +1,4 @@
-"""Admission models: ``AdmissionPolicy``, the per-model queue limits (DESIGN.md §3)."""
+"""Admission models: ``AdmissionPolicy``, the per-model queue limits (docs/ARCHITECTURE.md §3)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Verified keys (and refusals) are cached per process for at most ``AUTH_CACHE_TTL
 costs one dictionary lookup; concurrent misses of one token share one lookup (``gateway.single_flight``). A change
 to a key or tenant (revocation, rotation, edit, deactivation) is published on Redis Pub/Sub
 (``tenancy.invalidation``); every api process listens on its event loop and drops the matching entries at once,
-so a revoked key is refused everywhere within milliseconds (DESIGN.md §7; measured in
+so a revoked key is refused everywhere within milliseconds (docs/ARCHITECTURE.md §7; measured in
 tests/security/test_revocation_live.py). The 1 s lifetime stays as the fallback: a process clears its whole cache
 whenever it (re)subscribes, since messages sent while it was not listening are lost. A lookup that was running when
 an invalidation arrived is not cached (``_AuthCache.generation``). The ORM lookup runs off the event loop

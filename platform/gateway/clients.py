@@ -34,12 +34,12 @@ def redis() -> aioredis.Redis:
 
 
 def link() -> EngineLink:
-    """This process's engine link (DESIGN.md §2 steps 8-10)."""
+    """This process's engine link (docs/ARCHITECTURE.md §2 steps 9-10, §6)."""
     return EngineLink.for_current_process(settings.REDIS_URL, settings.LINK_PREFIX)
 
 
 def admission() -> Admission:
-    """This process's shared-admission client (DESIGN.md §3)."""
+    """This process's shared-admission client (docs/ARCHITECTURE.md §3)."""
     return Admission.for_current_process(settings.REDIS_URL, settings.LINK_PREFIX)
 
 

@@ -1,4 +1,4 @@
-"""OpenAI error envelope, error codes, and the exception → HTTP error table (DESIGN.md §8).
+"""OpenAI error envelope, error codes, and the exception → HTTP error table (docs/ARCHITECTURE.md §8).
 
 Every non-2xx JSON body on every surface (gateway, REST API, Django error pages, the body-limit middleware) is
 ``{"error": {"message", "type", "param", "code"}}``, written by ``error_body`` / ``error_dict`` here. ``type``

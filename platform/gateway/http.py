@@ -3,9 +3,9 @@
 Channels' ``AsyncHttpConsumer`` runs ``handle()`` inside its message loop, so an ``http.disconnect`` is not
 seen until ``handle()`` returns; a streaming handler would never learn that its client went away. This base
 runs the handler as a task instead and cancels it when the client disconnects, so the request's engine work
-is aborted and its resources released (DESIGN.md §2). It also caps the body size while it arrives (413),
-turns ``ApiError`` into the OpenAI envelope with its real status, and turns anything unexpected into a logged
-500 (a defect to fix, DESIGN.md §8).
+is aborted and its resources released (docs/ARCHITECTURE.md §2, step 2). It also caps the body size while it arrives
+(413), turns ``ApiError`` into the OpenAI envelope with its real status, and turns anything unexpected into a logged 500
+(a defect to fix, docs/ARCHITECTURE.md §8).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Start, watch and stop the platform's processes on one machine (DESIGN.md §1).
+"""Start, watch and stop the platform's processes on one machine (docs/ARCHITECTURE.md §1).
 
 ``Supervisor`` launches children (embedded Redis, Celery worker and beat, engine replicas, uvicorn) in
 their own process groups, each optionally pinned to CPUs and at a lower CPU priority, restarts one in its

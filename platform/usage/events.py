@@ -1,4 +1,4 @@
-"""Usage events: the hot path's only usage write is one XADD to a Redis stream (DESIGN.md §7).
+"""Usage events: the hot path's only usage write is one XADD to a Redis stream (docs/ARCHITECTURE.md §7).
 
 Stream ``{LINK_PREFIX}:usage:events`` (approximate MAXLEN ``USAGE_STREAM_MAXLEN``); one entry per
 finished request, field ``e`` = msgpack of the event dict below. ``usage.services.usage_events_flush``

@@ -1,4 +1,5 @@
-"""Usage models: one ``UsageRecord`` per request (DESIGN.md §7), written in batches by ``usage_events_flush``."""
+"""Usage models: one ``UsageRecord`` per request (docs/ARCHITECTURE.md §7), written in batches by
+``usage_events_flush``."""
 
 from __future__ import annotations
 

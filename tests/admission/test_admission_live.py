@@ -1,4 +1,4 @@
-"""Admission end to end: real api processes (two), Celery worker, engine and Redis (DESIGN.md §3)."""
+"""Admission end to end: real api processes (two), Celery worker, engine and Redis (docs/ARCHITECTURE.md §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tenant-fair admission and priority tiers in the admission script, against a real Redis (DESIGN.md §12)."""
+"""Tenant-fair admission and priority tiers in the admission script, against a real Redis (docs/ARCHITECTURE.md §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bad input gets its status and the OpenAI envelope, before any stream starts (issue 2, DESIGN.md §8)."""
+"""Bad input gets its status and the OpenAI envelope, before any stream starts (issue 2, docs/ARCHITECTURE.md §8)."""
 
 from __future__ import annotations
 

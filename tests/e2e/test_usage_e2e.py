@@ -1,4 +1,4 @@
-"""Usage: one record per request, whatever its end, written off the event loop (issue 2 / DESIGN.md §7)."""
+"""Usage: one record per request, whatever its end, written off the event loop (issue 2 / docs/ARCHITECTURE.md §7)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The engine schedules waiting requests by priority (the caller's tier, then the tenant's fair rank), then arrival
-(DESIGN.md §12)."""
+(docs/ARCHITECTURE.md §3, §5)."""
 
 from __future__ import annotations
 

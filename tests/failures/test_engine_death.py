@@ -1,6 +1,7 @@
 """A replica killed with SIGKILL mid-request: clients get a clear error promptly, never a hang; a new replica
-serves again (DESIGN.md §5-6: heartbeats, the api's watchdog). With two replicas: a conversation's turns are routed
-to the replica holding its prefix, and one routed to a replica that stops is taken over by the other (issue 18)."""
+serves again (docs/ARCHITECTURE.md §5-6: heartbeats, the api's watchdog). With two replicas: a conversation's turns are
+routed to the replica holding its prefix, and one routed to a replica that stops is taken over by the other (issue
+18)."""
 
 from __future__ import annotations
 

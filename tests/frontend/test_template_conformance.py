@@ -9,7 +9,7 @@ template: chat gets a clear 400 and completions still work.
 
 Request vs reference inputs: the request is what an OpenAI client sends (``content: null`` next to
 ``tool_calls``, content as a list of text parts); the reference gets the form the server normalises to
-(vLLM's normalisation, DESIGN.md §4): ``null`` → ``""``, text parts → one string joined by newlines for
+(vLLM's normalisation, docs/ARCHITECTURE.md §4): ``null`` → ``""``, text parts → one string joined by newlines for
 templates that print ``content`` as a string, or the parts list for templates that loop over it.
 """
 

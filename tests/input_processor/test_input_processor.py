@@ -1,7 +1,7 @@
 """inference.api.input_processor: prompt lengths against max_model_len, sampling parameters merged over the model's
 generation config, the ``n`` children (ids, seeds ``seed + i``), stop/EOS ids, and 400 errors naming the field
-(DESIGN.md §2 step 6; reference/vllm_frontend.md §3.3, §6; conformance C11, C16, C17). Pure functions on real
-request models and the demo model's real config files; no I/O beyond reading those."""
+(docs/ARCHITECTURE.md §2 step 8; vLLM's ``vllm/v1/engine/input_processor.py``, ``get_max_tokens``; conformance C11, C16,
+C17). Pure functions on real request models and the demo model's real config files; no I/O beyond reading those."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The request path's order (DESIGN.md §2, docs/request_path.md): a streamed chat through the real consumer
+"""The request path's order (docs/ARCHITECTURE.md §2, docs/request_path.md): a streamed chat through the real consumer
 (``ChatCompletionsConsumer`` over ASGI), with a real API key and served model in the database, real Redis (key
 limits, admission, usage stream) and the renderer inline; a fake engine link stands in for the engine. Each step
 is observed by a spy that records its name and then calls the real function."""
@@ -25,7 +25,7 @@ from tests.support.redis import TEST_REDIS_URL, fresh_prefix
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / ".cache" / "models" / "tiny-qwen3"
 MODEL = "order-m"
-# DESIGN.md §2 order of a streamed chat's steps: the key's request and concurrency limits right after
+# docs/ARCHITECTURE.md §2 order of a streamed chat's steps: the key's request and concurrency limits right after
 # authentication, before the body is parsed; its token estimate (TPM, budgets) once validated, before render
 DESIGN_ORDER = ["authenticate", "key limits", "validate", "model", "key limits (tokens)", "admission pre-check", "render",
                 "input processing", "admission reserve", "engine add", "output", "usage"]

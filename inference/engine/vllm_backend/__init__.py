@@ -1,4 +1,4 @@
-"""vLLM's engine as an engine backend behind our Redis link (DESIGN.md §12, README 'Engine backends').
+"""vLLM's engine as an engine backend behind our Redis link (docs/ARCHITECTURE.md §12, README 'Engine backends').
 
 ``python -m inference.engine.vllm_backend --model NAME --model-dir DIR ...`` runs in the virtual environment
 that holds vLLM (``.peer/vllm``, made by ``scripts/setup.sh --vllm``; its pins clash with ours), with this

@@ -1,5 +1,5 @@
 """``POST /v1/chat/completions`` (OpenAI chat API; vLLM's ``vllm/entrypoints/openai/serving_chat.py`` shapes):
-the request path of DESIGN.md §2, step by step (docs/request_path.md)."""
+the request path of docs/ARCHITECTURE.md §2, step by step (docs/request_path.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``POST /v1/completions`` (OpenAI legacy completions; vLLM's ``serving_completion.py`` shapes): the request
-path of DESIGN.md §2, step by step (docs/request_path.md).
+path of docs/ARCHITECTURE.md §2, step by step (docs/request_path.md).
 
 ``echo`` with ``logprobs``: the ``logprobs`` object covers the echoed prompt and then the completion, as OpenAI's
 legacy endpoint and vLLM do; the prompt's first token has ``null`` logprobs (nothing predicts it), the others come

@@ -16,11 +16,11 @@ Request (OpenAI, plus vLLM's ``truncate_prompt_tokens`` / ``add_special_tokens``
 * ``user``, ``request_id``: accepted (the id, at most 128 characters without control characters, is echoed
   as ``X-Request-Id``).
 
-Path (the same pipeline steps as generation, DESIGN.md §2): API key → validate → model (must have task ``embed``)
-→ admission pre-check → tokenize (the process-wide tokenizer cache, on a thread: the inputs are plain
-text, no template) → exact admission (an embedding request's tokens are its prompt tokens) → one
-``EngineCoreRequest`` (``pooling=True``) per input on the engine link, answered by the pooling replica's
-batched forward → response → usage record (prompt tokens, completion 0), exactly once.
+Path (the same pipeline steps as generation, docs/ARCHITECTURE.md §2): API key → validate → model (must have task
+``embed``) → admission pre-check → tokenize (the process-wide tokenizer cache, on a thread: the inputs are plain text,
+no template) → exact admission (an embedding request's tokens are its prompt tokens) → one ``EngineCoreRequest``
+(``pooling=True``) per input on the engine link, answered by the pooling replica's batched forward → response → usage
+record (prompt tokens, completion 0), exactly once.
 """
 
 from __future__ import annotations

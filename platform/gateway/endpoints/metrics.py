@@ -1,6 +1,6 @@
 """``GET /metrics``: Prometheus text format, operator credential (scope ``metrics`` or ``operator``) required.
 
-Every value comes from Redis, so all api processes answer the same numbers (DESIGN.md §3, §11):
+Every value comes from Redis, so all api processes answer the same numbers (docs/ARCHITECTURE.md §3, §11):
 
 * ``admission_rejections_total{model,reason}`` (counter) — refusals per model and reason;
 * ``admission_queued_requests{model}`` / ``admission_queued_prompt_tokens{model}`` (gauges) — live

@@ -1,4 +1,5 @@
-"""The gateway's request path, one step per module, in DESIGN.md §2 order (docs/request_path.md has the table).
+"""The gateway's request path, one step per module, in docs/ARCHITECTURE.md §2 order (docs/request_path.md has the
+table).
 
 Transport lives beside this package (``gateway.ingress``: before the body; ``gateway.http``: the ASGI consumer,
 body cap, disconnect, responses). Then, per request:

@@ -1,5 +1,5 @@
-"""Step 3 (DESIGN.md §2 step 7, §3): shared admission. A cheap pre-check reserves an estimate before rendering;
-``reserve`` settles it to the exact ``n × prompt_tokens`` after tokenizing; ``release`` gives back what is
+"""Steps 6 and 9-11 (docs/ARCHITECTURE.md §2, §3): shared admission. A cheap pre-check reserves an estimate before
+rendering; ``reserve`` settles it to the exact ``n × prompt_tokens`` after tokenizing; ``release`` gives back what is
 still held, once. 503 ``server_overloaded`` + ``Retry-After`` when full."""
 
 from __future__ import annotations

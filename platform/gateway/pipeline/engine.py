@@ -1,4 +1,4 @@
-"""Step 7 (DESIGN.md §2 steps 8-10): the engine link. Register the request's output queue, hand its children to
+"""Steps 9-10 (docs/ARCHITECTURE.md §2): the engine link. Register the request's output queue, hand its children to
 a replica, and run the engine outputs through ``inference.api.output_processor`` (detokenize, stop strings, n > 1
 reassembly); abort what is unfinished at the end. Pooling (embeddings) requests take the same link."""
 

@@ -1,5 +1,5 @@
-"""The generating endpoints' path, composed from the steps (DESIGN.md §2): what chat, completions, generate and
-embeddings share between the preamble and the response."""
+"""The generating endpoints' path, composed from the steps (docs/ARCHITECTURE.md §2): what chat, completions, generate
+and embeddings share between the preamble and the response."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Step 6 (DESIGN.md §2 step 6): input processing. The prompt ids and the validated request become ``n``
+"""Step 8 (docs/ARCHITECTURE.md §2): input processing. The prompt ids and the validated request become ``n``
 ``EngineCoreRequest`` s (``inference.api.input_processor.process_inputs``: lengths vs ``max_model_len``, ids in the
 vocabulary, sampling parameters, seeds ``seed + i``), with the caller's prefix-cache salt and its validated
 structured-output constraint (``structured_constraint``, before the render)."""

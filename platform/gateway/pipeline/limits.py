@@ -1,6 +1,7 @@
-"""Step 2 (DESIGN.md §2 step 4): the key's and tenant's limits, taken before any render or image work.
+"""Steps 3 and 6 (docs/ARCHITECTURE.md §2; settled at step 11): the key's and tenant's limits, taken before any render
+or image work.
 
-429 is only ever about this key or tenant; platform capacity is 503 (DESIGN.md §3)."""
+429 is only ever about this key or tenant; platform capacity is 503 (docs/ARCHITECTURE.md §3)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Step 5 (DESIGN.md §2 step 5, §4): images in chat requests, gateway side. ``data:`` images already in the shared feature cache are
-found here by content hash and skip the ``mm`` queue; the template render (queue ``render``) and the
-preprocessing of the others (queue ``mm``) run concurrently, then the prompt's image placeholders are
-expanded to the exact token counts and the engine requests get the feature-cache keys.
+"""Step 7 (docs/ARCHITECTURE.md §2, §4): images in chat requests, gateway side. ``data:`` images already in the shared
+feature cache are found here by content hash and skip the ``mm`` queue; the template render (queue ``render``) and the
+preprocessing of the others (queue ``mm``) run concurrently, then the prompt's image placeholders are expanded to the
+exact token counts and the engine requests get the feature-cache keys.
 
 Per-model media domain allowlists come from ``settings.MM_ALLOWED_MEDIA_DOMAINS`` (JSON object
 ``{"served_model_name": ["example.com", "*.cdn.example"]}``), applied by the fetcher to every redirect hop;

@@ -1,4 +1,4 @@
-"""Step 1 of the request path (DESIGN.md §2 steps 1-3): authenticate, parse and validate, request ids, resolve
+"""Steps 3-5 of the request path (docs/ARCHITECTURE.md §2): authenticate, parse and validate, request ids, resolve
 the model. Everything here runs before the request holds anything."""
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _body_request_id(req: object) -> str | None:
 async def preamble(consumer: GatewayConsumer, body: bytes, schema: type[Req] | Callable[[JsonBody], Req],
                    id_prefix: str, body_id: Callable[[Req], str | None] = _body_request_id,
                    on_refused: Callable[[AuthContext, ApiError, str], None] | None = None) -> Preamble[Req]:
-    """DESIGN.md §2 steps 1-2 for the inference endpoints: authenticate (401; 403 without the ``inference``
+    """docs/ARCHITECTURE.md §2 steps 3-4 for the inference endpoints: authenticate (401; 403 without the ``inference``
     scope), take the key's request (RPM) and concurrency limits before any work (``limits.acquire`` of 0
     tokens; 429: the body is never parsed), parse and validate ``body`` with ``schema`` (400 naming the
     field), and echo the client's request id (``X-Request-Id`` header, else ``body_id(req)``, else random).

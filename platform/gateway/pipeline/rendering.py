@@ -1,4 +1,4 @@
-"""Step 4 (DESIGN.md §2 step 5, §4): chat template rendering and tokenizing, on the Celery ``render`` queue or
+"""Step 7 (docs/ARCHITECTURE.md §2, §4): chat template rendering and tokenizing, on the Celery ``render`` queue or
 inline, plus the cheap checks that run before it. Requests and answers are typed (``inference.protocol.render``:
 ``ChatRenderRequest`` / ``TokenizeRenderRequest`` / ``DetokenizeRenderRequest`` → ``RenderedTokens`` /
 ``RenderedText`` or a ``RenderFailure``, mapped to its HTTP error by ``failures.api_error_from``).
@@ -70,8 +70,8 @@ def is_client_template(request: RenderTask[ResultT]) -> bool:
 
 def runs_inline(request: RenderTask[ResultT]) -> bool:
     """True when ``request`` runs in this process: always with ``RENDER_ROUTE=inline``; otherwise for a small
-    template-free task (DESIGN.md §4 allows an in-process pool "for small requests ... where it is measurably
-    faster"): tokenizing a prompt of at most ``RENDER_INLINE_MAX_CHARS`` characters (default 4096; 0 turns it
+    template-free task (docs/ARCHITECTURE.md §4; DECISIONS D-016: an in-process pool where it is measurably faster):
+    tokenizing a prompt of at most ``RENDER_INLINE_MAX_CHARS`` characters (default 4096; 0 turns it
     off): no untrusted code runs, and the broker round trip (~6 ms of the 8 ms of a text ``/tokenize``) is
     skipped. Chat templates go to the workers; a client-supplied one is never run inline, on either route."""
     if is_client_template(request):

@@ -1,4 +1,4 @@
-"""Step 8 (DESIGN.md §2 step 10): response bodies and SSE chunks. Every check has run before ``start_sse``;
+"""Step 10 (docs/ARCHITECTURE.md §2): response bodies and SSE chunks. Every check has run before ``start_sse``;
 after it, an engine failure is an in-band error event (``GatewayConsumer.send_sse_error``)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""What one API request holds that must be given back exactly once, whatever its end (DESIGN.md §2 rules):
-the engine run (aborted if unfinished), the admission reservation, the key-limit grant and the usage record."""
+"""What one API request holds that must be given back exactly once, whatever its end (docs/ARCHITECTURE.md §2, its
+rules): the engine run (aborted if unfinished), the admission reservation, the key-limit grant and the usage record."""
 
 from __future__ import annotations
 

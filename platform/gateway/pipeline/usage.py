@@ -1,4 +1,4 @@
-"""Step 9 (DESIGN.md §2 step 11): the OpenAI ``usage`` object and the request's usage event, emitted exactly
+"""Step 11 (docs/ARCHITECTURE.md §2): the OpenAI ``usage`` object and the request's usage event, emitted exactly
 once whatever the outcome (one XADD to the durable Redis stream; never a DB write on the event loop)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``manage.py serve``: run the whole platform on this machine (DESIGN.md §1) until Ctrl-C."""
+"""``manage.py serve``: run the whole platform on this machine (docs/ARCHITECTURE.md §1) until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -244,8 +244,8 @@ class Command(BaseCommand):
         (the api notices a dead replica by its heartbeat); the clients of a dead api see their connection closed,
         its admission reservations are reaped once its lease lapses (≈ 6 s, inference/api/admission.py; by serve itself
         in ``_supervise``, and by every api from its start), its key-limit concurrency leases expire (6 s,
-        tenancy/limits.py) and the engines abort its requests when its liveness key lapses (DESIGN.md §6); new
-        requests are served once it is back on its port. Redis is not: without it nothing can be served (and an
+        tenancy/limits.py) and the engines abort its requests when its liveness key lapses (docs/ARCHITECTURE.md §6);
+        new requests are served once it is back on its port. Redis is not: without it nothing can be served (and an
         embedded one lost its data), so everything stops. While the multimodal api is down, the front api serves
         image chats itself (gateway/handoff.py), so one that keeps crashing is set aside and tried again after the
         restart window, not fatal; so is a render worker (the others render meanwhile, and with none the api
