@@ -20,7 +20,7 @@ from tenancy.selectors import AuthContext
 async def hold_before_render(consumer: GatewayConsumer, scope: RequestScope, ctx: AuthContext, model: ModelSnapshot, *, n: int, size: int,
                              exact: bool, max_tokens: int | None = None, tokens: int | None = None,
                              request_priority: int | None = None, constrained: bool = False) -> None:
-    """Steps 2-3, before any render or image work: the key's limits on an estimate (``tokens``, else
+    """Step 6, before any render or image work: the key's limits on an estimate (``tokens``, else
     ``limits.estimate(model, size, n, max_tokens)``; 429): added to ``scope.grant`` when the preamble took the
     request and concurrency limits already (``limits.add_tokens``), else taken whole (``limits.acquire``); then the admission pre-check of ``n`` requests of at
     most ``size`` (bytes, or with ``exact`` token ids; 503), counted for the caller's tenant (fair share, tier). Both
@@ -42,8 +42,8 @@ async def hold_before_render(consumer: GatewayConsumer, scope: RequestScope, ctx
 async def admit_and_start(scope: RequestScope, model: ModelSnapshot, tokenizer: LoadedTokenizer, processed: ProcessedInput, *,
                           stop: str | list[str] | None, include_stop_str_in_output: bool, skip_special_tokens: bool,
                           arrival_time: float) -> GenerationRun:
-    """Steps 3 (exact reserve: ``n`` × real prompt tokens, ``ProcessedInput.prompt_tokens_per_request``; 503) and 7 (engine hand-off; 503): returns the
-    started run, recorded on ``scope``. The engine requests get ``scope.priority`` (tier, then arrival). A request
+    """Step 9: the exact reserve (``n`` × real prompt tokens, ``ProcessedInput.prompt_tokens_per_request``; 503),
+    then the engine hand-off (503): returns the started run, recorded on ``scope``. The engine requests get ``scope.priority`` (tier, then arrival). A request
     whose client is already gone (a cancellation lost on the way, ``gateway/disconnect.py``) stops here. ``stop``: the
     request's stop strings as its schema types them (validated into a list; one string is one stop)."""
     raise_if_client_gone()
@@ -62,7 +62,7 @@ async def admit_and_start(scope: RequestScope, model: ModelSnapshot, tokenizer: 
 async def render_chat_input(ctx: AuthContext, model: ModelSnapshot, req: ChatCompletionRequest, *, external_id: str,
                             client_id: str, arrival_time: float) -> tuple[LoadedTokenizer, RenderedChat,
                                                                           ProcessedInput]:
-    """Steps 5-6 of a chat request: validate its structured-output constraint (400), load the tokenizer, bound
+    """Steps 7-8 of a chat request: validate its structured-output constraint (400), load the tokenizer, bound
     the prompt characters, render the messages (with their images) and process the result (with the request's
     output parsing, ``processed.chat_output``, and the ``tool_choice`` constraint). Returns
     ``(tokenizer, rendered, processed)``; ``rendered`` holds the prompt's ids and its images' feature keys
