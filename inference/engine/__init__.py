@@ -2,8 +2,10 @@
 
 Django-free. Split by job, as vLLM's engine is:
 
-* ``core.EngineCore``: the replica's loop. It polls the link, hands what it read to the scheduler, runs the
-  scheduler's step and hands the outputs that returned to the link; signals stop it.
+* ``core.EngineCore``: the replica's loop. Each iteration polls the link, hands the requests and aborts it read to
+  the scheduler (and aborts those of api processes that vanished), publishes the outputs that returned, then runs
+  one scheduler step and publishes each part of its outputs as the step yields it (a newcomer's first tokens go out
+  before the running batch's decode); signals stop it.
 * ``replica_link.ReplicaLink``: the Redis I/O (request streams, take-over of dead replicas, aborts, output flush,
   heartbeat, step-loop watchdog, withdrawal, the prefix cache's block set for the router).
 * the schedulers (``base_scheduler.BaseScheduler`` and one per backend: ``scheduler.Scheduler`` over our own
@@ -11,9 +13,10 @@ Django-free. Split by job, as vLLM's engine is:
   over vLLM's engine): accepting, priority order, aborts, steps. Each call returns its outputs; the link and the
   schedulers never import each other (an import-linter contract in pyproject.toml).
 
-torch and transformers are imported by the model side (the runners and schedulers, the KV and prefix caches, the
-grammar masks), and only when the engine runs: importing this package, ``core``, ``replica_link`` or ``watchdog``
-loads neither, so the command lines parse their arguments first.
+torch and transformers are imported by the model side (the runners, and the schedulers through them; the KV cache,
+the output projection, the sampler, the grammar masks), and only when the engine runs: importing this package,
+``__main__``, ``core``, ``replica_link`` or ``watchdog`` loads neither, so the command lines parse their arguments
+first (``__main__`` imports the scheduler and runner modules once the arguments are read).
 
 Batching design, and why (measured on the 2-core CPU box, tiny Qwen3 demo model, fp32, 16 prompts of
 20-35 tokens, 64 new tokens each, greedy):
