@@ -68,7 +68,7 @@ WATCHDOG_INTERVAL_S = 1.0
 # inside the window is caught like one that dies after the check (watchdog, ACCEPT_GRACE_S)
 REPLICA_CHECK_TTL_S = 0.5
 ACCEPT_GRACE_S = 5.0
-# a request routed to a replica that died unread is taken over by a live replica within ~1 s (engine/core.py
+# a request routed to a replica that died unread is taken over by a live replica within ~1 s (engine/replica_link.py
 # ``_reclaim``); one still unaccepted this long after the death was seen fails (and is aborted everywhere)
 RECLAIM_GRACE_S = 10.0
 # times a request accepted by a replica that died before producing anything is sent again (then it fails)
@@ -416,7 +416,7 @@ class EngineLink:
 
     def _abort_later(self, model: str, request_ids: list[str]) -> None:
         """Abort ``request_ids`` from a task of its own (the caller may be a cancelled task); a failure is logged.
-        An abort of an id no replica has read yet is kept by the replicas for ``EARLY_ABORT_S`` (engine/core.py)."""
+        An abort of an id no replica has read yet is kept by the replicas for ``EARLY_ABORT_S`` (engine/base_scheduler.py)."""
         async def abort() -> None:
             try:
                 await self._send_abort(model, request_ids)

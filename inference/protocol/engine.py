@@ -44,7 +44,7 @@ import msgpack
 
 HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TTL_S = 3.0
-# a replica expired this recently has its own stream watched for requests to take over (``EngineCore._take_over``);
+# a replica expired this recently has its own stream watched for requests to take over (``ReplicaLink._take_over``, engine/replica_link.py);
 # the replicas index outlives its model's last heartbeat that long (its expiry, set with every heartbeat)
 DEAD_REPLICA_WATCH_MS = 60_000
 REPLICAS_INDEX_TTL_MS = int(HEARTBEAT_TTL_S * 1000) + DEAD_REPLICA_WATCH_MS

@@ -49,6 +49,7 @@ class ErrorCode(StrEnum):
     IMAGE_CONCURRENCY_EXCEEDED = "image_concurrency_exceeded"
     SERVER_OVERLOADED = "server_overloaded"
     ENGINE_UNAVAILABLE = "engine_unavailable"
+    UPSTREAM_FAILED = "upstream_failed"  # the front api's relay to the multimodal api failed (gateway/handoff.py)
     ENGINE_ERROR = "engine_error"
     STRUCTURED_OUTPUT_FAILED = "structured_output_failed"
     STRUCTURED_OUTPUTS_UNAVAILABLE = "structured_outputs_unavailable"

@@ -17,7 +17,7 @@ task                        queue request                          result
 =========================== ===== ================================ =====================
 
 A failure's ``code`` is the public error code (``inference.protocol.errors.ErrorCode``) the worker assigns from its
-error class (``failure_code``); the api maps codes to HTTP statuses in one table (``gateway.pipeline.failures``). A
+error class (``failure_code``); the api maps codes to HTTP statuses in ``gateway.pipeline.failures``. A
 reply without a code (a worker older than this field) gets the code of its ``type``.
 """
 

@@ -4,8 +4,8 @@ Every non-2xx JSON body on every surface (gateway, REST API, Django error pages,
 ``{"error": {"message", "type", "param", "code"}}``, written by ``error_body`` / ``error_dict`` here. ``type``
 follows OpenAI's names (``ErrorType``); ``code`` is one of ``ErrorCode`` or null.
 
-The one table from the exceptions the pipeline's lower layers raise to ``ApiError`` is
-``gateway.pipeline.failures.api_error_from``. The envelope writer and the enums live in
+The lower layers' exceptions become ``ApiError`` in ``gateway.pipeline.failures.api_error_from``; engine outputs
+that failed, in ``failures.pooling_error`` (embeddings) and ``GenerationRun.raise_for_engine_error`` (generation). The envelope writer and the enums live in
 ``inference.protocol.errors`` (shared with the REST API and Django's error pages).
 """
 

@@ -41,7 +41,7 @@ from django.conf import settings
 from multidict import CIMultiDict
 
 from gateway import ingress
-from gateway.errors import ApiError, unavailable
+from gateway.errors import ApiError, ErrorCode, unavailable
 from gateway.clients import redis
 
 log = logging.getLogger(__name__)
@@ -266,7 +266,7 @@ class _Forwarding:
             await count("failed")
             if sse:
                 err = ApiError(503, "The multimodal frontend failed while streaming this response; retry the "
-                               "request.", "server_error", None, "upstream_failed")
+                               "request.", "server_error", None, ErrorCode.UPSTREAM_FAILED)
                 await send({"type": "http.response.body", "body": b"data: " + err.body() + b"\n\ndata: [DONE]\n\n",
                             "more_body": False})
             else:
@@ -285,7 +285,7 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 async def _send_unavailable(send: Send) -> None:
     err = unavailable("The multimodal frontend failed while handling this request; retry the request.", 1,
-                      "upstream_failed")
+                      ErrorCode.UPSTREAM_FAILED)
     body = err.body()
     await send({"type": "http.response.start", "status": err.status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]

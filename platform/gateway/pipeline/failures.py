@@ -1,4 +1,4 @@
-"""The one table from the exceptions the pipeline's lower layers raise (and the typed errors its workers answer) to
+"""The table from the exceptions the pipeline's lower layers raise (and the typed errors its workers answer) to
 the HTTP errors clients see."""
 
 from __future__ import annotations
