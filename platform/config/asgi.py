@@ -58,7 +58,7 @@ async def http_router(scope, receive, send):
         scope = ingress.trusted_handoff_scope(scope, handoff.HANDED_OFF_HEADER)
         if await ingress.early_refuse(scope, send) or await ingress.early_authenticate(scope, send):
             return None
-        receive = ingress.BodyDeadline(receive, send)
+        receive = ingress.BodyDeadline(receive, send, dialect=ingress.dialect_for(scope["path"]))
         if handoff.wants_handoff(scope):
             return await handoff.route(scope, receive, send, _gateway, MAX_BODY_BYTES)
         if handoff.handed_off(scope):

@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 from channels.db import database_sync_to_async  # closes broken DB connections (a PostgreSQL restart)
 from django.conf import settings
@@ -210,7 +212,11 @@ def refusal_count(refusal: AuthRefusal) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ authenticate
-def bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
+Headers = list[tuple[bytes, bytes]]
+"""Request headers as ASGI gives them."""
+
+
+def bearer_token(headers: Headers) -> str | None:
     """The token of an ``Authorization: Bearer <token>`` header, or ``None`` (any other scheme too)."""
     for name, value in headers:
         if name.lower() == b"authorization":
@@ -226,6 +232,24 @@ def bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Credentials:
+    """Where a route reads the caller's API key: ``read(headers)`` gives the presented token, or ``None`` when there
+    is none (it may raise ``ApiError`` 401 itself, e.g. for two headers that disagree); ``missing`` is the 401's
+    message without a valid key (``None``: ``errors.unauthorized``'s, which names ``Authorization: Bearer``)."""
+
+    read: Callable[[Headers], str | None]
+    missing: str | None = None
+
+    def refusal(self) -> ApiError:
+        """The 401 of a request without a valid key."""
+        return unauthorized() if self.missing is None else unauthorized(self.missing)
+
+
+BEARER = Credentials(bearer_token)
+"""``Authorization: Bearer <key>``: every OpenAI route."""
+
+
 async def _lookup(token: str, now: float, generation: int) -> CachedAuth:
     """The ORM's verdict on ``token``, cached until ``now + AUTH_CACHE_TTL_S`` unless an invalidation came since
     ``generation``; 503 ``database_unavailable`` when the database cannot be reached."""
@@ -237,12 +261,12 @@ async def _lookup(token: str, now: float, generation: int) -> CachedAuth:
     return result
 
 
-async def authenticate(headers: list[tuple[bytes, bytes]]) -> AuthContext:
-    """Return the ``AuthContext`` of the request's key; raise ``ApiError`` 401 when missing or invalid (a
-    presented key's refusal is counted for ``/metrics``)."""
-    token = bearer_token(headers)
+async def authenticate(headers: Headers, credentials: Credentials = BEARER) -> AuthContext:
+    """Return the ``AuthContext`` of the request's key, read where ``credentials`` says (a bearer token by default);
+    raise ``ApiError`` 401 when missing or invalid (a presented key's refusal is counted for ``/metrics``)."""
+    token = credentials.read(headers)
     if token is None:
-        raise unauthorized()
+        raise credentials.refusal()
     listener_ensure()
     now = time.monotonic()
     result = _cache.get(token, now)
@@ -252,7 +276,7 @@ async def authenticate(headers: list[tuple[bytes, bytes]]) -> AuthContext:
                                     max_age_s=AUTH_CACHE_TTL_S)
     if isinstance(result, AuthRefusal):
         refusal_count(result)
-        raise unauthorized()
+        raise credentials.refusal()
     return result
 
 

@@ -23,6 +23,7 @@ from channels.generic.http import AsyncHttpConsumer
 from django.conf import settings
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 
+from gateway.dialects import OPENAI, Dialect
 from gateway.disconnect import ClientGone, bind
 from gateway.errors import ApiError, ErrorCode, ErrorType, internal_error, redis_unavailable
 from inference.protocol.openai import parse_json_body
@@ -40,6 +41,7 @@ class GatewayConsumer(AsyncHttpConsumer):
 
     channel_layer_alias = "__gateway_no_layer__"  # no channel layer round trips per request
     methods: tuple[str, ...] = ("POST",)
+    dialect: Dialect = OPENAI  # how this route writes its errors and names its headers (gateway/dialects.py)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -48,7 +50,8 @@ class GatewayConsumer(AsyncHttpConsumer):
         self._started = False
         self._response_complete = False
         self._client_gone = ClientGone()  # for handlers whose cancellation was lost (gateway/disconnect.py)
-        self.extra_headers: list[tuple[bytes, bytes]] = []
+        self.request_id = self.dialect.new_request_id()
+        self.extra_headers: list[tuple[bytes, bytes]] = self.dialect.request_headers(self.request_id)
 
     # ------------------------------------------------------------------ ASGI plumbing
     async def dispatch(self, message: dict[str, Any]) -> None:
@@ -162,9 +165,14 @@ class GatewayConsumer(AsyncHttpConsumer):
         The payload must hold only finite floats (orjson would write NaN as ``null``)."""
         await self._send_complete(status, orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), headers or [])
 
+    async def send_headers(self, *, status: int = 200, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        """Start the response: ``headers`` as the route's dialect names them."""
+        await super().send_headers(status=status, headers=self.dialect.headers(headers or []))
+
     async def send_error(self, err: ApiError) -> None:
-        """Send ``err`` as a JSON envelope with its status and headers."""
-        await self._send_complete(err.status, err.body(), [(k.encode(), v.encode()) for k, v in err.headers])
+        """Send ``err`` as the route's dialect writes it (OpenAI's: its envelope with its status and headers)."""
+        reply = self.dialect.reply(err, self.request_id)
+        await self._send_complete(reply.status, reply.body, reply.headers)
 
     async def start_sse(self, headers: list[tuple[bytes, bytes]] | None = None) -> None:
         """Send 200 + SSE headers; after this, errors go in-band."""
@@ -181,10 +189,11 @@ class GatewayConsumer(AsyncHttpConsumer):
         await self.send_body(b"data: [DONE]\n\n", more_body=False)
 
     async def send_sse_error(self, err: ApiError) -> None:
-        """In-band error after the stream started (only failures after the first byte), then ``[DONE]``."""
+        """In-band error after the stream started (only failures after the first byte), then the end of the stream
+        (OpenAI's: ``data: <envelope>``, then ``[DONE]``)."""
         try:
-            await self.send_body(b"data: " + err.body() + b"\n\n", more_body=True)
-            await self.end_sse()
+            await self.send_body(self.dialect.stream_error(err, self.request_id), more_body=True)
+            await self.send_body(self.dialect.stream_end, more_body=False)
         except Exception:  # noqa: BLE001 - client may be gone
             pass
 

@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Callable
 from django.conf import settings
 
 from gateway import auth
+from gateway.dialects import OPENAI, Dialect
 from gateway.errors import ApiError, ErrorCode, ErrorType
 
 REQUEST_BODY_TIMEOUT_S = settings.REQUEST_BODY_TIMEOUT_S
@@ -43,10 +44,19 @@ KEYED_PATHS = frozenset({
 ROUTE_PATHS = KEYED_PATHS | {"/health", "/v1/openapi.json"}
 _MODEL_PATH = re.compile(r"/v1/models/[^/]+")
 MAX_REQUEST_BODY_BYTES = settings.MAX_REQUEST_BODY_BYTES
+# Routes whose errors are written in another protocol's dialect, or whose key is read from other headers than
+# ``Authorization: Bearer`` (gateway/dialects.py, gateway/auth.py); every other route is OpenAI's, with a bearer key.
+ROUTE_DIALECTS: dict[str, Dialect] = {}
+ROUTE_CREDENTIALS: dict[str, auth.Credentials] = {}
 
 Scope = dict[str, Any]  # ASGI scope, receive and send callables
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+def dialect_for(path: str) -> Dialect:
+    """The error dialect of the route at ``path`` (``OPENAI`` unless ``ROUTE_DIALECTS`` names another)."""
+    return ROUTE_DIALECTS.get(path, OPENAI)
 
 
 def is_keyed(path: str) -> bool:
@@ -97,31 +107,33 @@ async def early_refuse(scope: Scope, send: Send) -> bool:
                        ErrorCode.REQUEST_TOO_LARGE)
     if err is None:
         return False
-    await send_envelope(send, err, close=declares_body(scope))
+    await send_envelope(send, err, close=declares_body(scope), dialect=dialect_for(path))
     return True
 
 
-async def send_envelope(send: Send, err: ApiError, *, close: bool) -> None:
-    """Answer ``err`` as a complete JSON envelope; ``close`` adds ``Connection: close`` (uvicorn then closes the
-    connection once it is sent, whatever of the body is still unread)."""
-    body = err.body()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.encode(), v.encode()) for k, v in err.headers]
+async def send_envelope(send: Send, err: ApiError, *, close: bool, dialect: Dialect = OPENAI) -> None:
+    """Answer ``err`` as a complete JSON envelope in the route's ``dialect``; ``close`` adds ``Connection: close``
+    (uvicorn then closes the connection once it is sent, whatever of the body is still unread)."""
+    request_id = dialect.new_request_id()
+    reply = dialect.reply(err, request_id)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(reply.body)).encode())]
+    headers += dialect.request_headers(request_id) + reply.headers
     if close:
         headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    await send({"type": "http.response.start", "status": reply.status, "headers": dialect.headers(headers)})
+    await send({"type": "http.response.body", "body": reply.body, "more_body": False})
 
 
 async def early_authenticate(scope: Scope, send: Send) -> bool:
     """Authenticate a keyed route's request from its headers. Returns True when it was answered here (401: no
     or unknown key), False when the application should serve it. Never reads the body."""
-    if not is_keyed(scope["path"]):
+    path = scope["path"]
+    if not is_keyed(path):
         return False
     try:
-        await auth.authenticate(scope.get("headers", []))
+        await auth.authenticate(scope.get("headers", []), ROUTE_CREDENTIALS.get(path, auth.BEARER))
     except ApiError as err:
-        await send_envelope(send, err, close=declares_body(scope))
+        await send_envelope(send, err, close=declares_body(scope), dialect=dialect_for(path))
         return True
     return False
 
@@ -135,11 +147,14 @@ def body_timeout_error() -> ApiError:
 
 class BodyDeadline:
     """A ``receive`` that enforces the body deadlines over ``inner`` (the server's ``receive``) and answers 408
-    through ``send`` when one passes (module docstring). ``total_s``/``idle_s`` default to the settings."""
+    through ``send`` when one passes (module docstring), in the route's ``dialect``. ``total_s``/``idle_s`` default to
+    the settings."""
 
-    def __init__(self, inner: Receive, send: Send, total_s: float | None = None, idle_s: float | None = None):
+    def __init__(self, inner: Receive, send: Send, total_s: float | None = None, idle_s: float | None = None,
+                 dialect: Dialect = OPENAI):
         self.inner = inner
         self._send = send
+        self._dialect = dialect
         self._deadline = time.monotonic() + (REQUEST_BODY_TIMEOUT_S if total_s is None else total_s)
         self._idle_s = REQUEST_BODY_IDLE_TIMEOUT_S if idle_s is None else idle_s
         self._body_done = False
@@ -163,7 +178,7 @@ class BodyDeadline:
         except TimeoutError:
             self._timed_out = True
             try:
-                await send_envelope(self._send, body_timeout_error(), close=True)
+                await send_envelope(self._send, body_timeout_error(), close=True, dialect=self._dialect)
             except Exception:  # noqa: BLE001 - the client may be gone already; nothing more to tell it
                 pass
             return {"type": "http.disconnect"}

@@ -62,7 +62,7 @@ def platform(settings, monkeypatch, transactional_db, db_connections_closed_in_t
                 "rpm1": api_key_create(tenant=tenant, name="rpm1", limits={"rpm_limit": 1})[1]}
         fake = FakeLink(default=[{"new_token_ids": [9707]}, {"new_token_ids": [11], "finish_reason": "stop"}])
         monkeypatch.setattr(engine, "link", lambda: fake)
-        monkeypatch.setattr("gateway.endpoints.chat.link", lambda: fake)
+        monkeypatch.setattr("gateway.pipeline.conversation.link", lambda: fake)
         clients._pools.clear()
         steps: list[str] = []
         for owner, name, step in [

@@ -3,50 +3,37 @@ the request path of docs/ARCHITECTURE.md §2, step by step (docs/request_path.md
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from gateway.http import GatewayConsumer
 from gateway.logprobs import chat_logprobs
-from gateway.pipeline import flow, inputs, preamble, responses
-from gateway.clients import link
+from gateway.pipeline import conversation, responses
 from gateway.pipeline.engine import GenerationRun
-from gateway.pipeline.flow import admit_and_start, hold_before_render
-from gateway.pipeline.scope import record_refusal, request_scope
 from gateway.pipeline.usage import public_finish_reason
-from inference.api.chat_output import ChatDelta, ChatOutputParser, ChatOutputSpec
-from inference.api.input_processor import new_internal_id
+from inference.api.chat_output import ChatDelta, ChatOutputParser
 from inference.api.output_processor import ChoiceDelta, ChoiceState
 from inference.protocol.openai import ChatCompletionRequest
 from inference.renderer.tokenizer_cache import LoadedTokenizer
+
+
+CHAT = conversation.Route("chat.completions", "chatcmpl-")
+"""The route's usage name and id prefix; the key from ``Authorization: Bearer``, errors in OpenAI's envelope."""
 
 
 class ChatCompletionsConsumer(GatewayConsumer):
     """Chat completions, streaming (SSE) and not. Every check runs before the first byte."""
 
     async def handle_request(self, body: bytes) -> None:
-        arrival = time.time()
-        pre = await preamble.preamble(self, body, ChatCompletionRequest, "chatcmpl-",
-                                      on_refused=record_refusal("chat.completions"))
-        ctx, req, n = pre.ctx, pre.req, pre.req.n or 1
-        async with request_scope("chat.completions", new_internal_id(pre.external_id), arrival, ctx, req.model,
-                                 n, grant=pre.grant) as scope:
-            model = await preamble.resolve_model(ctx, req.model, generate=True)
-            await hold_before_render(self, scope, ctx, model, n=n, size=len(body), exact=False,
-                                     max_tokens=req.requested_max_tokens[0], request_priority=req.priority,
-                                     constrained=inputs.asks_for_constraint(req))
-            tokenizer, rendered, processed = await flow.render_chat_input(
-                ctx, model, req, external_id=pre.external_id, client_id=link().client_id, arrival_time=arrival)
-            inputs.attach_media(processed, rendered.mm_cache_keys)
-            run = await admit_and_start(scope, model, tokenizer, processed, stop=req.stop,
-                                        include_stop_str_in_output=bool(req.include_stop_str_in_output),
-                                        skip_special_tokens=req.skip_special_tokens is not False,
-                                        arrival_time=arrival)
+        async with conversation.opened(self, body, CHAT, ChatCompletionRequest) as conv:
+            req = conv.pre.req  # the internal request is the body itself
+            started = await conversation.start(self, conv, req, size=len(body))
+            run, tokenizer = started.run, started.tokenizer
             if req.stream:
-                await self._stream(req, run, pre.external_id, int(arrival), tokenizer)
+                await self._stream(req, run, conv.pre.external_id, int(conv.arrival), tokenizer)
             else:
                 await responses.complete(run)
-                await self.send_json(200, chat_completion_body(req, run, pre.external_id, int(arrival), tokenizer))
+                await self.send_json(200, chat_completion_body(req, run, conv.pre.external_id, int(conv.arrival),
+                                                               tokenizer))
 
     async def _stream(self, req: ChatCompletionRequest, run: GenerationRun, external_id: str, created: int,
                       tokenizer: LoadedTokenizer) -> None:
@@ -82,8 +69,7 @@ class ChatCompletionsConsumer(GatewayConsumer):
 
 def choice_parsers(run: GenerationRun) -> list[ChatOutputParser]:
     """One ``ChatOutputParser`` per choice of ``run`` (reasoning, answer, tool calls; ``inference.api.chat_output``)."""
-    spec: ChatOutputSpec | None = run.processed.chat_output
-    return [spec.parser() if spec is not None else ChatOutputParser() for _ in run.choices]
+    return conversation.output_parsers(run)
 
 
 def reasoning_tokens(run: GenerationRun, parsers: list[ChatOutputParser]) -> int | None:

@@ -70,9 +70,10 @@ async def validated_body(body: bytes, validate: Callable[[JsonBody], Req]) -> Re
     return validate(data)
 
 
-async def authenticate(consumer: GatewayConsumer, scope: str = "inference") -> AuthContext:
-    """The caller's ``AuthContext`` (401 without a valid key, 403 without ``scope``)."""
-    ctx = await auth.authenticate(consumer.scope["headers"])
+async def authenticate(consumer: GatewayConsumer, scope: str = "inference",
+                       credentials: auth.Credentials = auth.BEARER) -> AuthContext:
+    """The caller's ``AuthContext`` (401 without a valid key where ``credentials`` reads it, 403 without ``scope``)."""
+    ctx = await auth.authenticate(consumer.scope["headers"], credentials)
     auth.require_scope(ctx, scope)
     return ctx
 
@@ -120,7 +121,8 @@ def _body_request_id(req: object) -> str | None:
 
 async def preamble(consumer: GatewayConsumer, body: bytes, schema: type[Req] | Callable[[JsonBody], Req],
                    id_prefix: str, body_id: Callable[[Req], str | None] = _body_request_id,
-                   on_refused: Callable[[AuthContext, ApiError, str], None] | None = None) -> Preamble[Req]:
+                   on_refused: Callable[[AuthContext, ApiError, str], None] | None = None,
+                   credentials: auth.Credentials = auth.BEARER) -> Preamble[Req]:
     """docs/ARCHITECTURE.md §2 steps 3-4 for the inference endpoints: authenticate (401; 403 without the ``inference``
     scope), take the key's request (RPM) and concurrency limits before any work (``limits.acquire`` of 0
     tokens; 429: the body is never parsed), parse and validate ``body`` with ``schema`` (400 naming the
@@ -128,8 +130,8 @@ async def preamble(consumer: GatewayConsumer, body: bytes, schema: type[Req] | C
     On any failure after the limits were taken they are released (settled on 0 tokens) before raising.
     ``on_refused(ctx, err, client_id)`` is called when the limits refuse the request (``client_id``: the cleaned
     ``X-Request-Id`` header, or empty; it records the 429's usage: the
-    request holds nothing yet, and its body is never read)."""
-    ctx = await authenticate(consumer)
+    request holds nothing yet, and its body is never read). ``credentials``: where the route reads the key."""
+    ctx = await authenticate(consumer, credentials=credentials)
     try:
         grant = await limits.acquire(consumer, ctx, 0)
     except ApiError as err:
