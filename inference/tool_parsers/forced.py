@@ -6,8 +6,9 @@ structured-output mask), then read back as calls. The schemas are vLLM's
   ``{"name": <const>, "parameters": <the tool's parameters schema>}`` objects, ``anyOf`` the tools;
 * a named function → that tool's ``parameters`` schema itself (the output is the arguments object).
 
-A tool without ``parameters`` takes ``{"type": "object", "properties": {}}`` (OpenAI: the function takes no
-arguments).
+A tool without ``parameters`` takes ``EMPTY_PARAMETERS``, an object with no keys at all: OpenAI reads an omitted
+``parameters`` as a function of no arguments, so the only arguments a forced call may have are ``{}`` (an open
+``{"type": "object"}`` would let a model write made-up keys until ``max_tokens`` and never finish the call).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from inference.protocol.openai import RequestValidationError
 from inference.shared.structured import Constraint, schema_constraint
 from inference.tool_parsers.base import ParsedToolCall, ToolParseDelta, ToolParser, call_from_obj
 
-EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 def _parameters(tool: Any) -> dict[str, Any]:

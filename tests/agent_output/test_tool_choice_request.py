@@ -50,11 +50,24 @@ def test_required_schema_accepts_only_calls_of_the_tools():
     assert single["maxItems"] == 1 and single["minItems"] == 1
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_a_tool_without_parameters_admits_only_the_empty_object(choice):
+    """OpenAI reads an omitted ``parameters`` as no arguments: the forced constraint admits ``{}`` and nothing else
+    (an open object let a model write keys until ``max_tokens``, never finishing the call)."""
+    schema = json.loads(processed(req(tools=[TIME], tool_choice=choice)).structured_spec)
+    wrap = (lambda args: [{"name": "get_time", "parameters": args}]) if choice == "required" else (lambda args: args)
+    jsonschema.validate(wrap({}), schema)
+    for bad in ({"x": 1}, {"tz": "UTC"}, [], "x"):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrap(bad), schema)
+
+
 def test_named_schema_is_the_tools_parameters_and_auto_has_none():
     named = req(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}})
     assert json.loads(processed(named).structured_spec) == WEATHER["function"]["parameters"]
     empty = req(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}})
-    assert json.loads(processed(empty).structured_spec) == {"type": "object", "properties": {}}
+    assert json.loads(processed(empty).structured_spec) == {"type": "object", "properties": {},
+                                                            "additionalProperties": False}
     for choice in ("auto", "none", None):
         assert processed(req(tools=[WEATHER], tool_choice=choice)).structured_kind is None
 
