@@ -1,6 +1,6 @@
 """Incremental detokenization and stop strings for streamed engine output (docs/ARCHITECTURE.md §4, §2 step 10).
 
-Importable without Django and torch. Two pieces, used per request (per choice) in the api process:
+Importable without Django and torch. Its pieces, used per request (per choice) in the api process:
 
 * ``IncrementalDetokenizer`` turns new token ids into newly complete text. It follows vLLM's
   offset scheme (``vllm/transformers_utils/detokenizer_utils.py::detokenize_incrementally``):
@@ -13,6 +13,8 @@ Importable without Django and torch. Two pieces, used per request (per choice) i
 * ``StopChecker`` holds back text that may still become a stop string, finds stop strings split
   across pushes, and truncates at the earliest match (keeping the stop string only when
   ``include_stop_str_in_output``).
+* ``AnswerStopChecker``, for a request whose output is parsed for reasoning: stop strings apply to the answer
+  only, as vLLM and SGLang match them; the reasoning (and its markers) passes through unchecked.
 
 Both give the same total output whether tokens are pushed one by one or all at once. Both run on the api's event
 loop per engine output of every choice, so they are linear in the output: the texts they keep
@@ -33,10 +35,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from inference.shared.markers import TextBuffer
 from inference.protocol.engine import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, EngineCoreOutput
+from inference.reasoning.base import ReasoningParser
 from inference.renderer.tokenizer_cache import LoadedTokenizer
 
 INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET = 5  # vLLM's value
@@ -254,6 +257,73 @@ class StopChecker:
         return out, None
 
 
+class AnswerStopChecker:
+    """Stop strings over the answer only: the text before ``reasoning.answer_start`` (the reasoning and its
+    markers) is emitted unchecked, the rest goes through ``stops``. ``push`` and ``flush`` as ``StopChecker`` 's.
+
+    Args:
+        stops: the request's ``StopChecker`` for this choice (it sees the answer's text only).
+        reasoning: a fresh reasoning parser of the request, fed the raw output here only to learn where the answer
+            starts (the chat parser that splits the fields is another instance, fed the text after stop strings).
+
+    While the parser cannot yet place its held text (``deciding``: an output start that may or may not open a
+    think block) that text is held here too; it is then answer (checked from its first character) or reasoning.
+    Once the answer has started the parser is dropped and each push costs what ``StopChecker.push`` costs; before,
+    one parser push more (O(len(text))). The engine's stop token ids are not affected (they end the sequence on
+    the engine, reasoning or not).
+    """
+
+    def __init__(self, stops: StopChecker, reasoning: ReasoningParser):
+        self.stops = stops
+        self._reasoning: ReasoningParser | None = reasoning
+        self._held: list[str] = []  # raw text held while the parser decides (bounded by its own hold)
+        self._passed = 0  # raw characters already emitted unchecked (the reasoning part)
+
+    def push(self, text: str) -> tuple[str, str | None]:
+        """Feed newly decoded text; returns (text to emit now, matched stop string or None)."""
+        parser = self._reasoning
+        if parser is None:
+            return self.stops.push(text)
+        parser.push(text)
+        return self._route(parser, text)
+
+    def _route(self, parser: ReasoningParser, text: str) -> tuple[str, str | None]:
+        self._held.append(text)
+        start = parser.answer_start
+        if start is None and parser.deciding:
+            return "", None
+        raw, self._held = "".join(self._held), []
+        if start is None:  # reasoning: not checked
+            self._passed += len(raw)
+            return raw, None
+        self._reasoning = None
+        cut = max(0, start - self._passed)
+        emit, matched = self.stops.push(raw[cut:])
+        return raw[:cut] + emit, matched
+
+    def flush(self) -> tuple[str, str | None]:
+        """End of stream: returns (held-back text, matched stop or None)."""
+        parser = self._reasoning
+        if parser is None:
+            return self.stops.flush()
+        parser.flush()  # decides a start still undecided
+        out, matched = self._route(parser, "")
+        if matched is not None:
+            return out, matched
+        tail, matched = self.stops.flush()
+        return out + tail, matched
+
+
+def stop_checker(stop: list[str] | None, include_stop_str_in_output: bool,
+                 reasoning: ReasoningParser | None = None) -> StopChecker | AnswerStopChecker:
+    """A choice's stop-string checker: an ``AnswerStopChecker`` when the request has stop strings and its output
+    may hold reasoning (``reasoning``: a fresh parser, or ``None``), else a plain ``StopChecker``."""
+    stops = StopChecker(stop, include_stop_str_in_output)
+    if not stops.stop or reasoning is None or reasoning.answer_start == 0:
+        return stops
+    return AnswerStopChecker(stops, reasoning)
+
+
 # ----------------------------------------------------------------------------- per-request output state
 
 
@@ -265,7 +335,7 @@ class ChoiceState:
     index: int
     request_id: str
     detok: IncrementalDetokenizer
-    stops: StopChecker
+    stops: StopChecker | AnswerStopChecker
     text_buffer: TextBuffer = field(default_factory=TextBuffer)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
@@ -339,6 +409,8 @@ class RequestState:
         prompt_token_ids: the prompt all children share (decoding context), or with ``batch_prompts`` the first.
         child_request_ids: the engine request ids, in choice order (choice ``i`` ↔ ``child_request_ids[i]``).
         stop / include_stop_str_in_output / skip_special_tokens: the request's text options (OpenAI/vLLM).
+        reasoning: makes a fresh reasoning parser per choice (``ChatOutputSpec.reasoning``) when the output is
+            parsed for reasoning: stop strings then apply to the answer only (``AnswerStopChecker``).
         arrival_time: ``time.time()`` when the request arrived (seconds).
         batch_prompts: the prompts of a batch of completions prompts (``P`` of them): the children are laid out
             prompt by prompt, ``len(child_request_ids) / P`` each, so choice ``i`` continues prompt ``i // n``.
@@ -347,7 +419,8 @@ class RequestState:
 
     def __init__(self, tokenizer: LoadedTokenizer, prompt_token_ids: list[int], child_request_ids: list[str], *,
                  stop: list[str] | None, include_stop_str_in_output: bool, skip_special_tokens: bool,
-                 arrival_time: float, batch_prompts: list[list[int]] | None = None):
+                 arrival_time: float, batch_prompts: list[list[int]] | None = None,
+                 reasoning: Callable[[], ReasoningParser | None] | None = None):
         self.prompts = batch_prompts or [prompt_token_ids]
         if len(child_request_ids) % len(self.prompts):
             raise ValueError(f"{len(child_request_ids)} children do not split evenly over {len(self.prompts)} prompts")
@@ -362,7 +435,8 @@ class RequestState:
             index=i, request_id=rid, prompt_index=i // per_prompt,
             detok=IncrementalDetokenizer(tokenizer, self.prompts[i // per_prompt],
                                          skip_special_tokens=skip_special_tokens),
-            stops=StopChecker(stop, include_stop_str_in_output)) for i, rid in enumerate(child_request_ids)]
+            stops=stop_checker(stop, include_stop_str_in_output, reasoning() if reasoning and stop else None))
+            for i, rid in enumerate(child_request_ids)]
         self.by_id = {c.request_id: c for c in self.choices}
 
     def first_token_latency(self, choice: ChoiceState) -> FirstTokenLatency | None:

@@ -4,7 +4,8 @@ vLLM's reasoning parsers (``vllm/reasoning/``, ``--reasoning-parser``) in the sh
 parser object per choice, fed the detokenized text deltas in order (``push``), closed with ``flush`` at the
 end of the choice. Every call returns a ``ReasoningDelta``; the concatenation of all deltas is the same
 whatever the chunking (one token at a time or the whole text at once), and no part of a marker is ever
-emitted into either field (possible marker prefixes are held back, ``inference.shared.markers``).
+emitted into either field (possible marker prefixes are held back, ``inference.shared.markers``). A parser also
+says where the answer begins in the raw text (``answer_start``), so that stop strings apply to the answer only.
 
 Parsers are chosen by name from ``REASONING_PARSERS`` (``register_reasoning_parser`` adds one), per served
 model (the registry's ``reasoning_parser`` field; ``"auto"`` derives it from the chat template,
@@ -73,6 +74,20 @@ class ReasoningParser:
     def reasoning_tokens(self, output_token_ids: list[int]) -> int:
         """``usage.completion_tokens_details.reasoning_tokens`` of a finished choice."""
         raise NotImplementedError
+
+    @property
+    def answer_start(self) -> int | None:
+        """Where the answer begins in the text pushed so far (a count of characters of the raw output, the markers
+        included), once it has begun; ``None`` while the output is (or may still be) reasoning. Stop strings are
+        matched from there only (``inference.api.output_processor.AnswerStopChecker``). The default, ``0``, suits
+        a parser that does not track it: stop strings then apply to its whole output."""
+        return 0
+
+    @property
+    def deciding(self) -> bool:
+        """``True`` while the parser holds text it cannot yet place: it may turn out to be reasoning or answer
+        (``answer_start`` then stays ``None``). Default ``False``."""
+        return False
 
 
 

@@ -12,8 +12,10 @@ request text never holds them as control ids, D-064):
   to ``</think>``; one that does not is content (``qwen3``) or reasoning anyway up to ``</think>``
   (``deepseek_r1``: R1 models may omit the opening tag, vLLM's ``DeepSeekR1ReasoningParser``).
 
-Reasoning that never ends (``max_tokens`` reached inside it) stays reasoning. The text between the markers is
-kept as the model wrote it (vLLM does not strip it either); the text after ``</think>`` is the content.
+Reasoning that never ends (``max_tokens`` reached inside it) stays reasoning. The text between the markers is kept
+as the model wrote it (vLLM does not strip it either); the text after ``</think>`` is the content. ``answer_start``
+(where stop strings start to apply) is 0 for an output that is content from its start, else the end of
+``</think>`` once the block closed.
 
 Bounded hold and cost: reasoning and content flow as they come (only a possible start of ``</think>`` is held
 back), so the one thing held is the output's leading whitespace while it is undecided whether a ``<think>``
@@ -70,6 +72,8 @@ class ThinkTagReasoningParser(ReasoningParser):
         self._pending = ""
         self._ws = TextBuffer()  # _START: the leading whitespace
         self._had_reasoning = False  # the output entered the think block
+        self._pushed = 0  # characters pushed so far
+        self._answer_start: int | None = 0 if self._mode == _CONTENT else None
 
     def _prompt_state(self) -> str:
         """``"open"``, ``"closed"`` (closed with only whitespace after) or ``"none"``: the think block at the
@@ -102,7 +106,19 @@ class ThinkTagReasoningParser(ReasoningParser):
         for ``</think>`` would then never start, so it applies from the first token, D-125)."""
         return [self._end_id] if self._starts_in_reasoning and self._end_id is not None else []
 
+    @property
+    def answer_start(self) -> int | None:
+        """0 when the output is content from its start, the end of ``end_marker`` once the reasoning closed,
+        ``None`` before."""
+        return self._answer_start
+
+    @property
+    def deciding(self) -> bool:
+        """While the output's start is undecided (leading whitespace, a possible start of ``start_marker``)."""
+        return self._mode == _START
+
     def push(self, text: str) -> ReasoningDelta:
+        self._pushed += len(text)
         if self._mode == _START:
             started = self._start(text)
             if started is None:
@@ -114,6 +130,7 @@ class ThinkTagReasoningParser(ReasoningParser):
                 self._pending = rest
                 return ReasoningDelta(reasoning=before)
             self._pending, self._mode = "", _CONTENT
+            self._answer_start = self._pushed - len(rest)  # the marker ends in this push: ``rest`` is its tail
             return ReasoningDelta(reasoning=before, content=rest)
         return ReasoningDelta(content=text)
 
@@ -146,6 +163,8 @@ class ThinkTagReasoningParser(ReasoningParser):
         self._ws = TextBuffer()
         self._mode = self._fallback
         self._had_reasoning = self._mode == _REASONING
+        if self._mode == _CONTENT:
+            self._answer_start = 0  # the undecided start was the output's: all of it is content
         return held
 
     def flush(self) -> ReasoningDelta:

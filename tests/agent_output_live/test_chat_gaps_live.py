@@ -9,7 +9,61 @@ from __future__ import annotations
 import pytest
 
 from tests.agent_output_live.conftest import MODEL
-from tests.agent_output_live.test_agent_output_live import MSGS
+from tests.agent_output_live.test_agent_output_live import MSGS, lit
+
+REASONED = "<think>\nalpha STOP beta\n</think>\n\nanswer STOP tail"
+
+
+def by_choice(chunks) -> dict[int, dict]:
+    """A stream reassembled per choice index: content, reasoning, finish reason and stop reason."""
+    out: dict[int, dict] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            entry = out.setdefault(choice.index, {"content": "", "reasoning": "", "finish": None, "stop_reason": None})
+            delta = choice.delta.model_dump(exclude_none=True)
+            entry["content"] += delta.get("content") or ""
+            entry["reasoning"] += delta.get("reasoning") or ""
+            if choice.finish_reason:
+                entry["finish"] = choice.finish_reason
+                entry["stop_reason"] = (choice.model_extra or {}).get("stop_reason")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ stop strings vs reasoning
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_inside_the_reasoning_does_not_end_the_generation(forced, include):
+    """"STOP" in the reasoning is reasoning; the answer is cut at its own "STOP" (kept with
+    ``include_stop_str_in_output``), streamed and not, for every choice of n=2."""
+    kw = dict(messages=MSGS, max_tokens=120, temperature=1.0, seed=5, n=2, stop=["STOP"],
+              extra_body={"include_stop_str_in_output": include})
+    answer = "\n\nanswer STOP" if include else "\n\nanswer "
+    full = forced(lit(REASONED), **kw)
+    assert len(full.choices) == 2
+    for choice in full.choices:
+        extra = choice.message.model_extra or {}
+        assert extra.get("reasoning") == "\nalpha STOP beta\n"
+        assert choice.message.content == answer
+        assert choice.finish_reason == "stop" and choice.model_extra.get("stop_reason") == "STOP"
+    streamed = by_choice(forced(lit(REASONED), stream=True, **kw))
+    assert set(streamed) == {0, 1}
+    for entry in streamed.values():
+        assert entry == {"content": answer, "reasoning": "\nalpha STOP beta\n", "finish": "stop",
+                         "stop_reason": "STOP"}
+
+
+def test_a_stop_string_only_in_the_reasoning_lets_the_answer_finish(forced):
+    full = forced(lit("<think>\nalpha STOP\n</think>\n\nall done"), messages=MSGS, max_tokens=120, temperature=1.0,
+                  seed=5, stop=["STOP", "\n</think>"])
+    choice = full.choices[0]
+    assert (choice.message.model_extra or {}).get("reasoning") == "\nalpha STOP\n"
+    assert choice.message.content == "\n\nall done" and choice.finish_reason == "stop"
+
+
+def test_without_reasoning_a_stop_string_still_applies_from_the_first_token(forced):
+    full = forced(lit("alpha STOP beta"), messages=MSGS, max_tokens=60, temperature=1.0, seed=5, stop=["STOP"],
+                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert full.choices[0].message.content == "alpha " and full.choices[0].finish_reason == "stop"
+
 
 # ------------------------------------------------------------------------------------------ tools without parameters
 NO_PARAMS = {"type": "function", "function": {"name": "get_time", "description": "The current time"}}

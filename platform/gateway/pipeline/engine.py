@@ -58,7 +58,9 @@ class GenerationRun:
                                   [r.request_id for r in processed.requests], stop=stop,
                                   include_stop_str_in_output=include_stop_str_in_output,
                                   skip_special_tokens=skip_special_tokens, arrival_time=arrival_time,
-                                  batch_prompts=processed.batch_prompts)
+                                  batch_prompts=processed.batch_prompts,
+                                  # stop strings apply to the answer only, not to the reasoning
+                                  reasoning=processed.chat_output.reasoning if processed.chat_output else None)
         self.processor = OutputProcessor(self.state)
         self.queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
         self._closed = False
