@@ -250,6 +250,27 @@ BEARER = Credentials(bearer_token)
 """``Authorization: Bearer <key>``: every OpenAI route."""
 
 
+def api_key_or_bearer(headers: Headers) -> str | None:
+    """The key of an ``x-api-key`` header or of ``Authorization: Bearer`` (the ``anthropic`` SDK sends one or the
+    other, by version); ``None`` without either. Both present and naming different keys: ``ApiError`` 401 (which
+    one the caller meant cannot be told)."""
+    api_key: str | None = None
+    for name, value in headers:
+        if name.lower() == b"x-api-key":
+            api_key = value.decode("latin-1").strip() or None
+            break
+    bearer = bearer_token(headers)
+    if api_key is not None and bearer is not None and api_key != bearer:
+        raise unauthorized("x-api-key and Authorization: Bearer carry different API keys; send one of them")
+    token = api_key or bearer
+    return token if token is not None and len(token) <= _MAX_KEY_LEN else None
+
+
+API_KEY_OR_BEARER = Credentials(api_key_or_bearer, "Invalid or missing API key. Send 'x-api-key: <key>' (or "
+                                                    "'Authorization: Bearer <key>').")
+"""``x-api-key`` or ``Authorization: Bearer``: the Messages API."""
+
+
 async def _lookup(token: str, now: float, generation: int) -> CachedAuth:
     """The ORM's verdict on ``token``, cached until ``now + AUTH_CACHE_TTL_S`` unless an invalidation came since
     ``generation``; 503 ``database_unavailable`` when the database cannot be reached."""

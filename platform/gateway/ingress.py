@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable
 from django.conf import settings
 
 from gateway import auth
-from gateway.dialects import OPENAI, Dialect
+from gateway.dialects import ANTHROPIC, OPENAI, Dialect
 from gateway.errors import ApiError, ErrorCode, ErrorType
 
 REQUEST_BODY_TIMEOUT_S = settings.REQUEST_BODY_TIMEOUT_S
@@ -36,7 +36,7 @@ REQUEST_BODY_IDLE_TIMEOUT_S = settings.REQUEST_BODY_IDLE_TIMEOUT_S
 KEYED_PATHS = frozenset({
     "/v1/chat/completions", "/v1/chat/completions/render", "/v1/completions", "/v1/completions/render",
     "/v1/embeddings", "/tokenize", "/detokenize", "/inference/v1/generate", "/inference/v1/abort_requests",
-    "/v1/models", "/metrics",
+    "/v1/models", "/metrics", "/v1/messages", "/v1/messages/count_tokens",
 })
 
 # Every gateway route (gateway/routing.py): the keyed ones, the public ``/health`` and ``/v1/openapi.json``
@@ -46,8 +46,9 @@ _MODEL_PATH = re.compile(r"/v1/models/[^/]+")
 MAX_REQUEST_BODY_BYTES = settings.MAX_REQUEST_BODY_BYTES
 # Routes whose errors are written in another protocol's dialect, or whose key is read from other headers than
 # ``Authorization: Bearer`` (gateway/dialects.py, gateway/auth.py); every other route is OpenAI's, with a bearer key.
-ROUTE_DIALECTS: dict[str, Dialect] = {}
-ROUTE_CREDENTIALS: dict[str, auth.Credentials] = {}
+ROUTE_DIALECTS: dict[str, Dialect] = {"/v1/messages": ANTHROPIC, "/v1/messages/count_tokens": ANTHROPIC}
+ROUTE_CREDENTIALS: dict[str, auth.Credentials] = {"/v1/messages": auth.API_KEY_OR_BEARER,
+                                                  "/v1/messages/count_tokens": auth.API_KEY_OR_BEARER}
 
 Scope = dict[str, Any]  # ASGI scope, receive and send callables
 Receive = Callable[[], Awaitable[dict[str, Any]]]

@@ -9,6 +9,7 @@ from gateway.endpoints.completions import CompletionsConsumer
 from gateway.endpoints.embeddings import EmbeddingsConsumer
 from gateway.endpoints.generate import AbortRequestsConsumer, GenerateConsumer
 from gateway.endpoints.health import HealthConsumer, NotFoundConsumer
+from gateway.endpoints.messages import CountTokensConsumer, MessagesConsumer
 from gateway.endpoints.metrics import MetricsConsumer
 from gateway.endpoints.models_api import ModelsConsumer
 from gateway.endpoints.openapi import OPENAPI_PATH, OpenApiConsumer
@@ -22,6 +23,8 @@ http_urlpatterns = [
     path("v1/chat/completions/render", ChatRenderConsumer.as_asgi()),
     path("v1/completions/render", CompletionRenderConsumer.as_asgi()),
     path("tokenize", TokenizeConsumer.as_asgi()),
+    path("v1/messages", MessagesConsumer.as_asgi()),  # Anthropic's Messages API
+    path("v1/messages/count_tokens", CountTokensConsumer.as_asgi()),
     path("detokenize", DetokenizeConsumer.as_asgi()),
     path("inference/v1/generate", GenerateConsumer.as_asgi()),
     path("inference/v1/abort_requests", AbortRequestsConsumer.as_asgi()),

@@ -11,6 +11,7 @@ from django.urls.resolvers import RoutePattern
 
 from gateway.endpoints.openapi import OPENAPI_PATH, openapi_bytes, openapi_document
 from gateway.routing import http_urlpatterns
+from inference.protocol.anthropic import MessagesRequest
 from inference.protocol.openai import ChatCompletionRequest, GenerateRequest
 
 UNDESCRIBED = {"/health", "/metrics", OPENAPI_PATH}  # operational routes, and the document itself
@@ -28,7 +29,7 @@ def test_every_gateway_route_is_described():
     assert set(openapi_document()["paths"]) == _route_paths() - UNDESCRIBED
 
 
-@pytest.mark.parametrize("model", [ChatCompletionRequest, GenerateRequest])
+@pytest.mark.parametrize("model", [ChatCompletionRequest, GenerateRequest, MessagesRequest])
 def test_request_bodies_are_the_pydantic_models(model):
     doc = openapi_document()
     component = doc["components"]["schemas"][model.__name__]
@@ -48,10 +49,12 @@ def test_every_operation_documents_the_error_envelope_and_loads_in_schemathesis(
             assert {"200", "401", "405", "429", "500"} <= codes, (method, path)
             if method == "post":
                 assert {"400", "408", "413", "503"} <= codes, path
+            envelope = "AnthropicError" if path.startswith("/v1/messages") else "Error"  # Anthropic's routes
             for code, response in op["responses"].items():
                 if code != "200":
                     assert response["content"]["application/json"]["schema"] == {
-                        "$ref": "#/components/schemas/Error"}, (path, code)
+                        "$ref": f"#/components/schemas/{envelope}"}, (path, code)
     schema = schemathesis.openapi.from_dict(doc)
     labels = {op.ok().label for op in schema.get_all_operations()}
-    assert "POST /v1/chat/completions" in labels and len(labels) == 11
+    assert "POST /v1/chat/completions" in labels and "POST /v1/messages" in labels
+    assert len(labels) == sum(len(ops) for ops in doc["paths"].values())

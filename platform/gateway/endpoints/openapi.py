@@ -5,7 +5,8 @@ through pydantic's ``models_json_schema``, so the description cannot drift from 
 Schema cannot say (token ids in the model's vocabulary, chat-template rules, cross-field rules) is still
 answered 400 at run time. Responses are written here as the endpoints answer them; every error is the OpenAI
 envelope (``inference.protocol.errors.error_dict``) with one of the statuses the gateway can answer (``ApiError``:
-400, 401, 403, 404, 405, 408, 413, 429, 500, 503). Served without a key (DECISIONS D-176): it describes the
+400, 401, 403, 404, 405, 408, 413, 429, 500, 503), but on the Messages API routes, whose errors are Anthropic's
+envelope (``gateway.dialects.AnthropicDialect``, 402 and 529 besides). Served without a key (DECISIONS D-176): it describes the
 public surface only, no tenant's data and no model names, as vLLM's own ``/openapi.json`` is public.
 ``tests/e2e/test_schemathesis_e2e.py`` runs schemathesis against it.
 """
@@ -22,6 +23,7 @@ from pydantic.json_schema import models_json_schema
 
 from gateway.http import GatewayConsumer
 from inference.api.embeddings import EmbeddingRequest
+from inference.protocol.anthropic import CountTokensRequest, MessagesRequest
 from inference.protocol.openai import (
     SERVED_MODEL_NAME_RE,
     AbortRequestsRequest,
@@ -40,7 +42,7 @@ _REF = "#/components/schemas/"
 # answers 400 "'model' is required" without it: ``gateway.pipeline.preamble.resolve_model``).
 _REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     ChatCompletionRequest, CompletionRequest, EmbeddingRequest, TokenizeCompletionRequest, TokenizeChatRequest,
-    DetokenizeRequest, GenerateRequest, AbortRequestsRequest)
+    DetokenizeRequest, GenerateRequest, AbortRequestsRequest, MessagesRequest, CountTokensRequest)
 
 _STR = {"type": "string"}
 _INT = {"type": "integer"}
@@ -134,6 +136,27 @@ _RESPONSES: dict[str, dict[str, Any]] = {
         },
     },
     "AbortResponse": {"type": "object", "description": "Always empty.", "maxProperties": 0},
+    "AnthropicError": {
+        "type": "object", "required": ["type", "error", "request_id"],
+        "description": "Anthropic's error envelope: every non-2xx answer of the Messages API routes (the field the "
+                       "error is about starts its message).",
+        "properties": {"type": {"const": "error"}, "request_id": _NULLABLE_STR, "error": {
+            "type": "object", "required": ["type", "message"], "properties": {"type": _STR, "message": _STR}}},
+    },
+    "AnthropicMessage": {
+        "type": "object", "required": ["id", "type", "role", "model", "content", "stop_reason", "usage"],
+        "properties": {
+            "id": _STR, "type": {"const": "message"}, "role": {"const": "assistant"}, "model": _STR,
+            "content": {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
+                "type": {"enum": ["text", "thinking", "tool_use"]}}}},
+            "stop_reason": {"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]},
+            "stop_sequence": _NULLABLE_STR,
+            "usage": {"type": "object", "required": ["input_tokens", "output_tokens"], "properties": {
+                "input_tokens": _INT, "output_tokens": _INT, "cache_read_input_tokens": _INT,
+                "cache_creation_input_tokens": _INT}},
+        },
+    },
+    "CountTokensResponse": {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": _INT}},
 }
 
 # The errors each kind of route can answer (besides 2xx), with what they mean there.
@@ -154,10 +177,32 @@ _ERRORS_BODY = {
 _SSE = {"text/event-stream": {"schema": {
     "type": "string", "description": "``data: <chunk JSON>`` events, then ``data: [DONE]``; an error after the "
                                      "stream started is one ``data: <error envelope>`` event."}}}
+_ANTHROPIC_SSE = {"text/event-stream": {"schema": {
+    "type": "string", "description": "``event: <name>`` and ``data: <JSON>`` pairs: ``message_start``, per block "
+                                     "``content_block_start``/``_delta``/``_stop``, ``message_delta``, "
+                                     "``message_stop``; ``ping`` anywhere; ``event: error`` after the 200."}}}
+# The Messages API's errors: the OpenAI routes' statuses, plus 402 (budget) and 529 (admission shed)
+_ERRORS_MESSAGES = {**_ERRORS_COMMON, **_ERRORS_BODY, "401": "no, unknown, revoked or expired API key, or "
+                    "``x-api-key`` and ``Authorization: Bearer`` naming different keys",
+                    "402": "the key's or tenant's token budget is exhausted (``billing_error``)",
+                    "429": "the key's request, token or concurrency limit (``rate_limit_error``, ``retry-after``)",
+                    "503": "no replica or worker available now (``api_error``, ``retry-after``)",
+                    "529": "the model's admission limits shed the request (``overloaded_error``, ``retry-after``)"}
 
 
 def _json(ref: str) -> dict[str, Any]:
     return {"application/json": {"schema": {"$ref": _REF + ref}}}
+
+
+def _anthropic(operation: dict[str, Any]) -> dict[str, Any]:
+    """``operation`` as a Messages API route: its errors in Anthropic's envelope, its stream Anthropic's events,
+    the key from ``x-api-key`` or a bearer token."""
+    for status, response in operation["responses"].items():
+        if status == "200" and "text/event-stream" in response["content"]:
+            response["content"] = {**response["content"], **_ANTHROPIC_SSE}
+        elif status != "200":
+            response["content"] = _json("AnthropicError")
+    return {**operation, "security": [{"bearerAuth": []}, {"apiKeyHeader": []}]}
 
 
 def _operation(summary: str, ok: str, *, request: str | None = None, stream: bool = False,
@@ -230,6 +275,12 @@ def openapi_document() -> dict[str, Any]:
         "/v1/completions/render": {"post": render},
         "/inference/v1/generate": {"post": _operation(
             "Generate from token ids (vLLM)", "GenerateResponse", request="GenerateRequest", stream=True)},
+        "/v1/messages": {"post": _anthropic(_operation(
+            "Create a message (Anthropic's Messages API)", "AnthropicMessage", request="MessagesRequest",
+            stream=True, errors=_ERRORS_MESSAGES))},
+        "/v1/messages/count_tokens": {"post": _anthropic(_operation(
+            "Count a message's input tokens, exactly as a create renders them (Anthropic)", "CountTokensResponse",
+            request="CountTokensRequest", errors={k: v for k, v in _ERRORS_MESSAGES.items() if k not in ("402", "529")}))},
         "/inference/v1/abort_requests": {"post": _operation(
             "Abort the caller's generate requests by request id (vLLM)", "AbortResponse",
             request="AbortRequestsRequest", errors={**_ERRORS_COMMON, **{k: v for k, v in _ERRORS_BODY.items()
@@ -242,7 +293,9 @@ def openapi_document() -> dict[str, Any]:
                                 "``{\"error\": {message, type, param, code}}``."},
         "paths": paths,
         "components": {"schemas": components, "securitySchemes": {
-            "bearerAuth": {"type": "http", "scheme": "bearer", "description": "an API key (sk-...)"}}},
+            "bearerAuth": {"type": "http", "scheme": "bearer", "description": "an API key (sk-...)"},
+            "apiKeyHeader": {"type": "apiKey", "in": "header", "name": "x-api-key",
+                             "description": "an API key (sk-...), on the Messages API routes"}}},
         "security": [{"bearerAuth": []}],
     }
 

@@ -14,6 +14,7 @@ step fixes every route:
             images' feature keys (``inputs.attach_media``), the exact admission and the engine hand-off
             (``flow.admit_and_start``). Returns the ``Started`` run, its tokenizer and one ``ChatOutputParser`` per
             choice (``output_parsers``).
+``prompt_tokens``  steps 7 alone: the exact prompt length of an internal request (count routes).
 
 What differs per route is its ``Route`` (the usage records' endpoint name, the external id's prefix, where the key
 is read) and its consumer's error dialect (``GatewayConsumer.dialect``, ``gateway.dialects``), which writes every
@@ -32,14 +33,16 @@ from gateway import auth
 from gateway.clients import link
 from gateway.http import GatewayConsumer
 from gateway.model_cache import ModelSnapshot
-from gateway.pipeline import flow, inputs, preamble
+from gateway.pipeline import flow, inputs, preamble, rendering
 from gateway.pipeline.engine import GenerationRun
+from gateway.pipeline.media import render_chat_media
 from gateway.pipeline.preamble import JsonBody, Preamble
 from gateway.pipeline.scope import RequestScope, record_refusal, request_scope
 from inference.api.chat_output import ChatOutputParser, ChatOutputSpec
 from inference.api.input_processor import new_internal_id
 from inference.protocol.openai import ChatCompletionRequest
 from inference.renderer.tokenizer_cache import LoadedTokenizer
+from tenancy.selectors import AuthContext
 
 
 class NamesModel(Protocol):
@@ -127,6 +130,17 @@ async def start(consumer: GatewayConsumer, conv: Opened[Body], req: ChatCompleti
                                      skip_special_tokens=req.skip_special_tokens is not False,
                                      arrival_time=conv.arrival)
     return Started(req, model, tokenizer, run)
+
+
+async def prompt_tokens(ctx: AuthContext, model: ModelSnapshot, req: ChatCompletionRequest) -> int:
+    """The prompt length ``start`` would give ``req`` on ``model``, without generating: the same character bound,
+    the same render payload (template, tools, template arguments) and the same image expansion as step 7, so a count
+    route (``/v1/messages/count_tokens``) is exact. Raises ``ApiError`` as step 7 does (400, 429, 503)."""
+    tokenizer = await rendering.load_tokenizer(model)
+    rendering.check_prompt_chars(model, tokenizer, rendering.message_chars(req.messages), "messages")
+    rendered = await render_chat_media(model, rendering.chat_render_payload(model, req),
+                                       cache_salt=inputs.cache_salt_for(ctx, req.cache_salt), tenant_id=ctx.tenant_id)
+    return len(rendered.prompt_token_ids)
 
 
 def output_parsers(run: GenerationRun) -> list[ChatOutputParser]:
