@@ -236,7 +236,8 @@ class _Base(BaseModel):
 
 
 class StreamOptions(_Base):
-    """``stream_options``: ``include_usage`` adds a final usage chunk (OpenAI)."""
+    """``stream_options``: ``include_usage`` adds a final usage chunk (OpenAI); with it, ``continuous_usage_stats``
+    (vLLM's extension) puts the usage so far on every chunk."""
 
     include_usage: bool | None = False
     continuous_usage_stats: bool | None = False

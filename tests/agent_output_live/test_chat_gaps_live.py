@@ -65,6 +65,46 @@ def test_without_reasoning_a_stop_string_still_applies_from_the_first_token(forc
     assert full.choices[0].message.content == "alpha " and full.choices[0].finish_reason == "stop"
 
 
+# ------------------------------------------------------------------------------------------ continuous usage stats
+def _check_continuous(chunks, prompt_tokens_of_final: int, completion_tokens_of_final: int) -> None:
+    assert all(c.usage is not None for c in chunks), "every chunk carries usage"
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == completion_tokens_of_final
+    for c in chunks:
+        assert c.usage.prompt_tokens == prompt_tokens_of_final
+        assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+    # the text chunks count their own tokens: the last choice chunk already has the final count
+    last_choice_chunk = [c for c in chunks if c.choices][-1]
+    assert last_choice_chunk.usage.completion_tokens == completion_tokens_of_final
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_chat_continuous_usage_stats_put_usage_on_every_chunk(client, n):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=MSGS, max_tokens=12, temperature=1.0, seed=1, n=n, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    final = chunks[-1]
+    assert final.choices == [] and final.usage.completion_tokens == 12 * n
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].usage.completion_tokens == 0
+    _check_continuous(chunks, final.usage.prompt_tokens, final.usage.completion_tokens)
+    # without the flag, only the final chunk has usage (unchanged)
+    plain = list(client.chat.completions.create(
+        model=MODEL, messages=MSGS, max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage is not None
+
+
+def test_completions_continuous_usage_stats_put_usage_on_every_chunk(client):
+    for echo in (False, True):
+        chunks = list(client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0, stream=True, echo=echo,
+            stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+        final = chunks[-1]
+        assert final.choices == [] and final.usage.completion_tokens == 10
+        _check_continuous(chunks, final.usage.prompt_tokens, 10)
+        # the echoed prompt comes before any token; without echo the first chunk holds the first token
+        assert (chunks[0].usage.completion_tokens == 0) is echo
+
+
 # ------------------------------------------------------------------------------------------ tools without parameters
 NO_PARAMS = {"type": "function", "function": {"name": "get_time", "description": "The current time"}}
 

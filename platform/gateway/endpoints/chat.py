@@ -37,9 +37,10 @@ class ChatCompletionsConsumer(GatewayConsumer):
 
     async def _stream(self, req: ChatCompletionRequest, run: GenerationRun, external_id: str, created: int,
                       tokenizer: LoadedTokenizer) -> None:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage, continuous = responses.usage_options(req.stream_options)
         cursor = responses.LogprobCursor(run)
-        envelope = responses.chunk_envelope("chat.completion.chunk", external_id, created, run, include_usage)
+        envelope = responses.chunk_envelope("chat.completion.chunk", external_id, created, run, include_usage,
+                                            continuous)
         parsers = choice_parsers(run)
 
         def choice_of(d: ChoiceDelta, state: ChoiceState) -> list[dict[str, Any]] | None:

@@ -78,9 +78,9 @@ class CompletionsConsumer(GatewayConsumer):
 
     async def _stream(self, req: CompletionRequest, run: GenerationRun, external_id: str, created: int,
                       tokenizer: LoadedTokenizer, echo_texts: list[str]) -> None:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        include_usage, continuous = responses.usage_options(req.stream_options)
         cursor = responses.LogprobCursor(run)
-        envelope = responses.chunk_envelope("text_completion", external_id, created, run, include_usage)
+        envelope = responses.chunk_envelope("text_completion", external_id, created, run, include_usage, continuous)
         echo_pending = {c.index for c in run.choices} if req.echo and req.logprobs is not None else set()
         offsets = {c.index: 0 for c in run.choices}  # text_offset runs on across a choice's chunks
 

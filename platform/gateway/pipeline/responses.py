@@ -3,7 +3,7 @@ after it, an engine failure is an in-band error event (``GatewayConsumer.send_ss
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 from gateway.http import GatewayConsumer
 from gateway.pipeline.engine import GenerationRun
@@ -53,16 +53,34 @@ async def stream(consumer: GatewayConsumer, run: GenerationRun, envelope: Envelo
     await consumer.end_sse()
 
 
-def chunk_envelope(obj: str, external_id: str, created: int, run: GenerationRun, include_usage: bool) -> Envelope:
+class StreamUsage(Protocol):
+    """The ``stream_options`` fields a stream's usage follows (``inference.protocol.openai.StreamOptions``)."""
+
+    include_usage: bool | None
+    continuous_usage_stats: bool | None
+
+
+def usage_options(options: StreamUsage | None) -> tuple[bool, bool]:
+    """``(include_usage, continuous)`` of a request's ``stream_options``: the final usage chunk, and a running
+    usage on every chunk (``continuous_usage_stats``; as vLLM, only together with ``include_usage``)."""
+    include = bool(options and options.include_usage)
+    return include, include and bool(options and options.continuous_usage_stats)
+
+
+def chunk_envelope(obj: str, external_id: str, created: int, run: GenerationRun, include_usage: bool,
+                   continuous: bool = False) -> Envelope:
     """The ``envelope(choices, usage)`` of ``stream`` for OpenAI's streamed objects (``obj``:
     ``"chat.completion.chunk"`` or ``"text_completion"``): ``{"id", "object", "created", "model", "choices"}``,
-    plus ``usage`` (``None`` but on the last chunk) when the client asked for ``stream_options.include_usage``."""
+    plus ``usage`` (``None`` but on the last chunk) when the client asked for ``stream_options.include_usage``.
+    With ``continuous`` (``usage_options``) every other chunk has the usage so far instead of ``None``:
+    ``prompt_tokens``, ``completion_tokens`` of all choices up to that chunk, ``total_tokens``."""
 
     def envelope(choices: list[JsonObject], usage: Usage | None) -> JsonObject:
         body: JsonObject = {"id": external_id, "object": obj, "created": created, "model": run.model.served_model_name,
                             "choices": choices}
         if include_usage:
-            body["usage"] = usage
+            body["usage"] = usage_dict(run.prompt_tokens, run.completion_tokens) if usage is None and continuous \
+                else usage
         return body
 
     return envelope
