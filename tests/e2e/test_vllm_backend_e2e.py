@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from harness.assets import DEMO_MODEL, MODEL_DIR, VLLM_PYTHON
+from tests.support.cache_salt import check_shared_only_within_a_tenant, check_shared_within_a_cache_group, salt_tenants
 
 VLLM_MODEL = "tiny-qwen3-vllm"
 MESSAGES = [{"role": "user", "content": "Name three colours of the rainbow, please."}]
@@ -121,6 +122,16 @@ def test_json_schema_response_format_on_vllm(oai, vllm_model):
     for choice in out.choices:
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_prefix_cache_is_shared_only_within_a_tenant_on_vllm(vllm_model, live):
+    """Issue 39: the tenant's cache salt reaches vLLM (``TokensPrompt.cache_salt``): B does not get A's blocks."""
+    check_shared_only_within_a_tenant(live, salt_tenants(live), vllm_model)
+
+
+def test_prefix_cache_is_shared_within_a_cache_group_on_vllm(vllm_model, live):
+    """Issue 39: two tenants of one ``cache_group`` share vLLM's cached blocks; one outside it does not."""
+    check_shared_within_a_cache_group(live, salt_tenants(live), vllm_model)
 
 
 def test_sigterm_of_the_vllm_replica_ends_its_stream_with_an_error_and_its_heartbeat(vllm_model, live):
