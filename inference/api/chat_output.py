@@ -198,11 +198,12 @@ class ChatOutputParser:
             return FINISH_TOOL_CALLS
         return engine_reason
 
-    def message_fields(self) -> dict[str, Any]:
+    def message_fields(self, echo: str = "") -> dict[str, Any]:
         """The non-streamed ``message`` fields (``content``, ``tool_calls``; the reasoning fields with a
-        reasoning parser). Call after ``finish``."""
+        reasoning parser). ``echo``: text put before the content (chat ``echo``). Call after ``finish``."""
         empty_is_null = bool(self.calls) or bool(self.reasoning_text)
-        fields: dict[str, Any] = {"content": None if (empty_is_null and not self.content_text) else self.content_text}
+        content = None if (empty_is_null and not self.content_text) else self.content_text
+        fields: dict[str, Any] = {"content": echo + (content or "") if echo else content}
         if self.reasoning is not None:
             reasoning = self.reasoning_text or None
             fields["reasoning"] = fields["reasoning_content"] = reasoning

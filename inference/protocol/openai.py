@@ -590,6 +590,18 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
 
+    @property
+    def echo_text(self) -> str:
+        """What ``echo`` puts before each choice's content: the last message's text when it is the assistant's (the
+        prefix ``continue_final_message`` continues; vLLM echoes the last message when its role is the reply's), its
+        text parts joined by newlines as the template gets them; ``""`` without ``echo`` or such a message."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant" or not last.content:
+            return ""
+        if isinstance(last.content, str):
+            return last.content
+        return "\n".join(p["text"] for p in last.content if isinstance(p.get("text"), str))
+
 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions`` body. ``prompt``: a string, a list of token ids, or a list of strings or of

@@ -105,6 +105,36 @@ def test_completions_continuous_usage_stats_put_usage_on_every_chunk(client):
         assert (chunks[0].usage.completion_tokens == 0) is echo
 
 
+# ------------------------------------------------------------------------------------------ echo
+CONTINUED = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+
+
+@pytest.mark.parametrize("content", ["My favourite is", [{"type": "text", "text": "My favourite"},
+                                                         {"type": "text", "text": "is"}]])
+def test_chat_echo_with_continue_final_message_echoes_the_assistant_prefix(client, content):
+    msgs = [CONTINUED[0], {"role": "assistant", "content": content}]
+    prefix = content if isinstance(content, str) else "My favourite\nis"
+    kw = dict(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
+              extra_body={"continue_final_message": True, "add_generation_prompt": False, "ignore_eos": True,
+                          "chat_template_kwargs": {"enable_thinking": False}})
+    plain = client.chat.completions.create(**kw)
+    echoed = client.chat.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "echo": True}})
+    assert echoed.choices[0].message.content == prefix + (plain.choices[0].message.content or "")
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens
+    chunks = list(client.chat.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "echo": True}},
+                                                 stream=True))
+    contents = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert contents[0] == prefix
+    assert "".join(contents) == echoed.choices[0].message.content
+
+
+def test_chat_echo_without_a_final_assistant_message_echoes_nothing(client):
+    kw = dict(model=MODEL, messages=MSGS, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(**kw)
+    echoed = client.chat.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "echo": True}})
+    assert echoed.choices[0].message.content == plain.choices[0].message.content
+
+
 # ------------------------------------------------------------------------------------------ tools without parameters
 NO_PARAMS = {"type": "function", "function": {"name": "get_time", "description": "The current time"}}
 

@@ -64,6 +64,9 @@ class ChatCompletionsConsumer(GatewayConsumer):
 
         first = [envelope([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}], None) for c in run.choices]
+        if req.echo_text:  # the echoed assistant prefix: each choice's first content delta (vLLM)
+            first += [envelope([{"index": c.index, "delta": {"content": req.echo_text}, "logprobs": None,
+                                 "finish_reason": None}], None) for c in run.choices]
         await responses.stream(self, run, envelope, choice_of, include_usage=include_usage, first_events=first,
                                usage_of=lambda r: responses.run_usage(r, reasoning_tokens(r, parsers)))
 
@@ -91,7 +94,7 @@ def chat_completion_body(req: ChatCompletionRequest, run: GenerationRun, externa
         parser.finish()
         choices.append({
             "index": c.index,
-            "message": {"role": "assistant", **parser.message_fields()},
+            "message": {"role": "assistant", **parser.message_fields(req.echo_text)},
             "logprobs": chat_logprobs(tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0) if req.logprobs else None,
             "finish_reason": public_finish_reason(parser.finish_reason(c.finish_reason)),
             "stop_reason": c.stop_reason,
