@@ -151,7 +151,7 @@ DEAD_CODE_ALLOWED: list[tuple[str, tuple[str, ...], str]] = [
     ("platform/config/errors.py", ("server_error",), "named by handler500 in config/urls.py"),
     ("platform/config/celery.py", ("requires",), "a Celery bootstep's dependencies"),
     ("platform/usage/consumers.py", ("usage_updated",), "the handler of the channel layer's usage.updated messages"),
-    ("inference/protocol/errors.py", ("RATE_LIMIT_EXCEEDED", "CONCURRENCY_LIMIT_EXCEEDED", "INSUFFICIENT_QUOTA"),
+    ("inference/protocol/errors.py", ("CONCURRENCY_LIMIT_EXCEEDED",),
      "written by value by tenancy/limits.py (LIMIT_CODES; tests/test_architecture.py checks they are ErrorCodes)"),
     ("inference/protocol/openai.py", ("tool_call_id",), "a field of the tool message clients send"),
     ("inference/workers/render_limits.py", ("watchdog_pid",),
