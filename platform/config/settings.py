@@ -90,6 +90,9 @@ Environment variables (all optional on one machine; see ``deploy/`` for many mac
                             Default: random (stored in ``var/operator_password``).
 ``MAX_API_KEYS_PER_TENANT``  most active (not revoked, not expired) API keys a tenant may hold; creating or
                             rotating with grace past it answers 403 ``api_key_limit_reached``. Default 1000.
+``RESPONSES_RETENTION_DAYS``  days a stored Responses API response (and its items) is kept when its tenant has no
+                            retention of its own (stored_responses.ResponseRetention). Default 30.
+``RESPONSES_PURGE_INTERVAL_S``  seconds between beat's purges of expired stored responses. Default 3600.
 ==========================  =================================================================================
 """
 
@@ -212,6 +215,7 @@ INSTALLED_APPS = [
     "ops",
     "auditlog",  # django-auditlog: one LogEntry per change of a tracked model (AUDITLOG_* below)
     "audit",  # who made each change (audit.context), the tenant's view (/api/v1/audit), the admin's
+    "stored_responses",  # the Responses API's stored responses and their items, per tenant
 ]
 
 MIDDLEWARE = [
@@ -398,6 +402,12 @@ CELERY_BEAT_SCHEDULE = {
         # A flush that waited longer than this in the queue is pointless: a newer one is right behind it.
         "options": {"queue": "usage", "expires": 10},
     },
+    # the usage worker writes to the database in the background: expired stored responses go there too
+    "stored-responses-purge-expired": {
+        "task": "stored_responses.purge_expired",
+        "schedule": float(_env_first("RESPONSES_PURGE_INTERVAL_S", default="3600")),
+        "options": {"queue": "usage", "expires": 600},
+    },
 }
 
 # --- API keys ----------------------------------------------------------------------------------------
@@ -432,6 +442,7 @@ MAX_API_KEYS_PER_TENANT = int(_env_first("MAX_API_KEYS_PER_TENANT", default="100
 # --- key limits (tenancy.limits), admission (admission.apps), bootstrap and serve (ops) ---------------------
 LIMITS_SETTLED_MARKER_TTL_S = float(_env_first("LIMITS_SETTLED_MARKER_TTL_S", default="120"))
 ADMISSION_REPUBLISH_S = float(_env_first("ADMISSION_REPUBLISH_S", default="10"))
+RESPONSES_RETENTION_DAYS = int(_env_first("RESPONSES_RETENTION_DAYS", default="30"))
 OPERATOR_PASSWORD = _env_first("OPERATOR_PASSWORD")
 SERVE_PORT = int(_env_first("PORT", default="8000"))
 SERVE_ENGINE_THREADS = int(_env_first("SERVE_ENGINE_THREADS", default="0"))
