@@ -31,6 +31,7 @@ import os
 import socket
 import time
 import uuid
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, cast
 
@@ -58,7 +59,7 @@ from inference.protocol.engine import (
     requests_stream,
     routing_key,
 )
-from inference.api.router import ReplicaView, choose_replica, hit_tokens, request_cost_tokens
+from inference.api.router import ReplicaView, choose_replica, hit_tokens, request_cost_tokens, with_expected_hit
 from inference.shared.redis_timeouts import blocking_socket_timeout
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,20 @@ def resend_id(caller_id: str, attempt: int) -> str:
     """The internal id of the ``attempt``-th re-send (1 .. ``MAX_RESENDS``) of the request its caller knows as
     ``caller_id`` (``EngineLink._resend``)."""
     return f"{caller_id}~r{attempt}"
+
+
+@dataclass(frozen=True)
+class ExpectedHit:
+    """The replica ``engine_id`` is expected to hold the first ``tokens`` prompt tokens of the requests sent in this
+    context (``EXPECTED_HIT``; ``inference.api.router.with_expected_hit``)."""
+
+    engine_id: str
+    tokens: int
+
+
+EXPECTED_HIT: ContextVar[ExpectedHit | None] = ContextVar("expected_hit", default=None)
+"""Set by a route around its hand-off when it knows where a prompt's prefix is cached (a stored conversation's
+parent replica, ``gateway/endpoints/responses.py``); read by ``ReplicaRouter`` when it routes by prefix."""
 
 
 class EngineUnavailableError(RuntimeError):
@@ -183,6 +198,9 @@ class ReplicaRouter:
                 hit_tokens=hit_tokens(replies[i * step + 1], BLOCK_SIZE) if hashes else 0,
                 queued_tokens=max(mine.tokens, st.num_waiting_tokens),
                 num_requests=max(mine.requests, st.num_running + st.num_waiting + queued)))
+        expected = EXPECTED_HIT.get()
+        if expected is not None:
+            views = with_expected_hit(views, expected.engine_id, min(expected.tokens, len(prompt)))
         weight = self.request_cost_tokens
         if weight is None:
             weight = request_cost_tokens([(st.prefill_tokens_per_s, st.decode_tokens_per_s) for st in replicas])

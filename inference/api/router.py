@@ -67,6 +67,15 @@ def choose_replica(prompt_len: int, views: Sequence[ReplicaView], *, request_cos
     return tied[0] if len(tied) == 1 else (rng or random).choice(tied)
 
 
+def with_expected_hit(views: Sequence[ReplicaView], engine_id: str, tokens: int) -> list[ReplicaView]:
+    """``views`` with the replica ``engine_id`` counted as holding at least ``tokens`` of the prompt: a stored
+    conversation's follow-up names the replica that served its parent (the Responses API's ``previous_response_id``),
+    whose cache holds the parent's prompt even before its published block set says so. The choice still weighs that
+    saving against the replica's load, as for any hit."""
+    return [ReplicaView(v.engine_id, max(v.hit_tokens, tokens), v.queued_tokens, v.num_requests)
+            if v.engine_id == engine_id else v for v in views]
+
+
 def request_cost_tokens(throughputs: Sequence[tuple[float, float]]) -> float:
     """The weight of one request in prompt tokens, from the replicas' measured ``(prefill tokens/s, decode tokens/s)``
     (their heartbeats): one more row in a batch lengthens each step by about ``1 / decode tokens/s`` seconds, the

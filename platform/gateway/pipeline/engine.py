@@ -63,6 +63,7 @@ class GenerationRun:
                                   reasoning=processed.chat_output.reasoning if processed.chat_output else None)
         self.processor = OutputProcessor(self.state)
         self.queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        self.engine_id: str | None = None  # the replica that served it (a stored conversation prefers it next)
         self._closed = False
 
     @property
@@ -114,7 +115,9 @@ class GenerationRun:
         release its prefill reservation; a stop string matched before the engine stopped aborts the child."""
         while not self.state.finished:
             raise_if_client_gone()  # a cancellation lost on the way here (gateway/disconnect.py)
-            result = self.processor.process_outputs([await self.queue.get()])
+            out = await self.queue.get()
+            self.engine_id = out.engine_id or self.engine_id
+            result = self.processor.process_outputs([out])
             for rid in result.reqs_to_abort:
                 background(_abort(self.model.served_model_name, [rid]), f"abort {rid}")
             for index, latency in result.first_tokens:
