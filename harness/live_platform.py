@@ -217,6 +217,8 @@ def start_platform(tmp_dir: Path, *, max_model_len: int = 512, engine: bool = Tr
                                     "--without-mingle", "-l", "WARNING"])
         sup.start("beat", [sys.executable, "-m", "celery", "-A", "config", "beat", "-l", "WARNING", "--schedule",
                            str(var_dir / "beat-schedule")])
+        # background responses run in their own process, as `manage.py serve` runs them (gateway/responses_runner.py)
+        sup.start("responses", [sys.executable, str(REPO / "manage.py"), "responses_runner"])
         # the api imports Django and its routes while the engine loads torch and the model: both at once
         _child, url = live.launch_api(port=api_port)
         if engine:

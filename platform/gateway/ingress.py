@@ -43,6 +43,8 @@ KEYED_PATHS = frozenset({
 # (gateway/endpoints/openapi.py), and ``/v1/models/{model}``.
 ROUTE_PATHS = KEYED_PATHS | {"/health", "/v1/openapi.json"}
 _MODEL_PATH = re.compile(r"/v1/models/[^/]+")
+# The Responses API's routes (gateway/endpoints/responses.py): create and count, and one stored response's routes
+_RESPONSES_PATH = re.compile(r"/v1/responses(/input_tokens|/[^/]+(/cancel|/input_items)?)?")
 MAX_REQUEST_BODY_BYTES = settings.MAX_REQUEST_BODY_BYTES
 # Routes whose errors are written in another protocol's dialect, or whose key is read from other headers than
 # ``Authorization: Bearer`` (gateway/dialects.py, gateway/auth.py); every other route is OpenAI's, with a bearer key.
@@ -62,7 +64,7 @@ def dialect_for(path: str) -> Dialect:
 
 def is_keyed(path: str) -> bool:
     """True when ``path`` is a gateway route that needs an API key."""
-    return path in KEYED_PATHS or path.startswith("/v1/models/")
+    return path in KEYED_PATHS or path.startswith("/v1/models/") or _RESPONSES_PATH.fullmatch(path) is not None
 
 
 def declares_body(scope: Scope) -> bool:
@@ -76,7 +78,8 @@ def declares_body(scope: Scope) -> bool:
 
 def is_route(path: str) -> bool:
     """True when ``path`` is one of the gateway's routes (anything else under its prefixes is answered 404)."""
-    return path in ROUTE_PATHS or _MODEL_PATH.fullmatch(path) is not None
+    return path in ROUTE_PATHS or _MODEL_PATH.fullmatch(path) is not None or \
+        _RESPONSES_PATH.fullmatch(path) is not None
 
 
 def declared_length(scope: Scope) -> int | None:

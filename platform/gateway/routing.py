@@ -14,6 +14,8 @@ from gateway.endpoints.metrics import MetricsConsumer
 from gateway.endpoints.models_api import ModelsConsumer
 from gateway.endpoints.openapi import OPENAPI_PATH, OpenApiConsumer
 from gateway.endpoints.render import ChatRenderConsumer, CompletionRenderConsumer
+from gateway.endpoints.responses import (CancelConsumer, InputItemsConsumer, InputTokensConsumer, ResponseConsumer,
+                                         ResponsesConsumer)
 from gateway.endpoints.tokenize import DetokenizeConsumer, TokenizeConsumer
 
 http_urlpatterns = [
@@ -32,6 +34,11 @@ http_urlpatterns = [
     path("v1/embeddings", EmbeddingsConsumer.as_asgi()),
     path("v1/models", ModelsConsumer.as_asgi()),
     path(OPENAPI_PATH.lstrip("/"), OpenApiConsumer.as_asgi()),  # public (D-176)
+    path("v1/responses", ResponsesConsumer.as_asgi()),  # OpenAI's Responses API
+    path("v1/responses/input_tokens", InputTokensConsumer.as_asgi()),
+    re_path(r"^v1/responses/(?P<response_id>[^/]+)$", ResponseConsumer.as_asgi()),
+    re_path(r"^v1/responses/(?P<response_id>[^/]+)/cancel$", CancelConsumer.as_asgi()),
+    re_path(r"^v1/responses/(?P<response_id>[^/]+)/input_items$", InputItemsConsumer.as_asgi()),
     re_path(r"^v1/models/(?P<model>[^/]+)$", ModelsConsumer.as_asgi()),
     re_path(r"", NotFoundConsumer.as_asgi()),  # anything else under GATEWAY_PREFIXES: JSON 404
 ]

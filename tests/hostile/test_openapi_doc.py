@@ -4,6 +4,7 @@ loadable by schemathesis. The live run against it is ``tests/e2e/test_schemathes
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import schemathesis
@@ -21,7 +22,9 @@ def _route_paths() -> set[str]:
     paths = set()
     for pattern in http_urlpatterns[:-1]:  # the last one is the catch-all 404
         p = pattern.pattern
-        paths.add("/" + str(p) if isinstance(p, RoutePattern) else "/v1/models/{model}")
+        # a regex route's named groups are the document's path parameters: ^v1/models/(?P<model>[^/]+)$
+        paths.add("/" + (str(p) if isinstance(p, RoutePattern) else
+                         re.sub(r"\(\?P<(\w+)>[^)]*\)", r"{\1}", str(p)).strip("^$")))
     return paths
 
 

@@ -24,6 +24,7 @@ from pydantic.json_schema import models_json_schema
 from gateway.http import GatewayConsumer
 from inference.api.embeddings import EmbeddingRequest
 from inference.protocol.anthropic import CountTokensRequest, MessagesRequest
+from inference.protocol.responses import ResponsesRequest
 from inference.protocol.openai import (
     SERVED_MODEL_NAME_RE,
     AbortRequestsRequest,
@@ -42,7 +43,7 @@ _REF = "#/components/schemas/"
 # answers 400 "'model' is required" without it: ``gateway.pipeline.preamble.resolve_model``).
 _REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     ChatCompletionRequest, CompletionRequest, EmbeddingRequest, TokenizeCompletionRequest, TokenizeChatRequest,
-    DetokenizeRequest, GenerateRequest, AbortRequestsRequest, MessagesRequest, CountTokensRequest)
+    DetokenizeRequest, GenerateRequest, AbortRequestsRequest, MessagesRequest, CountTokensRequest, ResponsesRequest)
 
 _STR = {"type": "string"}
 _INT = {"type": "integer"}
@@ -157,6 +158,25 @@ _RESPONSES: dict[str, dict[str, Any]] = {
         },
     },
     "CountTokensResponse": {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": _INT}},
+    "Response": {
+        "type": "object", "description": "A Responses API response (openai/types/responses/response.py).",
+        "required": ["id", "object", "created_at", "status", "model", "output"],
+        "properties": {
+            "id": _STR, "object": {"const": "response"}, "created_at": _INT, "model": _STR,
+            "status": {"enum": ["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]},
+            "output": {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
+                "type": {"enum": ["message", "function_call", "reasoning"]}}}},
+            "usage": {"type": ["object", "null"]}, "previous_response_id": _NULLABLE_STR,
+            "background": {"type": ["boolean", "null"]}, "error": {"type": ["object", "null"]},
+        },
+    },
+    "ResponseDeleted": {"type": "object", "required": ["id", "object", "deleted"], "properties": {
+        "id": _STR, "object": {"const": "response"}, "deleted": {"const": True}}},
+    "ResponseItemList": {"type": "object", "required": ["object", "data", "has_more"], "properties": {
+        "object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object"}},
+        "has_more": {"type": "boolean"}, "first_id": _NULLABLE_STR, "last_id": _NULLABLE_STR}},
+    "ResponseInputTokens": {"type": "object", "required": ["object", "input_tokens"], "properties": {
+        "object": {"const": "response.input_tokens"}, "input_tokens": _INT}},
 }
 
 # The errors each kind of route can answer (besides 2xx), with what they mean there.
@@ -174,6 +194,13 @@ _ERRORS_BODY = {
     "413": "the body is over the size cap",
     "503": "no capacity now (admission, engine or worker unavailable; ``Retry-After``)",
 }
+_RESPONSES_SSE = {"text/event-stream": {"schema": {
+    "type": "string", "description": "``event: <type>`` and ``data: <JSON>`` pairs with a gap-free ``sequence_number``: "
+                                     "``response.created`` ... ``response.completed`` (or ``.incomplete``, or "
+                                     "``error`` then ``response.failed``); no ``[DONE]``."}}}
+_RESPONSE_ID = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+_STORED_ERRORS = {**_ERRORS_COMMON, "400": "a query parameter out of its range",
+                  "404": "no stored response of this id for the key's tenant"}
 _SSE = {"text/event-stream": {"schema": {
     "type": "string", "description": "``data: <chunk JSON>`` events, then ``data: [DONE]``; an error after the "
                                      "stream started is one ``data: <error envelope>`` event."}}}
@@ -237,6 +264,34 @@ def _require_model(schema: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _responses_paths() -> dict[str, Any]:
+    """The Responses API's routes (gateway/endpoints/responses.py)."""
+    create = _operation("Create a response (OpenAI's Responses API)", "Response", request="ResponsesRequest",
+                        stream=True)
+    create["responses"]["200"]["content"] = {**_json("Response"), **_RESPONSES_SSE}
+    one = {**_operation("A stored response (``?stream=true&starting_after=N``: a background response's events)",
+                        "Response", errors=_STORED_ERRORS), "parameters": _RESPONSE_ID}
+    one["responses"]["200"]["content"] = {**_json("Response"), **_RESPONSES_SSE}
+    return {
+        "/v1/responses": {"post": create},
+        "/v1/responses/input_tokens": {"post": _operation(
+            "Count a response's input tokens, as a create renders them", "ResponseInputTokens",
+            request="ResponsesRequest")},
+        "/v1/responses/{response_id}": {
+            "get": one,
+            "delete": {**_operation("Delete a stored response and its items", "ResponseDeleted",
+                                    errors=_STORED_ERRORS), "parameters": _RESPONSE_ID}},
+        "/v1/responses/{response_id}/cancel": {"post": {**_operation(
+            "Cancel a background response (400: it was not one)", "Response", errors={
+                **_STORED_ERRORS, "408": _ERRORS_BODY["408"], "413": _ERRORS_BODY["413"],
+                "503": "the platform's database is unreachable"}),
+            "parameters": _RESPONSE_ID}},
+        "/v1/responses/{response_id}/input_items": {"get": {**_operation(
+            "A stored response's input items (cursor page)", "ResponseItemList", errors=_STORED_ERRORS),
+            "parameters": _RESPONSE_ID}},
+    }
+
+
 @lru_cache(maxsize=1)
 def openapi_document() -> dict[str, Any]:
     """The OpenAPI 3.1 document (a dict, built once per process)."""
@@ -281,6 +336,7 @@ def openapi_document() -> dict[str, Any]:
         "/v1/messages/count_tokens": {"post": _anthropic(_operation(
             "Count a message's input tokens, exactly as a create renders them (Anthropic)", "CountTokensResponse",
             request="CountTokensRequest", errors={k: v for k, v in _ERRORS_MESSAGES.items() if k not in ("402", "529")}))},
+        **_responses_paths(),
         "/inference/v1/abort_requests": {"post": _operation(
             "Abort the caller's generate requests by request id (vLLM)", "AbortResponse",
             request="AbortRequestsRequest", errors={**_ERRORS_COMMON, **{k: v for k, v in _ERRORS_BODY.items()

@@ -348,7 +348,7 @@ def _checked_engine_options(opts: dict, front_cpus: frozenset[int] | None,
 
 def _start_workers(sup: Supervisor, py: str, var_dir: Path, opts: dict, back_cpus: frozenset[int] | None) -> None:
     """Start the Celery processes: the render workers (``worker``, ``worker-2``, ...), the usage and mm workers and
-    beat, all on ``back_cpus``."""
+    beat, and the background responses' runner (``responses``), all on ``back_cpus``."""
     pool = opts["render_pool"]
     for i, children in enumerate(render_processes(pool, opts["render_concurrency"], opts["render_workers"])):
         name = "worker" if i == 0 else f"worker-{i + 1}"
@@ -368,6 +368,9 @@ def _start_workers(sup: Supervisor, py: str, var_dir: Path, opts: dict, back_cpu
                             "-l", "WARNING"], cpus=back_cpus, nice=BACKGROUND_NICE)
     sup.start("beat", [py, "-m", "celery", "-A", "config", "beat", "-l", "WARNING",
                        "--schedule", str(var_dir / "celerybeat-schedule")], cpus=back_cpus, nice=BACKGROUND_NICE)
+    # background responses (POST /v1/responses with "background": true) run here, not in the api process that
+    # accepted them, so they outlive it (gateway/responses_runner.py)
+    sup.start("responses", [py, str(settings.REPO_DIR / "manage.py"), "responses_runner"], cpus=back_cpus)
 
 
 def _start_apis(sup: Supervisor, py: str, var_dir: Path, opts: dict, front_cpus: frozenset[int] | None,
