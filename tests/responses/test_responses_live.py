@@ -244,3 +244,16 @@ def test_malformed_input_is_a_400_naming_the_field(live, body, param) -> None:
                    json={"model": MODEL, **body}, timeout=30)
     assert r.status_code in (400, 404), r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_truncation_auto_drops_the_oldest_items_disabled_refuses(client, live) -> None:
+    long = [{"role": "user", "content": f"turn {i}: " + "the sea is wide and deep " * 12} for i in range(12)]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input=long, max_output_tokens=4, store=False)
+    assert err.value.body["param"] == "input" and "context length" in err.value.body["message"]
+    resp = client.responses.create(model=MODEL, input=long, max_output_tokens=4, truncation="auto", store=False)
+    assert resp.status == "incomplete" and resp.truncation == "auto"
+    assert resp.usage.input_tokens <= live.max_model_len - 4
+    count = client.responses.input_tokens.count(model=MODEL, input=long, truncation="auto",
+                                                extra_body={"max_output_tokens": 4})
+    assert count.input_tokens == resp.usage.input_tokens
