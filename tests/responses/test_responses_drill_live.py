@@ -1,0 +1,86 @@
+"""A background response survives ``kill -9`` of the api process that accepted it: the client resumes its stream on
+another api process with ``starting_after`` and receives every event exactly once, and the response is billed once.
+On a platform of its own (it kills one of its processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+
+import httpx
+import pytest
+
+from tests.support.live import running_platform
+
+MODEL = "tiny-qwen3"
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    with running_platform(tmp_path_factory.mktemp("responses-drill")) as platform:
+        yield platform
+
+
+def _events(lines) -> list[dict]:
+    """The SSE events (``event:`` + ``data:`` pairs) of an iterator of lines, as parsed JSON, as they come."""
+    kind = None
+    for line in lines:
+        if line.startswith("event: "):
+            kind = line[len("event: "):]
+        elif line.startswith("data: "):
+            event = json.loads(line[len("data: "):])
+            assert event["type"] == kind
+            yield event
+
+
+def _usage_rows(live, prefix: str) -> list[dict]:
+    code = ("import json; from usage.models import UsageRecord; "
+            f"print(json.dumps(list(UsageRecord.objects.filter(request_id__startswith='{prefix}').values("
+            "'request_id', 'status_code', 'prompt_tokens', 'completion_tokens'))))")
+    return json.loads(live.manage("shell", "-c", code).strip().splitlines()[-1])
+
+
+def test_kill_9_of_the_accepting_api_mid_stream_then_resume_elsewhere(live) -> None:
+    _child, other_url = live.start_api(name="api-2")
+    accepting = next(c for c in live.sup.children if c.name == "api")
+    client_id = f"drill-{uuid.uuid4().hex[:12]}"
+    headers = {"Authorization": f"Bearer {live.api_key}", "X-Request-Id": client_id}
+    seen: list[dict] = []
+    with httpx.stream("POST", live.base_url + "/v1/responses", headers=headers, timeout=60, json={
+            "model": MODEL, "input": "Tell me a long story about the sea.", "background": True, "stream": True,
+            "max_output_tokens": 300}) as r:
+        assert r.status_code == 200
+        for event in _events(r.iter_lines()):
+            seen.append(event)
+            if event["type"] == "response.output_text.delta" and len(seen) >= 8:
+                os.kill(accepting.proc.pid, signal.SIGKILL)
+                break
+    rid = seen[0]["response"]["id"]
+    assert seen[0]["response"]["status"] == "queued"
+    with httpx.stream("GET", f"{other_url}/v1/responses/{rid}", timeout=120,
+                      headers={"Authorization": f"Bearer {live.api_key}"},
+                      params={"stream": "true", "starting_after": seen[-1]["sequence_number"]}) as r:
+        assert r.status_code == 200
+        rest = list(_events(r.iter_lines()))
+    every = seen + rest
+    assert [e["sequence_number"] for e in every] == list(range(len(every)))  # each event once, none missing
+    assert every[-1]["type"] in ("response.completed", "response.incomplete")
+    final = every[-1]["response"]
+    got = httpx.get(f"{other_url}/v1/responses/{rid}", headers={"Authorization": f"Bearer {live.api_key}"},
+                    timeout=30).json()
+    assert got["status"] == final["status"] and got["usage"] == final["usage"]
+    text = "".join(e["delta"] for e in every if e["type"] == "response.output_text.delta")
+    assert got["output"][0]["content"][0]["text"] == text
+    deadline = time.monotonic() + 20
+    rows = _usage_rows(live, f"resp_{client_id}")
+    while not rows and time.monotonic() < deadline:
+        time.sleep(0.5)
+        rows = _usage_rows(live, f"resp_{client_id}")
+    time.sleep(2)  # a second record would be flushed by now (the usage worker flushes every second)
+    rows = _usage_rows(live, f"resp_{client_id}")
+    assert len(rows) == 1, rows
+    assert rows[0]["completion_tokens"] == final["usage"]["output_tokens"]
+    assert rows[0]["prompt_tokens"] == final["usage"]["input_tokens"]
