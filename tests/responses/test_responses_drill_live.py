@@ -11,6 +11,7 @@ import time
 import uuid
 
 import httpx
+import openai
 import pytest
 
 from tests.support.live import running_platform
@@ -41,6 +42,34 @@ def _usage_rows(live, prefix: str) -> list[dict]:
             f"print(json.dumps(list(UsageRecord.objects.filter(request_id__startswith='{prefix}').values("
             "'request_id', 'status_code', 'prompt_tokens', 'completion_tokens'))))")
     return json.loads(live.manage("shell", "-c", code).strip().splitlines()[-1])
+
+
+def _engines(live, ids: list[str]) -> dict[str, str]:
+    code = ("import json; from stored_responses.models import StoredResponse; print(json.dumps(dict("
+            f"StoredResponse.objects.filter(response_id__in={ids!r}).values_list('response_id', 'engine_id'))))")
+    return json.loads(live.manage("shell", "-c", code).strip().splitlines()[-1])
+
+
+def test_follow_ups_go_to_the_parents_replica_and_hit_its_cache(live) -> None:
+    """With two replicas, each turn of a chain is served by the replica that served its parent, and its
+    ``cached_tokens`` cover the parent's prompt but for the last partial block (16-token blocks) and the few tokens
+    where the parent's generation prompt meets its answer."""
+    live.start_engine(name="engine-2")
+    assert len(live.replicas(MODEL)) == 2
+    client = openai.OpenAI(base_url=live.base_url + "/v1", api_key=live.api_key, max_retries=0, timeout=60)
+    chains = []
+    for i in range(4):
+        t1 = client.responses.create(model=MODEL, input=f"Story {i}: " + "waves and wind " * 40, max_output_tokens=4)
+        t2 = client.responses.create(model=MODEL, previous_response_id=t1.id, input="Go on.", max_output_tokens=4)
+        t3 = client.responses.create(model=MODEL, previous_response_id=t2.id, input="More.", max_output_tokens=4)
+        for parent, child in ((t1, t2), (t2, t3)):
+            covered = (parent.usage.input_tokens // 16 - 1) * 16
+            assert child.usage.input_tokens_details.cached_tokens >= covered, (parent.usage, child.usage)
+        assert t1.usage.input_tokens_details.cached_tokens == 0  # a new conversation: nothing of it was cached
+        chains.append([t1.id, t2.id, t3.id])
+    engines = _engines(live, [rid for chain in chains for rid in chain])
+    for chain in chains:
+        assert len({engines[rid] for rid in chain}) == 1 and engines[chain[0]], engines
 
 
 def test_kill_9_of_the_accepting_api_mid_stream_then_resume_elsewhere(live) -> None:
