@@ -150,6 +150,7 @@ DEAD_CODE_ALLOWED: list[tuple[str, tuple[str, ...], str]] = [
     ("platform/config/admin_site.py", ("PlatformOTPAdminSite",), "named by OTPAdminConfig.default_site"),
     ("platform/config/errors.py", ("server_error",), "named by handler500 in config/urls.py"),
     ("platform/config/celery.py", ("requires",), "a Celery bootstep's dependencies"),
+    ("inference/shared/structured_probe.py", ("special_token_ids",), "read by llguidance.TokenizerWrapper"),
     ("platform/usage/consumers.py", ("usage_updated",), "the handler of the channel layer's usage.updated messages"),
     ("inference/protocol/errors.py", ("CONCURRENCY_LIMIT_EXCEEDED",),
      "written by value by tenancy/limits.py (LIMIT_CODES; tests/test_architecture.py checks they are ErrorCodes)"),

@@ -49,6 +49,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 from inference.shared.config import SETTINGS
 from inference.protocol.engine import STRUCTURED_KINDS
 from inference.protocol.openai import RequestValidationError
+from inference.shared.structured_probe import probe
 from inference.shared.structured_caps import (
     LARK_HEADER,
     MAX_CHOICES,
@@ -170,8 +171,9 @@ def check(kind: str, spec: str) -> str:
     caps, conversion (``normalize``) and llguidance's grammar validation under ``parser_limits`` (grammar warnings,
     such as an unsatisfiable or partly unimplemented schema, are errors too: the engine could not keep its promise;
     except an unknown string ``format``, which is ignored, as JSON Schema says of unknown formats). Raises
-    ``StructuredSpecError``. Tokenizer-independent: a grammar that passes can still fail the engine's compile on
-    its tokenizer (rare; that request then finishes with an error). CPU work of up to the sandbox's budget: run it
+    ``StructuredSpecError``. Then a dry run of its first tokens over a byte vocabulary (``structured_probe.probe``)
+    refuses what the engine's matcher would give up on. Tokenizer-independent: a grammar that passes can still fail
+    the engine on its tokenizer (rare; that request then finishes with an error). CPU work of up to the sandbox's budget: run it
     there (``inference.api.structured_sandbox``)."""
     check_size(spec)
     engine_form = normalize(kind, spec)
@@ -182,6 +184,7 @@ def check(kind: str, spec: str) -> str:
     messages = [m for m in messages if is_error or not m.startswith("Unknown format")]
     if is_error or messages:
         raise StructuredSpecError(f"is not accepted: {_first_line('; '.join(messages) or 'invalid grammar')}")
+    probe(engine_grammar(kind, engine_form), parser_limits())  # what the engine's matcher would give up on
     return engine_form
 
 
