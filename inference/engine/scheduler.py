@@ -39,6 +39,8 @@ from inference.protocol.engine import (
 from .base_scheduler import BaseScheduler, Outputs, ema
 from .runner import ModelRunner, RequestError, now
 from .sequence import Sequence
+from inference.shared.structured_probe import matcher_error_reason
+
 from .structured import GrammarCompiler, GrammarMask, GrammarMasker, SequenceGrammar
 
 if TYPE_CHECKING:
@@ -390,7 +392,7 @@ class Scheduler(BaseScheduler):
         ``error`` and ``ERROR_STRUCTURED_OUTPUT``, and the compiled grammar leaves the cache (its shared lexer state
         may hold what the failure built: ~180 MB for ``(a{1000}){1000}``, and a copy taken from it after the failure
         allowed only EOS)."""
-        seq.finish_reason, seq.error = FINISH_ERROR, f"structured output failed: {message}"
+        seq.finish_reason, seq.error = FINISH_ERROR, f"structured output failed: the constraint {matcher_error_reason(message)}"
         seq.error_code = ERROR_STRUCTURED_OUTPUT
         self._forget_grammar(seq)
 

@@ -73,11 +73,12 @@ def probe(grammar: str, limits: llguidance.LLParserLimits) -> None:
             break
         matcher.consume_token(token)
     if matcher.is_error():
-        raise StructuredSpecError(_meaning(matcher.get_error()))
+        raise StructuredSpecError(matcher_error_reason(matcher.get_error()))
 
 
-def _meaning(error: str) -> str:
-    """The client's reason for the matcher's ``error``: its meaning when known, else the library's first line."""
+def matcher_error_reason(error: str) -> str:
+    """The client's reason for an llguidance matcher's ``error`` (after "the constraint ..."): its meaning when known,
+    else the library's first line without its markup. Used by the probe and by the engine's failed rows."""
     for marker, meaning in _MEANINGS:
         if marker in error:
             return meaning

@@ -365,7 +365,7 @@ CELERY_RESULT_EXPIRES = 3600
 # Queues live under the platform's own prefix, so deployments (or test platforms) sharing one Redis never
 # consume each other's tasks.
 CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {"global_keyprefix": f"{LINK_PREFIX}:celery:"}
-# A worker started with CELERY_REDELIVER_AFTER_S > 0 (serve's render worker: 6) hands a task it fetched and did not
+# A worker started with CELERY_REDELIVER_AFTER_S > 0 (serve's render worker: the hard time limit + 1 s, 8 by default) hands a task it fetched and did not
 # start within that many seconds back to the queue; one of a worker killed with kill -9 is then served by another
 # (or its replacement) instead of waiting out RENDER_WAIT_TIMEOUT_S (kombu's visibility timeout, 1 h by default).
 # Its unacknowledged index is its own, so it never hands back other queues' tasks (usage flushes, images).

@@ -61,8 +61,8 @@ def api_command(py: str, host: str, port: int, workers: int) -> list[str]:
 
 
 class Command(BaseCommand):
-    help = ("Start embedded Redis (unless REDIS_URL is set), a Celery worker and beat, one engine per enabled "
-            "model, and uvicorn; stop them all on Ctrl-C.")
+    help = ("Start embedded Redis (unless REDIS_URL is set), the Celery workers (render, usage, mm) and beat, one "
+            "engine per enabled model, uvicorn and the multimodal api; stop them all on Ctrl-C.")
 
     def add_arguments(self, parser):
         parser.add_argument("--host", default="127.0.0.1")
