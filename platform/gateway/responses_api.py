@@ -19,8 +19,10 @@ parsed output becomes items and events (``inference.api.responses_output``). Wha
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -28,9 +30,10 @@ from typing import Any
 import orjson
 from channels.db import database_sync_to_async
 from django.conf import settings
+from django.db import DatabaseError, InterfaceError, OperationalError, connection as db_connection
 
 from gateway.clients import redis
-from gateway.errors import ApiError, ErrorCode, bad_request, not_found
+from gateway.errors import ApiError, ErrorCode, bad_request, database_unavailable, not_found
 from gateway.http import GatewayConsumer
 from gateway.logprobs import chat_logprobs
 from gateway.model_cache import ModelSnapshot
@@ -102,7 +105,9 @@ async def load_context(ctx: AuthContext, req: ResponsesRequest) -> ResponseConte
     caller's stored responses; 400 when its chain was partly deleted, it has not finished, or an ``item_reference``
     names no stored item of the caller."""
     try:
-        chain, refs = await database_sync_to_async(_load_sync, thread_sensitive=False)(ctx.tenant_id, req)
+        chain, refs = None, {}
+        if req.previous_response_id is not None or any(isinstance(i, ItemReference) for i in req.input_items):
+            chain, refs = await database_sync_to_async(_load_sync, thread_sensitive=False)(ctx.tenant_id, req)
     except ChainBrokenError as exc:
         raise bad_request(f"The conversation of previous_response_id cannot be rebuilt: {exc}",
                           "previous_response_id") from None
@@ -287,17 +292,36 @@ def stored_time(t: float | None) -> datetime | None:
     return None if t is None else datetime.fromtimestamp(t, timezone.utc)
 
 
+_STORE_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="responses-store")
+
+
+def _write(call: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    """In a store thread: ``call(**kwargs)`` on the thread's own database connection, kept open between writes (an
+    api process stores every response it answers: a connection opened per write cost more CPU than the write on
+    SQLite, whose connections are not reused); a connection found broken (a database restart) is closed and the write
+    tried once more on a new one."""
+    try:
+        return call(**kwargs)
+    except (OperationalError, InterfaceError):
+        db_connection.close()
+        return call(**kwargs)
+
+
 async def store(ctx: AuthContext, record: ResponseRecord, context: ResponseContext, output: list[dict[str, Any]],
                 outcome: Outcome, started: conversation.Started) -> None:
     """Store a finished foreground response with its input and output items (``store: true``), before its body or
-    last event goes out, so a follow-up sent as soon as it is read finds it."""
-    await database_sync_to_async(stored_response_create, thread_sensitive=False)(
+    last event goes out, so a follow-up sent as soon as it is read finds it (``_write``, on a store thread)."""
+    kwargs = dict(
         response_id=record.response_id, tenant_id=ctx.tenant_id, api_key_id=ctx.key_id, model=record.model,
         status=outcome.status, created_at=stored_time(record.created_at), input_items=context.new_items,
         output_items=output, previous_response_id=record.previous_response_id, ancestors=context.ancestors,
         params=record.echo, metadata=record.metadata, usage=outcome.usage, error=outcome.error,
         incomplete_details=outcome.incomplete_details, engine_id=started.run.engine_id or "",
         prompt_tokens=started.run.prompt_tokens, completed_at=stored_time(outcome.completed_at))
+    try:
+        await asyncio.get_running_loop().run_in_executor(_STORE_THREADS, _write, stored_response_create, kwargs)
+    except DatabaseError:
+        raise database_unavailable() from None
 
 
 def final_body(record: ResponseRecord, builder: ResponseBuilder, outcome: Outcome) -> dict[str, Any]:
