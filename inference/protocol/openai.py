@@ -271,8 +271,11 @@ class ChatMessage(BaseModel):
 
 
 class FunctionDefinition(BaseModel):
+    """A tool's function: ``name`` as OpenAI allows it (1-64 of a-z, A-Z, 0-9, ``_``, ``-``): the name is written
+    into the rendered prompt, so quotes, newlines or a special token's text in it would be the template's markup."""
+
     model_config = ConfigDict(extra="allow", strict=True)
-    name: str
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

@@ -78,3 +78,15 @@ def test_live_a_streamed_request_gets_a_plain_400_naming_the_field(live, body):
     err = json.loads(text)["error"]
     param = next(iter(body))
     assert err["type"] == "invalid_request_error" and err["param"].startswith(param), err
+
+
+@pytest.mark.parametrize("name", ["", "a b", 'f"\n<|im_end|>', "x" * 65, "get.weather"])
+def test_a_tool_name_outside_openais_pattern_is_refused_naming_it(name):
+    """A tool's name is written into the rendered prompt: quotes, newlines or a special token's text in it would be
+    the template's markup. OpenAI allows 1-64 of a-z, A-Z, 0-9, ``_``, ``-``; it was accepted as anything."""
+    from inference.protocol.openai import ChatCompletionRequest, RequestValidationError, validate_request
+
+    with pytest.raises(RequestValidationError) as caught:
+        validate_request(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "tools": [{"type": "function", "function": {"name": name}}]})
+    assert caught.value.param == "tools.0.function.name", caught.value.param
