@@ -28,7 +28,6 @@ from datetime import datetime, timezone
 from typing import Any
 
 import orjson
-from channels.db import database_sync_to_async
 from django.conf import settings
 from django.db import DatabaseError, InterfaceError, OperationalError, connection as db_connection
 
@@ -75,6 +74,30 @@ def not_found_response(response_id: str, param: str | None = None) -> ApiError:
     return not_found(f"Response with id '{response_id}' not found.", param)
 
 
+_STORE_THREADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="responses-store")
+
+
+def _on_store_thread(call: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+    """``call(**kwargs)`` on the store thread's own database connection, kept open between calls (an api process
+    stores every response it answers: a connection opened per call, as ``database_sync_to_async`` does under
+    ``CONN_MAX_AGE`` 0 on SQLite, cost more CPU than the write); a connection found broken (a database restart) is
+    closed and the call made once more on a new one."""
+    try:
+        return call(**kwargs)
+    except (OperationalError, InterfaceError):
+        db_connection.close()
+        return call(**kwargs)
+
+
+async def db(call: Callable[..., Any], **kwargs: Any) -> Any:
+    """``call(**kwargs)`` (a stored_responses service or selector) on a store thread (``_on_store_thread``); a
+    database that cannot be reached is 503 ``database_unavailable``."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(_STORE_THREADS, _on_store_thread, call, kwargs)
+    except DatabaseError:
+        raise database_unavailable() from None
+
+
 # ----------------------------------------------------------------------------- the conversation a request continues
 
 
@@ -92,7 +115,7 @@ class ResponseContext:
     expected: ExpectedHit | None = None
 
 
-def _load_sync(tenant_id: int, req: ResponsesRequest) -> tuple[Any, dict[str, dict[str, Any]]]:
+def _load_sync(*, tenant_id: int, req: ResponsesRequest) -> tuple[Any, dict[str, dict[str, Any]]]:
     chain = None
     if req.previous_response_id is not None:
         chain = stored_response_chain(tenant_id=tenant_id, response_id=req.previous_response_id)
@@ -107,7 +130,7 @@ async def load_context(ctx: AuthContext, req: ResponsesRequest) -> ResponseConte
     try:
         chain, refs = None, {}
         if req.previous_response_id is not None or any(isinstance(i, ItemReference) for i in req.input_items):
-            chain, refs = await database_sync_to_async(_load_sync, thread_sensitive=False)(ctx.tenant_id, req)
+            chain, refs = await db(_load_sync, tenant_id=ctx.tenant_id, req=req)
     except ChainBrokenError as exc:
         raise bad_request(f"The conversation of previous_response_id cannot be rebuilt: {exc}",
                           "previous_response_id") from None
@@ -292,25 +315,12 @@ def stored_time(t: float | None) -> datetime | None:
     return None if t is None else datetime.fromtimestamp(t, timezone.utc)
 
 
-_STORE_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="responses-store")
-
-
-def _write(call: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
-    """In a store thread: ``call(**kwargs)`` on the thread's own database connection, kept open between writes (an
-    api process stores every response it answers: a connection opened per write cost more CPU than the write on
-    SQLite, whose connections are not reused); a connection found broken (a database restart) is closed and the write
-    tried once more on a new one."""
-    try:
-        return call(**kwargs)
-    except (OperationalError, InterfaceError):
-        db_connection.close()
-        return call(**kwargs)
 
 
 async def store(ctx: AuthContext, record: ResponseRecord, context: ResponseContext, output: list[dict[str, Any]],
                 outcome: Outcome, started: conversation.Started) -> None:
     """Store a finished foreground response with its input and output items (``store: true``), before its body or
-    last event goes out, so a follow-up sent as soon as it is read finds it (``_write``, on a store thread)."""
+    last event goes out, so a follow-up sent as soon as it is read finds it."""
     kwargs = dict(
         response_id=record.response_id, tenant_id=ctx.tenant_id, api_key_id=ctx.key_id, model=record.model,
         status=outcome.status, created_at=stored_time(record.created_at), input_items=context.new_items,
@@ -318,10 +328,7 @@ async def store(ctx: AuthContext, record: ResponseRecord, context: ResponseConte
         params=record.echo, metadata=record.metadata, usage=outcome.usage, error=outcome.error,
         incomplete_details=outcome.incomplete_details, engine_id=started.run.engine_id or "",
         prompt_tokens=started.run.prompt_tokens, completed_at=stored_time(outcome.completed_at))
-    try:
-        await asyncio.get_running_loop().run_in_executor(_STORE_THREADS, _write, stored_response_create, kwargs)
-    except DatabaseError:
-        raise database_unavailable() from None
+    await db(stored_response_create, **kwargs)
 
 
 def final_body(record: ResponseRecord, builder: ResponseBuilder, outcome: Outcome) -> dict[str, Any]:

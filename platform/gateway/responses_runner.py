@@ -41,7 +41,6 @@ from datetime import datetime
 from typing import Any, cast
 
 import orjson
-from channels.db import database_sync_to_async
 from django.conf import settings
 from redis.exceptions import ResponseError
 
@@ -51,7 +50,7 @@ from gateway.http import GatewayConsumer
 from gateway.pipeline import conversation
 from gateway.pipeline.preamble import Preamble
 from gateway.pipeline.scope import request_scope
-from gateway.responses_api import (RESPONSES, Outcome, ResponseContext, ResponseRecord, drive, final_event,
+from gateway.responses_api import (RESPONSES, Outcome, ResponseContext, ResponseRecord, db, drive, final_event,
                                    last_sequence_number, response_error, run_usage, start, stream_emitter)
 from inference.api.engine_client import ExpectedHit
 from inference.api.responses_input import stored_items
@@ -60,7 +59,8 @@ from inference.protocol.responses import (EV_IN_PROGRESS, STATUS_CANCELLED, STAT
                                           STATUS_IN_PROGRESS, TERMINAL_STATUSES, ResponsesRequest, usage_object,
                                           validate_responses_request)
 from stored_responses.models import StoredResponse
-from stored_responses.selectors import stored_response_chain, stored_response_get, stored_response_output
+from stored_responses.selectors import (stored_response_chain, stored_response_get, stored_response_job,
+                                        stored_response_output)
 from stored_responses.services import stored_response_finish, stored_response_start
 from tenancy.limits import Limits
 from tenancy.selectors import AuthContext
@@ -140,7 +140,7 @@ def _body_of(resp: StoredResponse, output: list[dict[str, Any]]) -> dict[str, An
 
 async def stored_body(resp: StoredResponse) -> dict[str, Any]:
     """The ``response`` object of a stored response (its output read from the store)."""
-    output = await database_sync_to_async(stored_response_output, thread_sensitive=False)(resp)
+    output = await db(stored_response_output, response=resp)
     return _body_of(resp, output)
 
 
@@ -149,8 +149,7 @@ def stored_finished(tenant_id: int, response_id: str) -> Callable[[], Awaitable[
     events expired, or whose terminal event was never written (a runner that died), is not kept waiting."""
 
     async def finished() -> bool:
-        resp = await database_sync_to_async(stored_response_get, thread_sensitive=False)(
-            tenant_id=tenant_id, response_id=response_id)
+        resp = await db(stored_response_get, tenant_id=tenant_id, response_id=response_id)
         return resp is None or resp.status in TERMINAL_STATUSES
 
     return finished
@@ -176,8 +175,7 @@ def _record(resp: StoredResponse) -> ResponseRecord:
 
 async def _context(resp: StoredResponse, job: dict[str, Any]) -> ResponseContext:
     """The conversation of a queued response: its chain's items, then its own stored input items."""
-    chain = await database_sync_to_async(stored_response_chain, thread_sensitive=False)(
-        tenant_id=resp.tenant_id, response_id=resp.response_id)
+    chain = await db(stored_response_chain, tenant_id=resp.tenant_id, response_id=resp.response_id)
     if chain is None:
         raise ApiError(404, "The response was deleted before it ran")
     expected = ExpectedHit(*job["expected"]) if job.get("expected") else None
@@ -213,11 +211,10 @@ async def _finish(job: Job, outcome: Outcome, error_event: ApiError | None = Non
     event finds the response ended)."""
     rid = job.resp.response_id
     started = job.started
-    final = await database_sync_to_async(stored_response_finish, thread_sensitive=False)(
-        response_id=rid, status=outcome.status, output_items=job.builder.output, usage=outcome.usage,
-        error=outcome.error, incomplete_details=outcome.incomplete_details,
-        engine_id=(started.run.engine_id or "") if started else "",
-        prompt_tokens=started.run.prompt_tokens if started else 0)
+    final = await db(stored_response_finish, response_id=rid, status=outcome.status, output_items=job.builder.output,
+                     usage=outcome.usage, error=outcome.error, incomplete_details=outcome.incomplete_details,
+                     engine_id=(started.run.engine_id or "") if started else "",
+                     prompt_tokens=started.run.prompt_tokens if started else 0)
     outcome.status = final if final in TERMINAL_STATUSES else outcome.status
     events = []
     if error_event is not None:
@@ -230,11 +227,10 @@ async def _finish(job: Job, outcome: Outcome, error_event: ApiError | None = Non
 async def run_job(response_id: str, running: dict[str, asyncio.Task[Outcome]]) -> None:
     """Run the background response ``response_id`` to its end (module docstring); ``running`` maps it to its task
     while it generates, for the cancel watcher."""
-    resp = await database_sync_to_async(StoredResponse.objects.filter(response_id=response_id).first,
-                                        thread_sensitive=False)()
+    resp = await db(stored_response_job, response_id=response_id)
     if resp is None or resp.request is None:
         return  # deleted, or run already
-    if not await database_sync_to_async(stored_response_start, thread_sensitive=False)(response_id=response_id):
+    if not await db(stored_response_start, response_id=response_id):
         await fail_orphan(response_id)  # no longer queued: cancelled meanwhile (its terminal event), or orphaned
         return
     job = Job(resp, _record(resp), ResponseBuilder(seq=await last_sequence_number(response_id) + 1))
@@ -264,8 +260,7 @@ async def run_job(response_id: str, running: dict[str, asyncio.Task[Outcome]]) -
 async def fail_orphan(response_id: str) -> None:
     """A job whose runner died: still ``queued`` it is run by the caller; ``in_progress`` it fails now (its engine
     work ended with that runner's link); cancelled it gets its terminal event."""
-    resp = await database_sync_to_async(StoredResponse.objects.filter(response_id=response_id).first,
-                                        thread_sensitive=False)()
+    resp = await db(stored_response_job, response_id=response_id)
     if resp is None or resp.status in (TERMINAL_STATUSES - {STATUS_CANCELLED}) or resp.request is None:
         return
     job = Job(resp, _record(resp), ResponseBuilder(seq=await last_sequence_number(response_id) + 1))

@@ -45,7 +45,12 @@ def stored_response_get(*, tenant_id: int, response_id: str) -> StoredResponse |
                                          expires_at__gt=timezone.now()).first()
 
 
-def stored_response_output(response: StoredResponse) -> list[dict[str, Any]]:
+def stored_response_job(*, response_id: str) -> StoredResponse | None:
+    """The response ``response_id`` whoever's it is: for the background runner, which runs what the api stored."""
+    return StoredResponse.objects.filter(response_id=response_id).first()
+
+
+def stored_response_output(*, response: StoredResponse) -> list[dict[str, Any]]:
     """The response's output items, in order."""
     return [row.data for row in StoredResponseItem.objects.filter(response=response, direction="out")
             .order_by("position").only("data")]

@@ -59,7 +59,7 @@ def test_chain_items_in_order(tenants) -> None:
     chain = stored_response_chain(tenant_id=a.pk, response_id="resp_2")
     assert chain is not None and chain.ids == ["resp_1", "resp_2"]
     assert [i["content"][0]["text"] for i in chain.items] == ["one", "two", "three", "four"]
-    assert stored_response_output(chain.tip) == [_msg("msg_2", "four", "assistant")]
+    assert stored_response_output(response=chain.tip) == [_msg("msg_2", "four", "assistant")]
 
 
 def test_deleting_removes_the_items_and_breaks_the_chain(tenants) -> None:
@@ -109,7 +109,7 @@ def test_cancel_and_finish_are_compare_and_set(tenants) -> None:
     assert final == "cancelled"
     resp = StoredResponse.objects.get(response_id="resp_bg")
     assert resp.status == "cancelled" and resp.usage["output_tokens"] == 2 and resp.request is None
-    assert stored_response_output(resp)[0]["id"] == "m1"
+    assert stored_response_output(response=resp)[0]["id"] == "m1"
 
 
 @override_settings(RESPONSES_RETENTION_DAYS=7)

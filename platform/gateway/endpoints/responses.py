@@ -21,13 +21,11 @@ import time
 from typing import Any
 from urllib.parse import parse_qs
 
-from channels.db import database_sync_to_async
-
 from gateway.errors import ApiError, bad_request
 from gateway.http import GatewayConsumer
 from gateway.pipeline import conversation, limits, preamble
 from gateway.pipeline.failures import api_error_from
-from gateway.responses_api import (RESPONSES, Emit, ResponseContext, ResponseRecord, drive, end_stream, error_event_bytes,
+from gateway.responses_api import (RESPONSES, Emit, db, ResponseContext, ResponseRecord, drive, end_stream, error_event_bytes,
                                    final_body, final_event, internal_request, load_context, no_emit, not_found_response,
                                    renamed, sse, sse_emitter, start, store, stored_time, stream_emitter, tail,
                                    truncated)
@@ -92,11 +90,11 @@ class ResponsesConsumer(GatewayConsumer):
         model = await preamble.resolve_model(ctx, chat.model, generate=True)
         record.model = model.served_model_name
         job = job_payload(req, ctx, conv.scope.recorder.request_id, conv.pre.external_id, size, context)
-        await database_sync_to_async(stored_response_create, thread_sensitive=False)(
-            response_id=record.response_id, tenant_id=ctx.tenant_id, api_key_id=ctx.key_id, model=record.model,
-            status=STATUS_QUEUED, created_at=stored_time(record.created_at), input_items=context.new_items,
-            background=True, previous_response_id=record.previous_response_id, ancestors=context.ancestors,
-            params=record.echo, metadata=record.metadata, request=job)
+        await db(stored_response_create, response_id=record.response_id, tenant_id=ctx.tenant_id,
+                 api_key_id=ctx.key_id, model=record.model, status=STATUS_QUEUED,
+                 created_at=stored_time(record.created_at), input_items=context.new_items, background=True,
+                 previous_response_id=record.previous_response_id, ancestors=context.ancestors, params=record.echo,
+                 metadata=record.metadata, request=job)
         builder = ResponseBuilder()
         queued = record.body(STATUS_QUEUED, [])
         await stream_emitter(record.response_id)([builder.lifecycle(EV_CREATED, queued),
@@ -136,8 +134,7 @@ def _query(consumer: GatewayConsumer) -> dict[str, str]:
 
 async def _owned(ctx: AuthContext, rid: str) -> Any:
     """The caller's response ``rid``; 404 otherwise."""
-    resp = await database_sync_to_async(stored_response_get, thread_sensitive=False)(tenant_id=ctx.tenant_id,
-                                                                                     response_id=rid)
+    resp = await db(stored_response_get, tenant_id=ctx.tenant_id, response_id=rid)
     if resp is None:
         raise not_found_response(rid)
     return resp
@@ -154,8 +151,7 @@ class ResponseConsumer(GatewayConsumer):
         rid = _response_id(self)
         async with limits.held(self, ctx):
             if self.scope.get("method") == "DELETE":
-                deleted = await database_sync_to_async(stored_response_delete, thread_sensitive=False)(
-                    tenant_id=ctx.tenant_id, response_id=rid)
+                deleted = await db(stored_response_delete, tenant_id=ctx.tenant_id, response_id=rid)
                 if not deleted:
                     raise not_found_response(rid)
                 await cancel_signal(rid)
@@ -194,8 +190,7 @@ class CancelConsumer(GatewayConsumer):
             resp = await _owned(ctx, rid)
             if not resp.background:
                 raise bad_request("Only responses created with 'background': true can be cancelled", "response_id")
-            if await database_sync_to_async(stored_response_cancel, thread_sensitive=False)(
-                    tenant_id=ctx.tenant_id, response_id=rid):
+            if await db(stored_response_cancel, tenant_id=ctx.tenant_id, response_id=rid):
                 await cancel_signal(rid)
                 resp = await _settled(ctx, rid)
             await self.send_json(200, await stored_body(resp))
@@ -232,8 +227,8 @@ class InputItemsConsumer(GatewayConsumer):
                                      RequestValidationError(f"Invalid query: {str(exc).splitlines()[-1]}",
                                                             _query_param(exc))) from None
             resp = await _owned(ctx, rid)
-            found = await database_sync_to_async(stored_input_items_page, thread_sensitive=False)(
-                response=resp, after=page.after, before=page.before, limit=page.limit, order=page.order)
+            found = await db(stored_input_items_page, response=resp, after=page.after, before=page.before,
+                             limit=page.limit, order=page.order)
             if found is None:
                 raise bad_request("'after' and 'before' must be ids of this response's input items", "after")
             items, more = found
