@@ -272,7 +272,7 @@ class FunctionTool(_Strict):
     """A flat function tool: ``{"type": "function", "name", "description", "parameters", "strict"}``."""
 
     type: Literal["function"]
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")  # as chat's (written into the prompt)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
