@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 import uuid
 
@@ -14,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from harness import REPO
 from tests.support.live import running_platform
 
 MODEL = "tiny-qwen3"
@@ -87,6 +89,8 @@ def test_kill_9_of_the_accepting_api_mid_stream_then_resume_elsewhere(live) -> N
             if event["type"] == "response.output_text.delta" and len(seen) >= 8:
                 os.kill(accepting.proc.pid, signal.SIGKILL)
                 break
+    accepting.proc.wait()
+    live.sup.children.remove(accepting)  # killed on purpose: not a child that died on its own
     rid = seen[0]["response"]["id"]
     assert seen[0]["response"]["status"] == "queued"
     with httpx.stream("GET", f"{other_url}/v1/responses/{rid}", timeout=120,
@@ -113,3 +117,32 @@ def test_kill_9_of_the_accepting_api_mid_stream_then_resume_elsewhere(live) -> N
     assert len(rows) == 1, rows
     assert rows[0]["completion_tokens"] == final["usage"]["output_tokens"]
     assert rows[0]["prompt_tokens"] == final["usage"]["input_tokens"]
+
+
+def test_kill_9_of_the_runner_fails_its_response_and_a_new_runner_serves_on(live) -> None:
+    """The runner dies mid-generation: another runner takes its pending job over, fails it (its engine work ended
+    with the dead runner's link) with an ``error`` event and ``response.failed``, and serves new responses."""
+    _child, url = live.start_api(name="api-3")
+    client = openai.OpenAI(base_url=url + "/v1", api_key=live.api_key, max_retries=0, timeout=60)
+    runner = next(c for c in live.sup.children if c.name == "responses")
+    with client.responses.stream(model=MODEL, input="A long story.", background=True, max_output_tokens=300) as s:
+        events = iter(s)
+        rid = next(events).response.id
+        next(e for e in events if e.type == "response.output_text.delta")
+    os.kill(runner.proc.pid, signal.SIGKILL)
+    runner.proc.wait()
+    live.sup.children.remove(runner)
+    live.sup.start("responses-2", [sys.executable, str(REPO / "manage.py"), "responses_runner"])
+    deadline = time.monotonic() + 60
+    while (resp := client.responses.retrieve(rid)).status == "in_progress" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert resp.status == "failed" and resp.error is not None
+    replay = list(client.responses.retrieve(rid, stream=True))
+    assert [e.sequence_number for e in replay] == list(range(len(replay)))
+    assert [e.type for e in replay[-2:]] == ["error", "response.failed"]
+    again = client.responses.create(model=MODEL, input="x", background=True, max_output_tokens=2)
+    deadline = time.monotonic() + 60
+    while (done := client.responses.retrieve(again.id)).status in ("queued", "in_progress") and \
+            time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert done.status in ("completed", "incomplete")
