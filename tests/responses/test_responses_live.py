@@ -82,6 +82,11 @@ def test_input_items_pages(client) -> None:
     assert [i.content[0].text for i in rest.data] == ["part 2", "part 1", "part 0"] and not rest.has_more
     asc = client.responses.input_items.list(resp.id, order="asc")
     assert [i.content[0].text for i in asc.data] == texts
+    for query, param in (({"limit": 0}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
+                         ({"after": "msg_nope"}, "after")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.input_items.list(resp.id, extra_query=query)
+        assert err.value.body["param"] == param
 
 
 def test_stream_events_in_order_and_no_done(client, live) -> None:

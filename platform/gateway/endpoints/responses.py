@@ -34,7 +34,7 @@ from inference.api.responses_output import ResponseBuilder, new_response_id
 from inference.protocol.openai import RequestValidationError
 from inference.protocol.responses import (EV_CREATED, EV_IN_PROGRESS, EV_QUEUED, RESPONSE_ID_RE, STATUS_FAILED,
                                           STATUS_IN_PROGRESS, STATUS_QUEUED, InputItemsQuery, ResponsesRequest,
-                                          validate_responses_request)
+                                          validate_at, validate_responses_request)
 from stored_responses.selectors import stored_input_items_page, stored_response_get
 from stored_responses.services import stored_response_cancel, stored_response_create, stored_response_delete
 from tenancy.selectors import AuthContext
@@ -217,15 +217,13 @@ class InputItemsConsumer(GatewayConsumer):
         ctx = await preamble.authenticate(self)
         rid = _response_id(self)
         async with limits.held(self, ctx):
-            query = _query(self)
+            data: dict[str, Any] = dict(_query(self))
+            if "limit" in data:
+                data["limit"] = _int_param(data["limit"], "limit")
             try:
-                page = InputItemsQuery.model_validate({**{k: v for k, v in query.items() if k != "limit"},
-                                                       **({"limit": _int_param(query["limit"], "limit")}
-                                                          if "limit" in query else {})})
-            except (ValueError, RequestValidationError) as exc:
-                raise api_error_from(exc if isinstance(exc, RequestValidationError) else
-                                     RequestValidationError(f"Invalid query: {str(exc).splitlines()[-1]}",
-                                                            _query_param(exc))) from None
+                page = validate_at(InputItemsQuery, data, "")
+            except RequestValidationError as exc:
+                raise api_error_from(exc) from None
             resp = await _owned(ctx, rid)
             found = await db(stored_input_items_page, response=resp, after=page.after, before=page.before,
                              limit=page.limit, order=page.order)
@@ -235,14 +233,6 @@ class InputItemsConsumer(GatewayConsumer):
             await self.send_json(200, {"object": "list", "data": items, "has_more": more,
                                        "first_id": items[0]["id"] if items else None,
                                        "last_id": items[-1]["id"] if items else None})
-
-
-def _query_param(exc: Exception) -> str | None:
-    errors = getattr(exc, "errors", None)
-    if callable(errors):
-        loc = errors()[0].get("loc", ())
-        return str(loc[0]) if loc else None
-    return None
 
 
 class InputTokensConsumer(GatewayConsumer):
