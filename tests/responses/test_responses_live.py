@@ -262,3 +262,12 @@ def test_truncation_auto_drops_the_oldest_items_disabled_refuses(client, live) -
     count = client.responses.input_tokens.count(model=MODEL, input=long, truncation="auto",
                                                 extra_body={"max_output_tokens": 4})
     assert count.input_tokens == resp.usage.input_tokens
+
+
+def test_output_logprobs_when_included(client) -> None:
+    resp = client.responses.create(model=MODEL, input="x", max_output_tokens=5, top_logprobs=2, store=False,
+                                   include=["message.output_text.logprobs"])
+    part = resp.output[0].content[0]
+    assert len(part.logprobs) == resp.usage.output_tokens == 5
+    assert all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    assert "".join(lp.token for lp in part.logprobs) == part.text
