@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from typing import Literal
 
 import httpx
@@ -137,7 +138,19 @@ def _chat_message(resp) -> dict:
     return msg
 
 
-def test_three_turn_chain_with_tool_calls_renders_the_chat_prompt(client) -> None:
+def _usage_rows(live, prefix: str, timeout: float = 20) -> list[dict]:
+    """The usage records whose request id starts with ``prefix`` (waits for the usage worker's flush)."""
+    code = ("import json; from usage.models import UsageRecord; print(json.dumps(list(UsageRecord.objects.filter("
+            f"request_id__startswith='{prefix}').values('prompt_tokens', 'completion_tokens'))))")
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = json.loads(live.manage("shell", "-c", code).strip().splitlines()[-1])
+        if rows or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.5)
+
+
+def test_three_turn_chain_with_tool_calls_renders_the_chat_prompt(client, live) -> None:
     """Turn 1 makes a forced call, turn 2 feeds its output back, turn 3 follows up: every item kind survives the
     chain (instructions only where sent), and turn 3's prompt ids equal Chat Completions' for the whole
     conversation."""
@@ -148,8 +161,10 @@ def test_three_turn_chain_with_tool_calls_renders_the_chat_prompt(client) -> Non
     t2 = client.responses.create(model=MODEL, instructions="Be brief.", previous_response_id=t1.id, tools=TOOLS,
                                  tool_choice="none", max_output_tokens=6, input=[
                                      {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    usage_id = f"chain-{uuid.uuid4().hex[:12]}"
     t3 = client.responses.create(model=MODEL, instructions="Be brief.", previous_response_id=t2.id, tools=TOOLS,
-                                 input="Thanks!", max_output_tokens=1, extra_body={"return_token_ids": True})
+                                 input="Thanks!", max_output_tokens=1, extra_body={"return_token_ids": True},
+                                 extra_headers={"X-Request-Id": usage_id})
     chat_tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
                 _chat_message(t1), {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"},
@@ -161,6 +176,10 @@ def test_three_turn_chain_with_tool_calls_renders_the_chat_prompt(client) -> Non
     count = client.responses.input_tokens.count(model=MODEL, instructions="Be brief.", previous_response_id=t2.id,
                                                 tools=TOOLS, input="Thanks!")
     assert count.input_tokens == t3.usage.input_tokens
+    # the follow-up is billed (and settled against the key's limits) on its whole prompt, the chain included
+    assert t3.usage.input_tokens > t2.usage.input_tokens > t1.usage.input_tokens
+    rows = _usage_rows(live, f"resp_{usage_id}")
+    assert [(r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [(t3.usage.input_tokens, 1)]
 
 
 def test_background_cancel_bills_what_was_generated(client) -> None:
