@@ -15,7 +15,7 @@ NUL = "\x00"
 def test_nul_in_every_string_field_leaves_the_usage_batch_whole(live, model_name):
     tag = uuid.uuid4().hex[:8]
     h = {"Authorization": f"Bearer {live.api_key}"}
-    tool = {"type": "function", "function": {"name": f"get{NUL}weather", "description": f"d{NUL}",
+    tool = {"type": "function", "function": {"name": "get_weather", "description": f"d{NUL}",  # a name is 1-64 of [A-Za-z0-9_-]
                                              "parameters": {"type": "object", "properties": {
                                                  f"ci{NUL}ty": {"type": "string"}}}}}
     sent = {
