@@ -279,15 +279,17 @@ class StreamBlocks:
         """The events of one parsed delta (empty: nothing to send)."""
         events: list[Event] = []
         if parsed.reasoning:
-            events += self._begin("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            if self._open != "thinking":
+                events += self._begin("thinking", {"type": "thinking", "thinking": "", "signature": ""})
             self._thinking.append(parsed.reasoning)
             events.append(self._delta({"type": "thinking_delta", "thinking": parsed.reasoning}))
         if parsed.content:
-            events += self._begin("text", {"type": "text", "text": ""})
+            if self._open != "text":
+                events += self._begin("text", {"type": "text", "text": ""})
             events.append(self._delta({"type": "text_delta", "text": parsed.content}))
         for call in parsed.calls:
             block = tool_use_block(call)
-            events += self._begin("tool_use", {**block, "input": {}}, always=True)
+            events += self._begin("tool_use", {**block, "input": {}})
             events.append(self._delta({"type": "input_json_delta", "partial_json": json.dumps(block["input"])}))
         return events
 
@@ -298,9 +300,7 @@ class StreamBlocks:
     def _delta(self, delta: dict[str, Any]) -> Event:
         return "content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta}
 
-    def _begin(self, kind: str, block: dict[str, Any], always: bool = False) -> list[Event]:
-        if self._open == kind and not always:
-            return []
+    def _begin(self, kind: str, block: dict[str, Any]) -> list[Event]:
         events = self._close()
         self._index += 1
         self._open = kind

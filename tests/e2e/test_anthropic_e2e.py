@@ -271,6 +271,18 @@ def test_header_combinations(live, model_name):
         assert unversioned.status_code == 200
 
 
+def test_scope_model_and_size_refusals(live, model_name):
+    body = {"model": model_name, "max_tokens": 4, "messages": MSGS}
+    no_scope = live.new_key(scopes="usage:read")
+    _envelope(_post(live, "/v1/messages", body, {"x-api-key": no_scope}), 403, "permission_error", None)
+    other_model = live.new_key(models="some-other-model")
+    _envelope(_post(live, "/v1/messages", body, {"x-api-key": other_model}), 403, "permission_error", "model")
+    huge = b'{"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "' + b"a" * (17 << 20) + b'"}]}'
+    r = httpx.post(live.base_url + "/v1/messages", content=huge, timeout=60,
+                   headers={"x-api-key": live.api_key, "content-type": "application/json"})
+    _envelope(r, 413, "request_too_large", None)
+
+
 def test_key_limits_in_anthropic_names(live, model_name):
     key = limited_key(live, rpm_limit=1)
     sdk = anthropic.Anthropic(base_url=live.base_url, api_key=key, max_retries=0, timeout=60)

@@ -153,9 +153,9 @@ class MessagesConsumer(GatewayConsumer):
         while d is not None and run.choices[d.index].finish_reason != "error":
             parsed = _parsed(parser, d)
             events = blocks.push(parsed)
-            over = budget.spent(parsed, len(run.choices[0].token_ids))
+            over = not budget.ended and budget.spent(parsed, len(run.choices[0].token_ids))
             if events:
-                await self.send_body(b"".join(sse(e) for e in events), more_body=True)
+                await self.send_body(b"".join([sse(e) for e in events]), more_body=True)
             if over:
                 conv.scope.recorder.finish_reason = "length"
                 break
