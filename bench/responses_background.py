@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "platform")]
 
 from bench.lib.proc_cpu import proc_cpu_s
+from bench.lib.stats import pct
 from harness.assets import DEMO_MODEL
 from harness.live_platform import start_platform
 
@@ -96,11 +97,6 @@ async def _load(side: str, client: httpx.AsyncClient, key: str, start: int, requ
     return out
 
 
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 async def run(args: argparse.Namespace, live) -> dict[str, dict[str, float]]:
     """Warm-up, then alternating rounds; the figures per side."""
     pids = _pids(live)
@@ -123,13 +119,13 @@ async def run(args: argparse.Namespace, live) -> dict[str, dict[str, float]]:
                     f[name].append((a - b) / len(got))
     report: dict[str, dict[str, float]] = {}
     for side, f in figures.items():
-        report[side] = {"e2e_p50_ms": 1000 * statistics.median(f["e2e"]), "e2e_p99_ms": 1000 * _pct(f["e2e"], 0.99),
+        report[side] = {"e2e_p50_ms": 1000 * statistics.median(f["e2e"]), "e2e_p99_ms": 1000 * pct(f["e2e"], 0.99),
                         "api_cpu_ms": 1000 * statistics.mean(f["api"]),
                         "runner_cpu_ms": 1000 * statistics.mean(f["runner"]),
                         "all_cpu_ms": 1000 * statistics.mean(f["all"])}
         if f["handoff"]:
             report[side].update(handoff_p50_ms=1000 * statistics.median(f["handoff"]),
-                                handoff_p99_ms=1000 * _pct(f["handoff"], 0.99))
+                                handoff_p99_ms=1000 * pct(f["handoff"], 0.99))
     rss = {name: sum(psutil.Process(p).memory_info().rss for p in group) / 2**20
            for name, group in pids.items() if name in ("responses", "worker-usage")}
     report["memory_mb"] = {"runner": rss.get("responses", 0.0), "one_celery_worker": rss.get("worker-usage", 0.0)}
